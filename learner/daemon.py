@@ -75,6 +75,7 @@ from stream.files import NotDurable, describe_os_error
 from stream.idle_clock import IdleClock
 from stream.joiner.partitions import ensure_samples
 from stream.kafka import headers_of, new_consumer, topic_identity
+from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.samples import CTX_PREFIX, DELAYED_POSITIVE, DENSE_PREFIX, SampleBatch
 from stream.strikes import FileStrikes, Strikes, settle_strikes
 
@@ -299,7 +300,8 @@ def first_samples_clock() -> IdleClock:
     return IdleClock(PROBE_S + 2.0, PROBE_S)
 
 
-def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: float) -> FeatureConfig | None:
+def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: float,
+                         limits: EventLimits = DEFAULT_LIMITS) -> FeatureConfig | None:
     """The config of a fresh learner, from the first ``probe_rows`` samples (None: no data yet).
 
     Waits for up to ``timeout_s`` for that many rows, then decides on what arrived (at least one message). Only
@@ -318,7 +320,7 @@ def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: f
                 if m.error() is None:
                     try:
                         read_watermark(headers_of(m), ls.future_ts_s, ls.attribution_window_s)
-                        batches.append(read_samples(m.value(), ls.future_ts_s, ls.attribution_window_s))
+                        batches.append(read_samples(m.value(), ls.future_ts_s, ls.attribution_window_s, limits))
                     except Exception:  # noqa: BLE001 - a bad message: the dataset will dead-letter it
                         continue
             if batches and not msgs:
@@ -334,8 +336,10 @@ def infer_feature_config(kafka: KafkaSettings, ls: LearnerSettings, timeout_s: f
 
 
 class Learner:
-    def __init__(self, kafka: KafkaSettings, ls: LearnerSettings, redis: RedisSettings | None = None) -> None:
+    def __init__(self, kafka: KafkaSettings, ls: LearnerSettings, redis: RedisSettings | None = None,
+                 limits: EventLimits = DEFAULT_LIMITS) -> None:
         self.kafka, self.ls = kafka, ls
+        self.limits = limits  # [limits], the joiner's: the longest impression id a samples message may hold
         self.redis_settings = redis  # where the deltas are announced ([redis]); None: not announced, serving polls
         self._signing_key = load_signing_key(ls.signing_key_file)  # read once; signs the deltas (never printed)
         self.device = torch.device(ls.device.resolve(torch.cuda.is_available()))
@@ -570,7 +574,7 @@ class Learner:
             cfg = None
             waited = first_samples_clock()
             while cfg is None and not self._stop and waited.idle_s < wait:
-                cfg = infer_feature_config(self.kafka, ls, timeout_s=min(PROBE_S, wait))
+                cfg = infer_feature_config(self.kafka, ls, timeout_s=min(PROBE_S, wait), limits=self.limits)
                 waited.tick()
             if cfg is None:
                 return self.summary(reason="signal" if self._stop else "no samples arrived")
@@ -593,7 +597,7 @@ class Learner:
         dataset = KafkaSampleDataset(self.kafka, self.cfg, self.offsets, ls.batch_rows, ls.exit_when_idle_s,
                                      suspects=suspects, merge=ls.merge_partitions, future_ts_s=ls.future_ts_s,
                                      max_label_delay_s=ls.attribution_window_s, unsaved=unsaved,
-                                     listed=listed)
+                                     listed=listed, limits=self.limits)
         if ls.num_workers:
             gc.collect()  # no cyclic garbage holding a librdkafka client may be collected in a forked worker
         loader = DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,

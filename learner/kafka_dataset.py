@@ -49,6 +49,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from functools import partial
 
+import pyarrow.compute as pc
 import torch
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from torch.utils.data import IterableDataset, get_worker_info
@@ -61,6 +62,7 @@ from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
 from stream.idle_clock import IdleClock
 from stream.kafka import Headers, has_more, headers_of, new_consumer
+from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.retention import Gaps, start_after_retention
 from stream.samples import MAX_LIST_VALUES, SampleBatch, watermark_of
 from stream.strikes import is_infrastructure
@@ -149,8 +151,9 @@ class KafkaSampleDataset(IterableDataset):
                  suspects: dict[tuple[int, int], str | None] | None = None, merge: bool = True,
                  future_ts_s: float | None = 3600.0, max_label_delay_s: float | None = None,
                  unsaved: Collection[int] = (), listed: Collection[int] | None = None,
-                 shard: tuple[int, int] = (0, 1)) -> None:
+                 shard: tuple[int, int] = (0, 1), limits: EventLimits = DEFAULT_LIMITS) -> None:
         super().__init__()
+        self.limits = limits  # [limits], the joiner's: the strings a message may hold (read_samples)
         # The topic's partitions when ``start`` was chosen (the daemon's listing), and this reader's rank of the
         # learner's world size: a partition the topic gains later that this reader owns (rank, then DataLoader
         # worker, the rule ``start`` was split by) is read too, from its first record (None: ``start``'s only)
@@ -233,7 +236,8 @@ class KafkaSampleDataset(IterableDataset):
         # clock ended the frozen-learner fault test's run at once, "input idle", the samples of the stall untrained.
         idle = IdleClock(STALL_S, POLL_S)
         last_yield = time.monotonic()
-        read = partial(read_samples, future_ts_s=self.future_ts_s, max_label_delay_s=self.max_label_delay_s)
+        read = partial(read_samples, future_ts_s=self.future_ts_s, max_label_delay_s=self.max_label_delay_s,
+                       limits=self.limits)
         merge = EventTimeMerge(parts, read=read) if self.merge and len(parts) > 1 else None
 
         def behind(p: int) -> bool:
@@ -475,14 +479,16 @@ def emitted_at(sb: SampleBatch) -> int:
 
 
 def read_samples(raw: bytes | None, future_ts_s: float | None = None, max_label_delay_s: float | None = None,
-                 ) -> SampleBatch:
+                 limits: EventLimits = DEFAULT_LIMITS) -> SampleBatch:
     """``SampleBatch.decode`` and the bounds that need the learner's settings or clock: how far a row's ``ts``
     may lead this machine's wall clock (``future_ts_s``) and how long its ``label_delay_ms`` may be
     (``max_label_delay_s``: the joiner's attribution window, which every delay it writes is within); None: no
     bound. One row's clock must not move the learner's event time (id ages, bucket decay, TTL sweeps) or the
-    calibration clock (``ts + label_delay_ms``), nor merge its partition last. Raises :class:`BadMessage`
-    (``future_ts``, ``bad_value``)."""
+    calibration clock (``ts + label_delay_ms``), nor merge its partition last. And the strings the learner keeps
+    within ``limits`` (``[limits]``, the joiner's): :func:`check_strings`. Raises :class:`BadMessage`
+    (``future_ts``, ``bad_value``, ``too_large``)."""
     sb = SampleBatch.decode(raw)
+    check_strings(sb, limits)
     if max_label_delay_s is not None and len(sb):
         longest = int(sb.column("label_delay_ms").max())
         if longest > max_label_delay_s * 1000:
@@ -495,6 +501,19 @@ def read_samples(raw: bytes | None, future_ts_s: float | None = None, max_label_
             raise BadMessage(f"column 'ts': a row {(newest - now) / 1000:.0f} s ahead of the learner's clock, over "
                              f"[learner] future_ts_s={future_ts_s:g}", kind="future_ts")
     return sb
+
+
+def check_strings(sb: SampleBatch, limits: EventLimits) -> None:
+    """Raise :class:`BadMessage` (``too_large``) for an impression id over ``[limits] max_str_len`` characters, the
+    bound the joiner's decoder puts on every id it joins. The learner keeps impression ids (the duplicate filter
+    ``RecentIds`` and served quality's waiting impressions, both in every checkpoint, up to ``dedup_window`` of
+    them): bounded only by the 16 MiB message, a producer writing 1 MiB ids grew its memory and checkpoints by
+    gigabytes."""
+    imp = sb.batch.column("impression_id")
+    longest = pc.max(pc.utf8_length(imp)).as_py() if len(imp) else 0
+    if longest > limits.max_str_len:
+        raise BadMessage(f"column 'impression_id': an id of {longest} chars, over [limits] max_str_len="
+                         f"{limits.max_str_len} (the joiner's bound on ids)", kind="too_large")
 
 
 def read_watermark(headers: Headers | None, future_ts_s: float | None = None,

@@ -142,6 +142,7 @@ from stream.errors import ConfigError
 from stream.files import NotDurable, describe_os_error, write_atomic
 from stream.joiner.partitions import ensure_samples
 from stream.kafka import new_consumer, topic_identity
+from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.samples import DELAYED_POSITIVE
 from stream.strikes import PartitionFileStrikes, Strikes, settle_strikes
 
@@ -250,9 +251,10 @@ def rows_per_step(ls: LearnerSettings) -> int:
 
 class ShardedLearner:
     def __init__(self, kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
-                 redis: RedisSettings | None = None) -> None:
+                 redis: RedisSettings | None = None, limits: EventLimits = DEFAULT_LIMITS) -> None:
         check_settings(ls)
         self.kafka, self.ls, self.ctx = kafka, ls, ctx
+        self.limits = limits  # [limits], the joiner's: the longest impression id a samples message may hold
         self.redis_settings = redis  # where rank 0 announces deltas; None: not announced, serving polls
         self.deltas: ShardedDeltas | None = None  # serving freshness, built with the model
         self.model: ShardedDeepFM | None = None
@@ -524,7 +526,7 @@ class ShardedLearner:
         while True:
             cfg, idle = None, False
             if self.ctx.rank == 0:
-                cfg = infer_feature_config(self.kafka, self.ls, timeout_s=min(PROBE_S, wait))
+                cfg = infer_feature_config(self.kafka, self.ls, timeout_s=min(PROBE_S, wait), limits=self.limits)
                 idle = cfg is None and waited.tick() >= wait
             everyone = all_gather_objects((None if cfg is None else cfg.to_dict(), idle, self._stop))
             found = everyone[0][0]
@@ -566,7 +568,8 @@ class ShardedLearner:
                                      max(ls.batch_rows, step_rows),
                                      ls.exit_when_idle_s, suspects=suspects, merge=ls.merge_partitions,
                                      future_ts_s=ls.future_ts_s, max_label_delay_s=ls.attribution_window_s,
-                                     unsaved=unsaved, listed=listed, shard=(self.ctx.rank, self.ctx.world_size))
+                                     unsaved=unsaved, listed=listed, shard=(self.ctx.rank, self.ctx.world_size),
+                                     limits=self.limits)
         loader = iter(DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
                                  prefetch_factor=ls.prefetch_factor if ls.num_workers else None,
                                  pin_memory=ls.pin_memory.resolve(self.device.type)))
@@ -895,7 +898,7 @@ class ShardedLearner:
 
 
 def run_ranks(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
-              redis: RedisSettings | None = None) -> dict[str, Any] | None:
+              redis: RedisSettings | None = None, limits: EventLimits = DEFAULT_LIMITS) -> dict[str, Any] | None:
     """This rank's part of ``streamrec train`` under torchrun: join the group, train, leave. The job's summary on
     rank 0 (None on the others). ``redis``: the [redis] settings rank 0 announces deltas on (as the
     single-process ``Learner``'s).
@@ -909,7 +912,7 @@ def run_ranks(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
     "terminate called without an active exception", now and then at the exit of a rank that had finished."""
     ctx.init(timeout_s=ls.collective_timeout_s)
     try:
-        summary = _train(kafka, ls, ctx, redis)
+        summary = _train(kafka, ls, ctx, redis, limits)
     except BaseException as exc:  # its traceback's frames hold the learner: clear them before the group goes
         clear_chained_frames(exc)
         raise
@@ -934,12 +937,12 @@ def clear_chained_frames(exc: BaseException) -> None:
 
 
 def _train(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
-           redis: RedisSettings | None) -> dict[str, Any]:
+           redis: RedisSettings | None, limits: EventLimits) -> dict[str, Any]:
     """The learner's run; nothing of the learner outlives this call (run_ranks), nor rank 0's directory lock."""
     lock = hold_checkpoint_dir(ls, ctx.rank)
     try:
         check_same_settings(kafka, ls, ctx.rank)
-        learner = ShardedLearner(kafka, ls, ctx, redis=redis)
+        learner = ShardedLearner(kafka, ls, ctx, redis=redis, limits=limits)
         if ctx.rank == 0:
             print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers} on {ctx.world_size} ranks "
                   f"({ctx.backend}), checkpoints in {ls.checkpoint_dir}", file=sys.stderr)

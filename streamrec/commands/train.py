@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from learner.config import LearnerSettings
 from stream.config import RedisSettings
+from stream.limits import EventLimits
 from streamrec.commands.common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
                    device=args.device, amp=args.amp,
                    num_workers=args.num_workers, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                    flag_names={"exit_when_idle_s": "--exit-when-idle"})
-    rs = src.build(RedisSettings, "redis")  # where deltas are announced: url, credentials, TLS, the channel's prefix
+    rs, limits = src.build(RedisSettings, "redis"), src.build(EventLimits, "limits")  # delta channel; joiner's bounds
     if not ls.deltas_channel:  # the channel serving listens on: named from the [redis] prefix
         ls = dataclasses.replace(ls, deltas_channel=rs.deltas_channel)
     if args.unshard:
@@ -105,8 +107,6 @@ def run(args: argparse.Namespace) -> int:
     if ls.deltas_every_s > 0:
         check_directory(ls.deltas_dir, "[learner] deltas_dir")
     setup_logging(args.log_level)
-    import os
-
     import torch
 
     from learner.distributed import RankContext
@@ -127,13 +127,13 @@ def run(args: argparse.Namespace) -> int:
     if ctx.distributed:  # learner/sharded_daemon.py: TorchRec is imported only on this path
         from learner.sharded_daemon import run_ranks
 
-        summary = run_ranks(kafka, ls, ctx, redis=rs)
+        summary = run_ranks(kafka, ls, ctx, redis=rs, limits=limits)
         if summary is not None:  # rank 0
             emit(args, summary, lambda d: "train summary\n" + kv_lines(d))
         return EXIT_OK
     from learner.daemon import Learner
 
-    learner = Learner(kafka, ls, redis=rs)
+    learner = Learner(kafka, ls, redis=rs, limits=limits)
     print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers}, checkpoints in {ls.checkpoint_dir}",
           file=sys.stderr)
     try:

@@ -27,6 +27,7 @@ from learner.kafka_dataset import KafkaSampleDataset
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetter
 from stream.kafka import AckedProducer, admin_config, ensure_topics, producer_config
+from stream.limits import EventLimits
 from stream.samples import SampleBatch
 from tests.integration.test_learner import CFG, sample_batch
 from tests.kafka_io import produce_raw_header_key, read_topic
@@ -340,3 +341,30 @@ def test_a_record_over_librdkafkas_default_receive_limit_is_read_and_dead_letter
     [rec] = read_topic(kafka, kafka.dlq_topic(kafka.samples_topic))
     dl = DeadLetter.from_headers(rec.headers)
     assert (dl.source_offset, dl.value_truncated_from) == (1, 105_000_000)
+
+
+def test_an_impression_id_over_max_str_len_dead_letters_its_message_and_the_rest_are_trained(
+        topic: KafkaSettings) -> None:
+    """Impression ids were bounded only by the 16 MiB message, while the learner keeps up to ``dedup_window`` of them
+    (its duplicate filter, in every checkpoint): 1 MiB ids from another producer grew its memory by gigabytes. The
+    joiner's ``[limits] max_str_len`` bounds them now, in characters as the joiner counts (an id of 256 two-byte
+    characters is in), and a message with one id over it goes to ``samples.dlq`` as ``too_large``."""
+    rng = np.random.default_rng(9)
+    limits = EventLimits()
+    at_bound = "é" * (limits.max_str_len - 1)  # + one digit: max_str_len characters, twice as many bytes
+    produce(topic, [(0, good(rng, 2, "a"), b"a"), (0, sample_batch(rng, 2, prefix=at_bound).encode(), b"at"),
+                    (0, sample_batch(rng, 2, prefix="x" * limits.max_str_len).encode(), b"long"),
+                    (0, good(rng, 2, "b"), b"b")])
+    out = data_batches(read_all(KafkaSampleDataset(topic, CFG, {0: 0}, exit_when_idle_s=IDLE_S)))
+    assert sorted(positions(out)) == [(0, 0, 2), (0, 1, 2), (0, 2, 0), (0, 3, 2)]  # consumed once, not trained
+    assert sorted(i for b in out for i in b.impression_ids.tolist()) == sorted(
+        ["a-0", "a-1", f"{at_bound}0", f"{at_bound}1", "b-0", "b-1"])
+    [rec] = read_topic(topic, topic.dlq_topic(topic.samples_topic))
+    dl = DeadLetter.from_headers(rec.headers)
+    assert (rec.key, dl.kind, dl.source_offset) == (b"long", "too_large", 2)
+    assert dl.reason == (f"column 'impression_id': an id of {limits.max_str_len + 1} chars, over [limits] "
+                         f"max_str_len={limits.max_str_len} (the joiner's bound on ids)")
+    # the bound is the setting's: a learner given a larger [limits] max_str_len trains that message
+    again = data_batches(read_all(KafkaSampleDataset(topic, CFG, {0: 2}, exit_when_idle_s=IDLE_S,
+                                                     limits=EventLimits(max_str_len=limits.max_str_len + 1))))
+    assert positions(again) == [(0, 2, 2), (0, 3, 2)]

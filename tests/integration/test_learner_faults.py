@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from learner.checkpoint import latest_meta
 from stream.config import KafkaSettings
@@ -145,3 +146,32 @@ def test_a_full_disk_while_suspects_train_after_all_stops_nothing_but_the_poison
     dlq = [r.key for r in read_topic(kafka, kafka.dlq_topic(kafka.samples_topic))]
     assert dlq == [b"poison"]
     assert not json.loads((ckpt / "strikes.json").read_text())
+
+
+def test_streamrec_train_dead_letters_impression_ids_over_the_limits_setting_and_trains_the_rest(
+        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``streamrec train`` bounds impression ids by ``[limits] max_str_len``, the joiner's setting (not a copy of its
+    default): with it at 64, a message whose ids are 100 characters (under the default 256) is dead-lettered as
+    ``too_large``, and every other sample is trained once. (In process: the command's own settings loading.)"""
+    from streamrec.cli import main
+
+    ensure_topics(kafka, [kafka.samples_topic], partitions=1)
+    rng = np.random.default_rng(6)
+    producer = AckedProducer(kafka)
+    producer.send(kafka.samples_topic, sample_batch(rng, 3, prefix="x" * 99).encode(), b"long", partition=0)
+    for k in range(3):
+        producer.send(kafka.samples_topic, sample_batch(rng, 50, start=k * 50).encode(), str(k).encode(), partition=0)
+    producer.flush()
+    for name, value in {**env_for(kafka), "STREAMREC_LIMITS_MAX_STR_LEN": "64"}.items():
+        if name.startswith("STREAMREC_"):
+            monkeypatch.setenv(name, value)
+    for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):  # the command sets them: gone after the test
+        monkeypatch.delenv(name, raising=False)
+    assert main(["train", "--checkpoint-dir", str(tmp_path / "ckpt"), "--exit-when-idle", "1", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["samples_trained"] == 150 and summary["offsets"] == {"0": 4}
+    [rec] = read_topic(kafka, kafka.dlq_topic(kafka.samples_topic))
+    headers = {k: v.decode() for k, v in rec.headers}
+    assert (rec.key, headers["dlq.kind"]) == (b"long", "too_large")
+    assert "an id of 100 chars, over [limits] max_str_len=64" in headers["dlq.reason"]
