@@ -508,7 +508,14 @@ def check_strings(sb: SampleBatch, limits: EventLimits) -> None:
     bound the joiner's decoder puts on every id it joins. The learner keeps impression ids (the duplicate filter
     ``RecentIds`` and served quality's waiting impressions, both in every checkpoint, up to ``dedup_window`` of
     them): bounded only by the 16 MiB message, a producer writing 1 MiB ids grew its memory and checkpoints by
-    gigabytes."""
+    gigabytes. And for a context or dense column whose name (past ``ctx.`` / ``dense.``) is over ``[limits]
+    max_key_len``, the joiner's bound on the event keys it names them after: a fresh learner takes its fields' names
+    from the first messages and keeps them in every checkpoint and artifact."""
+    for name in (*sb.context_names, *sb.dense_names):
+        if len(name) > limits.max_key_len:
+            raise BadMessage(f"column {clip(name, 80)!r}: a feature name of {len(name)} chars, over [limits] "
+                             f"max_key_len={limits.max_key_len} (the joiner's bound on context and dense keys)",
+                             kind="too_large")
     imp = sb.batch.column("impression_id")
     longest = pc.max(pc.utf8_length(imp)).as_py() if len(imp) else 0
     if longest > limits.max_str_len:

@@ -368,3 +368,26 @@ def test_an_impression_id_over_max_str_len_dead_letters_its_message_and_the_rest
     again = data_batches(read_all(KafkaSampleDataset(topic, CFG, {0: 2}, exit_when_idle_s=IDLE_S,
                                                      limits=EventLimits(max_str_len=limits.max_str_len + 1))))
     assert positions(again) == [(0, 2, 2), (0, 3, 2)]
+
+
+def test_a_feature_column_named_over_max_key_len_dead_letters_its_message(topic: KafkaSettings) -> None:
+    """A fresh learner names its fields after the first messages' ``ctx.`` / ``dense.`` columns and keeps the names in
+    every checkpoint: another producer's 1 MiB column name would be there for good. The joiner's ``[limits]
+    max_key_len`` (the event keys it names columns after) bounds them; a name at the bound is trained."""
+    rng = np.random.default_rng(10)
+    limits = EventLimits()
+
+    def named(key: str, tag: str) -> bytes:
+        return SampleBatch.from_columns(impression_id=[tag], ts=np.array([1]), label=np.array([0]),
+                                        label_delay_ms=np.zeros(1), user_id=np.array([1]), item_id=np.array([2]),
+                                        history=[[3]], context={"genres": [[4]], key: np.array([5])},
+                                        dense={key: np.array([0.5])}).encode()
+
+    produce(topic, [(0, named("k" * limits.max_key_len, "at"), b"at"), (0, named("k" * 2000, "long"), b"long"),
+                    (0, good(rng, 2, "b"), b"b")])
+    out = data_batches(read_all(KafkaSampleDataset(topic, CFG, {0: 0}, exit_when_idle_s=IDLE_S)))
+    assert sorted(positions(out)) == [(0, 0, 1), (0, 1, 0), (0, 2, 2)]
+    [rec] = read_topic(topic, topic.dlq_topic(topic.samples_topic))
+    dl = DeadLetter.from_headers(rec.headers)
+    assert (rec.key, dl.kind, dl.source_offset) == (b"long", "too_large", 1)
+    assert f"a feature name of 2000 chars, over [limits] max_key_len={limits.max_key_len}" in dl.reason
