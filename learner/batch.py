@@ -7,6 +7,7 @@ per field in Arrow, so values and offsets are concatenations, not gathers.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -39,6 +40,9 @@ class TensorBatch:
     label_delay_ms: np.ndarray | None = None
     # samples partition -> the newest joiner watermark its messages here carry (stream/samples.py, learner/served.py)
     watermarks: dict[int, int] = field(default_factory=dict)
+    # (topic, kind) -> messages a DataLoader worker dead-lettered for this batch, for the training process to count
+    # (learner/kafka_dataset.py: a worker's own counters never reach the learner's /metrics)
+    dead_letters: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -193,6 +197,7 @@ def concat(batches: list[TensorBatch], num_fields: int) -> TensorBatch:
         label_delay_ms=(None if any(tb.label_delay_ms is None for tb in parts) else
                         np.concatenate([tb.label_delay_ms for tb in parts])),  # type: ignore[misc]
         watermarks=_newest(tb.watermarks for tb in batches),
+        dead_letters=dict(sum((Counter(tb.dead_letters) for tb in batches), Counter())),
     )
 
 

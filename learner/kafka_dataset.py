@@ -63,6 +63,7 @@ from stream.errors import BadMessage, clip
 from stream.idle_clock import IdleClock
 from stream.kafka import Headers, has_more, headers_of, new_consumer
 from stream.limits import DEFAULT_LIMITS, EventLimits
+from stream.metrics import DLQ_MESSAGES
 from stream.retention import Gaps, start_after_retention
 from stream.samples import MAX_LIST_VALUES, SampleBatch, watermark_of
 from stream.strikes import is_infrastructure
@@ -338,6 +339,8 @@ class KafkaSampleDataset(IterableDataset):
                         dlq.send(topic, m.key(), m.value(), bad, *pos, headers)
                         dlq.flush()
                         tb = to_tensors_empty(self.cfg, (*pos, 0))
+                        if get_worker_info() is not None:  # counted by the training process (count_dead_letters)
+                            tb.dead_letters = {(topic, bad.kind): 1}
                         suspect = False
                     if suspect:  # alone: if training it fails again, only it is blamed
                         if pending:
@@ -476,6 +479,16 @@ def emitted_at(sb: SampleBatch) -> int:
     Keying a message by its impression time alone would hand a message that starts with a delayed positive
     up to a window early, and train it before other partitions' impressions of the minutes in between."""
     return int(sb.batch.column("ts")[0].as_py()) + int(sb.batch.column("label_delay_ms")[0].as_py())
+
+
+def count_dead_letters(batch: TensorBatch) -> None:
+    """Count, in the training process, the messages a DataLoader worker dead-lettered for ``batch``
+    (``TensorBatch.dead_letters``). ``DeadLetters`` counts each dead letter in the process that sends it, and with
+    ``num_workers > 0`` that is a worker, whose registry the learner's /metrics never serves: every samples dead
+    letter went uncounted. Exact: each is counted once, with the batch that holds its message's position (a worker
+    that dies before handing that batch over reads the message again, and it is counted then)."""
+    for (topic, kind), n in batch.dead_letters.items():
+        DLQ_MESSAGES.labels(topic, kind).inc(n)
 
 
 def read_samples(raw: bytes | None, future_ts_s: float | None = None, max_label_delay_s: float | None = None,

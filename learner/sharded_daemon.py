@@ -125,7 +125,7 @@ from learner.health import (
     combine_rank_norms,
     combine_rank_updates,
 )
-from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, to_tensors_empty
+from learner.kafka_dataset import KafkaSampleDataset, count_dead_letters, not_the_batch, to_tensors_empty
 from learner.lag import publish_lag
 from learner.model import autocast_dtype
 from learner.progressive import ProgressiveMetrics
@@ -589,6 +589,7 @@ class ShardedLearner:
                 batch = next(loader, None)
                 ended = batch is None
                 if batch is not None:
+                    count_dead_letters(batch)  # a DataLoader worker's: its own counter is not the one /metrics serves
                     store.hold(p for p, _, _ in batch.positions)  # a partition added while it reads: its strikes
                     held = self._admit(batch, empty)
             batch, kept = None, empty

@@ -175,3 +175,37 @@ def test_streamrec_train_dead_letters_impression_ids_over_the_limits_setting_and
     headers = {k: v.decode() for k, v in rec.headers}
     assert (rec.key, headers["dlq.kind"]) == (b"long", "too_large")
     assert "an id of 100 chars, over [limits] max_str_len=64" in headers["dlq.reason"]
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_a_message_a_dataloader_worker_dead_letters_is_counted_once_in_the_learners_exported_metrics(
+        kafka: KafkaSettings, tmp_path: Path, workers: int) -> None:
+    """With ``num_workers > 0`` the reader, and the dead-letter counter it increments, ran in the DataLoader worker
+    processes: the learner's /metrics (the training process's registry) never counted a dead letter. Each batch now
+    carries what its worker dead-lettered, counted by the training process; without workers, counted once as before."""
+    from prometheus_client import REGISTRY
+
+    from learner.config import LearnerSettings
+    from learner.daemon import Learner
+
+    ensure_topics(kafka, [kafka.samples_topic], partitions=2)
+    rng = np.random.default_rng(7)
+    producer = AckedProducer(kafka)
+    for k in range(4):
+        producer.send(kafka.samples_topic, sample_batch(rng, 20, start=k * 20).encode(), str(k).encode(),
+                      partition=k % 2)
+    producer.send(kafka.samples_topic, hostile_samples(rng)["label_5"], b"label_5", partition=1)
+    producer.flush()
+    series = {"topic": kafka.samples_topic, "kind": "bad_value"}
+    before = REGISTRY.get_sample_value("streamrec_dlq_messages_total", series) or 0.0
+    ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="16", buckets=50, ctx_buckets=20, embedding_dim=4,
+                         group_id=f"g-{kafka.samples_topic}", num_workers=workers, exit_when_idle_s=1.0)
+    learner = Learner(kafka, ls)
+    try:
+        summary = learner.run()
+    finally:
+        learner.close()
+    assert summary["samples_trained"] == 80 and summary["offsets"] == {"0": 2, "1": 3}
+    [rec] = read_topic(kafka, kafka.dlq_topic(kafka.samples_topic))
+    assert rec.key == b"label_5"  # dead-lettered once (with workers, by the one reading partition 1)
+    assert REGISTRY.get_sample_value("streamrec_dlq_messages_total", series) == before + 1
