@@ -60,6 +60,7 @@ from hypothesis.control import currently_in_test_context
 from learner.batch import to_tensors
 from learner.config import LearnerSettings
 from learner.features import FeatureConfig, FieldSpec
+from learner.kafka_dataset import read_samples
 from stream.config import KafkaSettings
 from stream.errors import BadMessage
 from stream.events import MAX_ID, MAX_TS_MS, Click, Impression, decode_click, decode_impression
@@ -490,7 +491,7 @@ def check_trainable(sb: SampleBatch) -> None:
 
 def decode_samples(raw: bytes) -> SampleBatch | None:
     try:
-        sb = SampleBatch.decode(raw)
+        sb = read_samples(raw)  # the learner's reader: SampleBatch.decode and the [limits] bounds on its strings
     except BadMessage as exc:
         check_reason(exc)
         return None
