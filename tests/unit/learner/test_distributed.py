@@ -273,7 +273,7 @@ def _two_ranks(rank: int, store_path: str, out: str) -> None:
         # the waiting loop: rank 0 finds no samples (no exit_when_idle), rank 1 got SIGTERM
         sharded_daemon.infer_feature_config = lambda *a, **k: time.sleep(0.2)  # None: nothing arrived yet
         learner = sharded_daemon.ShardedLearner.__new__(sharded_daemon.ShardedLearner)
-        learner.ls, learner.kafka = SimpleNamespace(exit_when_idle_s=None), None
+        learner.ls, learner.kafka, learner.limits = SimpleNamespace(exit_when_idle_s=None), None, None
         learner.ctx, learner._stop = RankContext(rank, 2), rank == 1
         got["config"] = learner._fresh_config()
         Path(f"{out}-{rank}.json").write_text(json.dumps(got))
