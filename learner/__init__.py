@@ -9,7 +9,8 @@ monitors (``health.py``: memory, gradient and update norms, coverage), dynamic i
 ``progressive.py``), delayed feedback's weights and base-rate bias (``delayed.py``), served quality
 (``served.py``) and the cold/warm and served-quality metrics both daemons keep (``quality.py``), the served logit's
 online calibration (``calibration.py``), the Kafka dataset
-(``kafka_dataset.py``) and the lag behind it both daemons publish (``lag.py``), checkpoints and deltas
+(``kafka_dataset.py``) with what its DataLoader workers count (``worker_counters.py``) and the lag behind it both
+daemons publish (``lag.py``), checkpoints and deltas
 (``checkpoint.py``, ``deltas.py``, ``tensorpack.py``), the serving
 artifact's format, build and readers (``artifact.py``) with its scorer module (``scorer.py``), the scorer's files
 in each format (``scorer_files.py``; the ONNX Runtime scorer in ``onnx_scorer.py``), the daemon (``daemon.py``) and

@@ -40,9 +40,9 @@ class TensorBatch:
     label_delay_ms: np.ndarray | None = None
     # samples partition -> the newest joiner watermark its messages here carry (stream/samples.py, learner/served.py)
     watermarks: dict[int, int] = field(default_factory=dict)
-    # (topic, kind) -> messages a DataLoader worker dead-lettered for this batch, for the training process to count
-    # (learner/kafka_dataset.py: a worker's own counters never reach the learner's /metrics)
-    dead_letters: dict[tuple[str, str], int] = field(default_factory=dict)
+    # (counter, labels) -> what a DataLoader worker counted before handing this batch over, for the training process
+    # to count (learner/worker_counters.py: a worker's own registry never reaches the learner's /metrics)
+    worker_counts: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -197,7 +197,7 @@ def concat(batches: list[TensorBatch], num_fields: int) -> TensorBatch:
         label_delay_ms=(None if any(tb.label_delay_ms is None for tb in parts) else
                         np.concatenate([tb.label_delay_ms for tb in parts])),  # type: ignore[misc]
         watermarks=_newest(tb.watermarks for tb in batches),
-        dead_letters=dict(sum((Counter(tb.dead_letters) for tb in batches), Counter())),
+        worker_counts=dict(sum((Counter(tb.worker_counts) for tb in batches), Counter())),
     )
 
 

@@ -59,7 +59,7 @@ from learner.deltas import DeltaWriter
 from learner.event_clock import EventClock
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.health import FieldCoverage, MemoryMonitor, PositiveRate
-from learner.kafka_dataset import KafkaSampleDataset, count_dead_letters, not_the_batch, read_samples, read_watermark
+from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, read_samples, read_watermark
 from learner.lag import publish_lag
 from learner.model import DeepFM, autocast_dtype
 from learner.optim import make_optimizers
@@ -68,6 +68,7 @@ from learner.quality import IdMetrics, TrainingQuality
 from learner.row_mapper import MapStats, RowMapper, user_keys
 from learner.tensorpack import load_signing_key
 from learner.trainer import Trainer
+from learner.worker_counters import count_worker_counters
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
 from stream.features import MISSING
@@ -607,7 +608,7 @@ class Learner:
         last_ckpt, since_ckpt = time.monotonic(), 0
         reason = "input idle"
         for batch in loader:
-            count_dead_letters(batch)  # a DataLoader worker's: its own counter is not the one /metrics serves
+            count_worker_counters(batch)  # a DataLoader worker's: its registry is not the one /metrics serves
             keys = [(topic, p, o) for p, o, _ in batch.positions]
             try:
                 self._train(batch)

@@ -36,6 +36,7 @@ in the process that made it, when this drops it.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import multiprocessing
@@ -46,7 +47,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator
 from functools import partial
 
 import pyarrow.compute as pc
@@ -57,13 +58,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 from learner.batch import TensorBatch, concat, to_tensors
 from learner.distributed import partitions_of
 from learner.features import FeatureConfig
+from learner.worker_counters import WorkerTally
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
 from stream.idle_clock import IdleClock
 from stream.kafka import Headers, has_more, headers_of, new_consumer
 from stream.limits import DEFAULT_LIMITS, EventLimits
-from stream.metrics import DLQ_MESSAGES
 from stream.retention import Gaps, start_after_retention
 from stream.samples import MAX_LIST_VALUES, SampleBatch, watermark_of
 from stream.strikes import is_infrastructure
@@ -199,6 +200,18 @@ class KafkaSampleDataset(IterableDataset):
         return sorted(p for p in found if p not in known and self._owns(p))
 
     def __iter__(self) -> Iterator[TensorBatch]:
+        """The batches of :meth:`_read`; in a DataLoader worker each carries what the worker counted since the one
+        before (``learner/worker_counters.py``: the worker's registry is not the one the learner's /metrics serves)."""
+        if get_worker_info() is None:
+            yield from self._read()
+            return
+        tally = WorkerTally()
+        with contextlib.closing(self._read()) as batches:  # closed with this iterator: its consumer too, at once
+            for tb in batches:
+                tb.worker_counts = tally.take()
+                yield tb
+
+    def _read(self) -> Generator[TensorBatch, None, None]:
         if get_worker_info() is not None and multiprocessing.parent_process() is not None:  # a worker process
             _exit_with_parent()
             _outlive_one_sigterm()
@@ -339,8 +352,6 @@ class KafkaSampleDataset(IterableDataset):
                         dlq.send(topic, m.key(), m.value(), bad, *pos, headers)
                         dlq.flush()
                         tb = to_tensors_empty(self.cfg, (*pos, 0))
-                        if get_worker_info() is not None:  # counted by the training process (count_dead_letters)
-                            tb.dead_letters = {(topic, bad.kind): 1}
                         suspect = False
                     if suspect:  # alone: if training it fails again, only it is blamed
                         if pending:
@@ -479,16 +490,6 @@ def emitted_at(sb: SampleBatch) -> int:
     Keying a message by its impression time alone would hand a message that starts with a delayed positive
     up to a window early, and train it before other partitions' impressions of the minutes in between."""
     return int(sb.batch.column("ts")[0].as_py()) + int(sb.batch.column("label_delay_ms")[0].as_py())
-
-
-def count_dead_letters(batch: TensorBatch) -> None:
-    """Count, in the training process, the messages a DataLoader worker dead-lettered for ``batch``
-    (``TensorBatch.dead_letters``). ``DeadLetters`` counts each dead letter in the process that sends it, and with
-    ``num_workers > 0`` that is a worker, whose registry the learner's /metrics never serves: every samples dead
-    letter went uncounted. Exact: each is counted once, with the batch that holds its message's position (a worker
-    that dies before handing that batch over reads the message again, and it is counted then)."""
-    for (topic, kind), n in batch.dead_letters.items():
-        DLQ_MESSAGES.labels(topic, kind).inc(n)
 
 
 def read_samples(raw: bytes | None, future_ts_s: float | None = None, max_label_delay_s: float | None = None,

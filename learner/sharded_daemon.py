@@ -125,7 +125,7 @@ from learner.health import (
     combine_rank_norms,
     combine_rank_updates,
 )
-from learner.kafka_dataset import KafkaSampleDataset, count_dead_letters, not_the_batch, to_tensors_empty
+from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, to_tensors_empty
 from learner.lag import publish_lag
 from learner.model import autocast_dtype
 from learner.progressive import ProgressiveMetrics
@@ -137,6 +137,7 @@ from learner.sharded_deltas import ShardedDeltas
 from learner.sharded_ids import ShardedRowMapper, merged_stats
 from learner.sharded_model import ShardedDeepFM, feature_names, fused_state, shard, state_scale
 from learner.sharded_trainer import ShardedTrainer
+from learner.worker_counters import count_worker_counters
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
 from stream.files import NotDurable, describe_os_error, write_atomic
@@ -589,7 +590,7 @@ class ShardedLearner:
                 batch = next(loader, None)
                 ended = batch is None
                 if batch is not None:
-                    count_dead_letters(batch)  # a DataLoader worker's: its own counter is not the one /metrics serves
+                    count_worker_counters(batch)  # a DataLoader worker's: its registry is not the one /metrics serves
                     store.hold(p for p, _, _ in batch.positions)  # a partition added while it reads: its strikes
                     held = self._admit(batch, empty)
             batch, kept = None, empty

@@ -497,3 +497,36 @@ def test_a_partition_added_while_the_learner_reads_goes_to_its_rank_then_its_dat
                                    shard=(1, 2))
     assert {p for p, _, _ in positions} == {3}
     assert consumer.assigned == [[], [(3, 0)]]
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_records_lost_to_retention_that_a_dataloader_worker_finds_are_counted_once_in_the_training_process(
+        monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
+    """With ``num_workers > 0`` the reader, and the retention counter it increments, ran in the DataLoader workers:
+    the learner's /metrics (the training process's registry) never counted a record lost. Partition 0 (worker 0)
+    resumes at a saved offset below its first record held (3 lost), partition 1 (worker 1) falls behind retention
+    while it reads (2 lost): each batch carries what its worker counted, counted by the training process; without
+    workers, counted once as before."""
+    from torch.utils.data import DataLoader
+
+    from learner.worker_counters import count_worker_counters
+
+    lost = INPUT_LOST.labels("learner", KafkaSettings().samples_topic)
+    before = lost._value.get()
+    parts: dict[int, list[bytes | None]] = {0: [sample(k) for k in range(6)], 1: [sample(10 + k) for k in range(6)]}
+
+    def assigned_only(*a: Any, **k: Any) -> Consumer:  # one per reader (worker): it reads what it is assigned
+        consumer = Consumer(parts, {0: 4}, {1: (2, 4)})
+        consumer.pos = {}
+        return consumer
+
+    monkeypatch.setattr(kd, "new_consumer", assigned_only)
+    monkeypatch.setattr(kd, "has_more", lambda c, topic, p, unknown=False: c.pos[p] < len(parts[p]))
+    ds = kd.KafkaSampleDataset(KafkaSettings(), CFG, {0: 1, 1: 0}, exit_when_idle_s=0.05)
+    positions = []
+    for batch in DataLoader(ds, batch_size=None, num_workers=workers):
+        count_worker_counters(batch)
+        positions += batch.positions
+    assert sorted(positions) == [(0, 3, 0), (0, 4, 1), (0, 5, 1), (1, 0, 1), (1, 1, 1), (1, 3, 0), (1, 4, 1),
+                                 (1, 5, 1)]
+    assert lost._value.get() == before + 3 + 2
