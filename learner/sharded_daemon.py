@@ -668,6 +668,8 @@ class ShardedLearner:
             self.save()
         except Exception as exc:
             self._strike_round(strikes, settled, exc, own=False)
+            if isinstance(exc, OSError):  # every rank alike (sharded_checkpoint.save): one line each, as one process's
+                raise checkpoint.exit_save_failed(Path(self.ls.checkpoint_dir), exc) from exc
             raise
         self._settle(strikes, settled)
         return self.summary(reason=reason)
