@@ -18,6 +18,7 @@ from learner.config import LearnerSettings
 from learner.distributed import RankContext
 from stream.config import KafkaSettings
 from stream.errors import ConfigError
+from stream.limits import DEFAULT_LIMITS
 from tests.unit.learner.test_sharded_metrics import NoBroker
 
 
@@ -32,7 +33,7 @@ def train(monkeypatch: pytest.MonkeyPatch, ckpt: Path, run: Any) -> dict[str, An
     monkeypatch.setattr(sd, "new_consumer", lambda *a, **k: NoBroker())
     monkeypatch.setattr(sd.ShardedLearner, "run", run)
     return sd._train(KafkaSettings(bootstrap_servers="127.0.0.1:9"), LearnerSettings(checkpoint_dir=ckpt),
-                     RankContext(), None)
+                     RankContext(), None, DEFAULT_LIMITS)
 
 
 @pytest.mark.usefixtures("one_rank_group")
