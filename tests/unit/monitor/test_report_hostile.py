@@ -24,6 +24,17 @@ def scrape(t: float, *samples: list[object]) -> str:
     return json.dumps({"kind": "scrape", "t": t, "source": "learner", "samples": list(samples)})
 
 
+def drawing_only(monkeypatch: pytest.MonkeyPatch, *sections: str) -> None:
+    """The report drawn with only the sections a test's hostile value reaches (drawing is the slow part: ~0.3 s a
+    section); the page around them (head, summaries, footer) is written as ever."""
+    by_name = {f.__name__: f for f in report.SECTIONS}
+    monkeypatch.setattr(report, "SECTIONS", tuple(by_name[s] for s in sections))
+
+
+# the sections that read the stage summaries (Inputs.summaries)
+SUMMARY_SECTIONS = ("s_quality", "s_cold", "s_throughput", "s_hot", "s_dlq", "s_alerts")
+
+
 def page_of(tmp_path: Path, inp: report.Inputs) -> str:
     out = tmp_path / "report.html"
     report.write_report(inp, out)
@@ -44,7 +55,8 @@ def test_json_nested_too_deeply_is_an_unreadable_line_or_a_named_summary_never_a
 
 
 def test_samples_with_labels_that_are_not_strings_are_left_out_and_huge_integers_read_as_infinite(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    drawing_only(monkeypatch, "s_coverage")  # the one section drawing streamrec_learner_field_coverage
     cov = "streamrec_learner_field_coverage"
     path = write_log(tmp_path, scrape(1001.0, [cov, {"field": 1}, 0.5], [cov, {"field": ["x"]}, 0.5],
                                       [cov, {"field": "user"}, 0.25], [cov, {"field": "item"}, 10 ** 400],
@@ -78,7 +90,8 @@ def test_a_record_whose_time_is_not_finite_negative_or_past_year_9999_is_an_unre
 
 
 def test_label_values_and_rule_names_holding_dollar_signs_are_drawn_as_text_not_parsed_as_math(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    drawing_only(monkeypatch, "s_coverage", "s_alerts")  # where a field label and a rule name are drawn
     cov, name = "streamrec_learner_field_coverage", r"$\foo{$"
     states = json.dumps({"kind": "rules", "t": 1002.0, "states": {name: "firing"}})
     rec = report.read_run_log(write_log(tmp_path, scrape(1001.0, [cov, {"field": name}, 0.5]),
@@ -88,7 +101,8 @@ def test_label_values_and_rule_names_holding_dollar_signs_are_drawn_as_text_not_
 
 
 def test_event_times_and_watermarks_beyond_any_date_are_left_out_of_the_plots_and_the_progress_line(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    drawing_only(monkeypatch, "s_quality", "s_fresh")  # the sections drawing the event time and the watermark
     auc, clock = "streamrec_learner_served_auc", "streamrec_learner_event_time_seconds"
     wm = "streamrec_join_watermark_ms"
     lines = [scrape(1001.0, [auc, {}, 0.7], [clock, {}, "+Inf"], [wm, {"partition": "0"}, 1e300]),
@@ -114,7 +128,8 @@ def test_event_times_and_watermarks_beyond_any_date_are_left_out_of_the_plots_an
 ], ids=["served-list", "all-list", "impressions-str", "impressions-400-digits",
       "cold-list", "cold-str", "replay-types", "join-types"])
 def test_a_summary_with_a_key_of_the_wrong_type_is_written_not_a_traceback(
-        tmp_path: Path, summary: dict[str, object]) -> None:
+        tmp_path: Path, summary: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    drawing_only(monkeypatch, *SUMMARY_SECTIONS)
     stage = "train" if "samples_trained" in summary else "replay" if "dataset" in summary else "join"
     (tmp_path / f"{stage}.json").write_text(json.dumps(summary).replace("1e309", "Infinity"))
     inp = report.Inputs(report.read_run_log(write_log(tmp_path)), report.read_summaries([tmp_path / f"{stage}.json"]))
@@ -124,7 +139,9 @@ def test_a_summary_with_a_key_of_the_wrong_type_is_written_not_a_traceback(
         assert f"{stage} summary: dead_lettered is not a number" in page
 
 
-def test_a_publish_time_far_past_the_run_log_is_not_drawn_and_the_page_is_written(tmp_path: Path) -> None:
+def test_a_publish_time_far_past_the_run_log_is_not_drawn_and_the_page_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    drawing_only(monkeypatch, "s_fresh")  # the one section reading last_run.json
     (tmp_path / "last_run.json").write_text(json.dumps({"last_success": 1e300, "version": "v1"}))
     inp = report.Inputs(report.read_run_log(write_log(tmp_path)), {}, report.read_last_run(tmp_path))
     assert "last_run.json: version v1" in page_of(tmp_path, inp)
@@ -136,9 +153,12 @@ def test_a_file_beside_the_run_log_with_a_non_ascii_digit_suffix_is_not_a_rotati
     assert report.read_run_log(path).files == [str(path)]
 
 
-def test_values_near_the_largest_float_are_left_out_of_the_plots_and_counted_not_a_traceback(tmp_path: Path) -> None:
+def test_values_near_the_largest_float_are_left_out_of_the_plots_and_counted_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """matplotlib cannot lay out an axis near the float maximum (a constant 1e308 raised "arange: cannot compute
     length"): a value beyond report.PLOT_MAX is not drawn, and its section says how many were left out."""
+    drawing_only(monkeypatch, *SUMMARY_SECTIONS, "s_lag", "s_fresh")  # every section drawing these metrics or the
+    # replay summary
     lag, ne, samples = "streamrec_learner_lag_samples", "streamrec_learner_served_ne", "streamrec_learner_samples_total"
     clock = "streamrec_learner_event_time_seconds"
     path = write_log(tmp_path, *(scrape(1001.0 + i, [lag, {}, v], [ne, {}, v], [samples, {}, s], [clock, {}, 1.7e9 + i])
@@ -188,10 +208,11 @@ def test_a_curve_whose_label_value_starts_with_an_underscore_is_named_in_the_leg
 
 
 def test_a_file_or_symlink_at_the_reports_temporary_name_is_neither_written_through_nor_removed(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The report was written to the fixed name <out>.tmp: a symlink there was followed (its target overwritten
     with the page) and a file of that name deleted on failure; it is written as every atomic file is
     (stream.files.write_atomic)."""
+    drawing_only(monkeypatch)  # the writing is what this proves: the page with no plot on it
     precious = tmp_path / "precious.txt"
     precious.write_text("keep me")
     (tmp_path / "report.html.tmp").symlink_to(precious)
@@ -200,9 +221,11 @@ def test_a_file_or_symlink_at_the_reports_temporary_name_is_neither_written_thro
     assert not (tmp_path / "report.html").is_symlink()
 
 
-def test_a_record_holding_a_lone_surrogate_escape_is_an_unreadable_line_not_a_traceback(tmp_path: Path) -> None:
+def test_a_record_holding_a_lone_surrogate_escape_is_an_unreadable_line_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     r"""JSON may escape a lone surrogate ("\ud800"), which no UTF-8 text holds (the monitor refuses a label that is not
     UTF-8): in an alert's rule it crashed the reading (its fingerprint), in a source name the page's encoding."""
+    drawing_only(monkeypatch, "s_alerts")  # the one section drawing rule states (the escaped one is read)
     path = write_log(tmp_path, scrape(1001.0, ["streamrec_learner_field_coverage", {"field": "a"}, 0.5]).replace(
         '"learner"', '"learner\\ud800"'),
                      json.dumps({"kind": "alert", "t": 1002.0, "alert": {"rule": "r\ud800", "state": "firing"}}),
@@ -219,9 +242,10 @@ def test_a_record_holding_a_lone_surrogate_escape_is_an_unreadable_line_not_a_tr
 
 
 def test_values_a_log_axis_cannot_tick_are_left_out_of_the_gradient_plots_and_counted_not_a_traceback(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a log axis matplotlib places ticks a stride of decades beyond the data: an update norm of 1e280 beside 1
     put one at 10^350 = inf ("cannot convert float infinity to integer"). A log axis draws 1e-100 to 1e100."""
+    drawing_only(monkeypatch, "s_grad")  # the one section drawing streamrec_learner_update_norm
     upd = "streamrec_learner_update_norm"
     path = write_log(tmp_path, *(scrape(1001.0 + i, [upd, {"part": "dense"}, v])
                                  for i, v in enumerate([1e280, 1.0, 1e100, 1e-100, 1e-101])))

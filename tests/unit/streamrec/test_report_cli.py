@@ -13,6 +13,7 @@ import pytest
 
 from streamrec.cli import main
 from tests.unit.monitor.test_report import learner_text, run_monitor
+from tests.unit.monitor.test_report_hostile import drawing_only
 
 
 def dead_pid() -> int:
@@ -56,6 +57,7 @@ def test_out_naming_a_directory_is_one_error_and_leaves_no_temp_file(tmp_path: P
 
 def test_a_failed_write_removes_its_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
+    drawing_only(monkeypatch)  # the write is what this proves: the page with no plot on it
     log = run_monitor(tmp_path, [learner_text(0, 0.7, (0, 0, 0), 0)])
     before = sorted(tmp_path.iterdir())
 
@@ -80,6 +82,7 @@ def test_config_is_read_a_missing_one_is_an_error_and_its_publish_root_and_delta
     import json
 
     monkeypatch.chdir(tmp_path)  # (the built-in defaults are under ./.streamrec: nothing there)
+    drawing_only(monkeypatch, "s_fresh")  # the one section reading last_run.json and the deltas
     log = run_monitor(tmp_path, [learner_text(0, 0.7, (0, 0, 0), 0)])
     assert main(["report", "--run-log", str(log), "--config", str(tmp_path / "nope.toml")]) == 2
     assert "config file" in capsys.readouterr().err and not (tmp_path / "report.html").exists()
