@@ -1,7 +1,8 @@
 """``make demo`` end to end, CI-sized: the script the Makefile runs (streamrec/demo.sh) on ML-100k against the
 session's own stack, with its own ports and a run directory of its own. Checks what a user gets at the end:
 the report exists, every section has a PNG drawn from recorded data, and the printed served quality is a
-number. About a minute on 2 cores."""
+number. On the earliest LIMIT ratings of ML-100k (DEMO_LIMIT): training dominates the run, and LIMIT impressions
+still show learning (served AUC 0.67, NE 0.95 at 50,000; 0.64 and 0.98 at 30,000). About a minute on 2 cores."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ from streamrec.stack import LocalStack, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+LIMIT = 50_000  # impressions replayed (of 100,000): ~78,000 samples to train instead of ~155,000
 
 
 def test_the_demo_runs_end_to_end_and_writes_a_report_with_every_plot(stack: LocalStack, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
-    env = {**os.environ, "DEMO_DATASET": "ml-100k", "DEMO_STACK": "0", "DEMO_DIR": str(run),
+    env = {**os.environ, "DEMO_DATASET": "ml-100k", "DEMO_STACK": "0", "DEMO_DIR": str(run), "DEMO_LIMIT": str(LIMIT),
            "DEMO_JOIN_PORT": str(free_port()), "DEMO_LEARNER_PORT": str(free_port()),
            "DEMO_SERVE_PORT": str(free_port()), "SR": str(BIN / "streamrec"), "PY": sys.executable,
            "STREAMREC_KAFKA_BOOTSTRAP_SERVERS": stack.bootstrap_servers, "STREAMREC_REDIS_URL": stack.redis_url}
@@ -36,7 +38,7 @@ def test_the_demo_runs_end_to_end_and_writes_a_report_with_every_plot(stack: Loc
     served = re.search(r"served quality \(([\d,]+) impressions[^)]*\): AUC (\S+)\s+NE (\S+)", out)
     assert served, out[-3000:]
     impressions, auc, ne = int(served[1].replace(",", "")), float(served[2]), float(served[3])
-    assert impressions > 50_000 and 0.55 < auc < 1.0 and 0.0 < ne < 1.0
+    assert LIMIT // 2 < impressions <= LIMIT and 0.55 < auc < 1.0 and 0.0 < ne < 1.0, served[0]
     assert f"{run}/report.html" in out and "stack down" in out  # where the report is, how to stop everything
 
     page = (run / "report.html").read_text()
