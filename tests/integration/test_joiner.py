@@ -108,8 +108,10 @@ def stream_table(kafka: KafkaSettings) -> EventTable:
 
 
 @pytest.mark.parametrize("driver", ["faust", "kafka"])
-def test_every_impression_gets_one_sample_with_the_right_label(driver: str, kafka: KafkaSettings, stack,
-                                                               stream_table: EventTable, group_id: str) -> None:
+def test_every_impression_gets_one_sample_with_the_right_label_and_redis_day_counts_match_the_stream(
+        driver: str, kafka: KafkaSettings, stack, stream_table: EventTable, group_id: str) -> None:
+    """One join run, two outputs checked: the samples topic (labels, click outcomes, watermarks) and the day counts
+    it kept in Redis (one run for both: each run of a driver over the stream costs seconds)."""
     want = expected_join(stream_table, int(WINDOW_S * 1000))
     summary = run_join(join_env(kafka, stack.redis_url, group_id), group_id, driver)
 
@@ -135,6 +137,19 @@ def test_every_impression_gets_one_sample_with_the_right_label(driver: str, kafk
             rec.partition, NO_WATERMARK)
         closed[rec.partition] = max(closed.get(rec.partition, wm), wm)
     assert closed and min(closed.values()) > NO_WATERMARK
+    assert_day_counts_match(stack.redis_url, group_id, stream_table)
+
+
+def assert_day_counts_match(redis_url: str, prefix: str, stream_table: EventTable) -> None:
+    """The joiner's Redis day counts (under ``prefix``) give the stream's five most shown items."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        top = DailyCounts(client, prefix=prefix).top("item", "impression", days=2, k=5)
+    finally:
+        client.close()
+    want = Counter(str(hash_value(i)) for i in stream_table.item_id.tolist())
+    assert top == [(i, float(n)) for i, n in want.most_common(5)] or [n for _, n in top] == [
+        float(n) for _, n in want.most_common(5)]  # ties may order differently
 
 
 def test_history_is_as_of_impression_time_and_never_leaks_the_future(kafka: KafkaSettings, stack,
@@ -172,16 +187,6 @@ def test_history_is_as_of_impression_time_and_never_leaks_the_future(kafka: Kafk
     # partitions a fast replay consumes later can still be missing (never a future one).
     print(f"\nhistories complete: {exact / len(rows):.1%}")
     assert exact >= 0.6 * len(rows), f"only {exact} of {len(rows)} histories complete"
-
-
-def test_redis_day_counts_match_the_stream(kafka: KafkaSettings, stack, stream_table: EventTable,
-                                           group_id: str) -> None:
-    run_join(join_env(kafka, stack.redis_url, group_id), group_id, "kafka")
-    counts = DailyCounts(redis.Redis.from_url(stack.redis_url), prefix=group_id)
-    want = Counter(str(hash_value(i)) for i in stream_table.item_id.tolist())
-    top = counts.top("item", "impression", days=2, k=5)
-    assert top == [(i, float(n)) for i, n in want.most_common(5)] or [n for _, n in top] == [
-        float(n) for _, n in want.most_common(5)]  # ties may order differently
 
 
 def test_sigkill_mid_stream_loses_no_impression(kafka: KafkaSettings, stack, group_id: str) -> None:
