@@ -68,12 +68,13 @@ def test_each_policy_gives_every_impression_its_true_label_once_per_kind(policy:
 
 def test_a_sigkilled_es_dfm_joiner_restarts_without_losing_or_mislabelling(kafka: KafkaSettings, stack,
                                                                           group_id: str) -> None:
-    s = SyntheticSettings(impressions=30_000, users=20_000, items=2000, impressions_per_s=50.0,
+    # 600 s of event time in ~20 batches of 1,000 records: the kill comes a few batches in
+    s = SyntheticSettings(impressions=15_000, users=20_000, items=2000, impressions_per_s=25.0,
                           attribution_window_s=WINDOW_S, malformed_share=0.0)
     table = build_synthetic(s, ClickDelay(median_s=60.0), seed=9)
     publish(table, kafka, "synthetic")
     env = policy_env(kafka, stack.redis_url, group_id, "es_dfm")
-    env["STREAMREC_JOINER_BATCH_MAX"] = "2000"
+    env["STREAMREC_JOINER_BATCH_MAX"] = "1000"
     proc = subprocess.Popen(join_cmd(group_id, "kafka"), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60

@@ -190,12 +190,13 @@ def test_history_is_as_of_impression_time_and_never_leaks_the_future(kafka: Kafk
 
 
 def test_sigkill_mid_stream_loses_no_impression(kafka: KafkaSettings, stack, group_id: str) -> None:
-    s = SyntheticSettings(impressions=40_000, users=20_000, items=2000, impressions_per_s=50.0,
+    # 800 s of event time (past the 600 s window, so samples go out mid-stream) in ~20 batches of 1,000 records
+    s = SyntheticSettings(impressions=20_000, users=20_000, items=2000, impressions_per_s=25.0,
                           attribution_window_s=WINDOW_S, malformed_share=0.0)
     table = build_synthetic(s, ClickDelay(median_s=60.0), seed=9)
     publish(table, kafka, "synthetic")
     env = join_env(kafka, stack.redis_url, group_id)
-    env["STREAMREC_JOINER_BATCH_MAX"] = "2000"
+    env["STREAMREC_JOINER_BATCH_MAX"] = "1000"
     kills = 0
     for _ in range(2):
         proc = subprocess.Popen(join_cmd(group_id, "kafka"), env=env, stdout=subprocess.DEVNULL,
