@@ -23,7 +23,7 @@ from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from stream.replay.table import EventTable
 from stream.samples import NO_WATERMARK, SampleBatch, watermark_of
-from tests.bounded_teardown import kill_and_reap
+from tests.bounded_teardown import Reaper, kill_and_reap
 from tests.kafka_io import read_topic
 
 WINDOW_S = 600.0
@@ -87,6 +87,25 @@ def run_join(env: dict[str, str], app_id: str, driver: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def start_join(env: dict[str, str], app_id: str, driver: str) -> subprocess.Popen[str]:
+    """``streamrec join`` (``join_cmd``) started, to run beside others; :func:`join_summary` waits for it."""
+    return subprocess.Popen(join_cmd(app_id, driver), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def join_summary(proc: subprocess.Popen[str], what: str) -> dict:
+    """The JSON summary of a run of :func:`start_join` (``what`` names it if it failed)."""
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, f"{what}: {err[-3000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def own_outputs(kafka: KafkaSettings, tag: str) -> KafkaSettings:
+    """``kafka`` with a samples topic (and so, in ``join_env``, a late clicks topic) of its own: runs side by side
+    over one input topic set each write their own."""
+    return dataclasses.replace(kafka, samples_topic=f"{kafka.samples_topic}-{tag}")
+
+
 def read_samples(kafka: KafkaSettings) -> list[tuple[str, int, int, list[int], int]]:
     """(impression_id, label, user, history, ts) of every sample row in the samples topic."""
     rows = []
@@ -107,37 +126,46 @@ def stream_table(kafka: KafkaSettings) -> EventTable:
     return table
 
 
-@pytest.mark.parametrize("driver", ["faust", "kafka"])
-def test_every_impression_gets_one_sample_with_the_right_label_and_redis_day_counts_match_the_stream(
-        driver: str, kafka: KafkaSettings, stack, stream_table: EventTable, group_id: str) -> None:
-    """One join run, two outputs checked: the samples topic (labels, click outcomes, watermarks) and the day counts
-    it kept in Redis (one run for both: each run of a driver over the stream costs seconds)."""
-    want = expected_join(stream_table, int(WINDOW_S * 1000))
-    summary = run_join(join_env(kafka, stack.redis_url, group_id), group_id, driver)
+def test_both_drivers_give_every_impression_one_sample_with_the_right_label_and_redis_day_counts_match_the_stream(
+        kafka: KafkaSettings, stack, stream_table: EventTable, group_id: str, reaper: Reaper) -> None:
+    """The two drivers read the stream side by side, each with its own group, samples topic and Redis prefix (a run's
+    start, group join and idle exit take seconds, spent at once so); each run's samples topic (labels, click
+    outcomes, watermarks), late clicks topic and Redis day counts are checked."""
+    procs = {}
+    for driver in ("faust", "kafka"):
+        name, out = f"{group_id}-{driver}", own_outputs(kafka, driver)
+        procs[driver] = out, name, reaper.add(start_join(join_env(out, stack.redis_url, name), name, driver))
+    for driver, (out, name, proc) in procs.items():
+        assert_one_sample_per_impression(out, join_summary(proc, f"{driver} driver"), stream_table, f"{driver} driver")
+        assert_day_counts_match(stack.redis_url, name, stream_table)
 
+
+def assert_one_sample_per_impression(kafka: KafkaSettings, summary: dict, stream_table: EventTable, what: str) -> None:
+    """The samples (with watermarks) and late clicks topics of ``kafka`` and the run's ``summary`` are the join of
+    ``stream_table`` under the wait policy: one sample per impression with its true label."""
+    want = expected_join(stream_table, int(WINDOW_S * 1000))
     rows = read_samples(kafka)
     got = Counter(r[0] for r in rows)
-    assert len(got) == len(want.labels) == SYN.impressions and set(got.values()) == {1}  # exactly once
-    assert {r[0]: r[1] for r in rows} == want.labels
-    assert summary["samples"] == SYN.impressions and summary["positives"] == sum(want.labels.values())
+    assert len(got) == len(want.labels) == SYN.impressions and set(got.values()) == {1}, what  # exactly once
+    assert {r[0]: r[1] for r in rows} == want.labels, what
+    assert summary["samples"] == SYN.impressions and summary["positives"] == sum(want.labels.values()), what
     assert (summary["late_clicks"], summary["orphan_clicks"], summary["duplicate_clicks"]) == (
-        want.late, want.orphan, want.duplicate)
-    assert summary["dead_lettered"] == stream_table.stats["malformed"] > 0
+        want.late, want.orphan, want.duplicate), what
+    assert summary["dead_lettered"] == stream_table.stats["malformed"] > 0, what
     assert summary["click_coverage"] == pytest.approx(sum(want.labels.values()) / stream_table.n_clicks, abs=1e-6)
     # late and orphan clicks are written down, not just counted
     late = read_topic(kafka, f"late-{kafka.samples_topic}")
-    assert Counter(json.loads(r.value)["reason"] for r in late) == {"late": want.late, "orphan": want.orphan}
+    assert Counter(json.loads(r.value)["reason"] for r in late) == {"late": want.late, "orphan": want.orphan}, what
     # each samples message carries its partition's join watermark, and no sample comes after a message whose watermark
     # closed its impression (ts + window <= it): what served quality in the learner waits for (learner/served.py)
     closed: dict[int, int] = {}  # partition -> the newest watermark of its messages so far
     for rec in sorted(read_topic(kafka, kafka.samples_topic), key=lambda r: (r.partition, r.offset)):
         wm = watermark_of(rec.headers)
-        assert wm is not None
+        assert wm is not None, what
         assert min(SampleBatch.decode(rec.value).column("ts").tolist()) + WINDOW_S * 1000 > closed.get(
-            rec.partition, NO_WATERMARK)
+            rec.partition, NO_WATERMARK), what
         closed[rec.partition] = max(closed.get(rec.partition, wm), wm)
-    assert closed and min(closed.values()) > NO_WATERMARK
-    assert_day_counts_match(stack.redis_url, group_id, stream_table)
+    assert closed and min(closed.values()) > NO_WATERMARK, what
 
 
 def assert_day_counts_match(redis_url: str, prefix: str, stream_table: EventTable) -> None:
