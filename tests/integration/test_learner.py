@@ -221,7 +221,18 @@ def train_cmd(ckpt: Path, idle: float | None = None) -> list[str]:
     return cmd + (["--exit-when-idle", str(idle)] if idle else [])
 
 
-def test_kill_9_at_random_points_trains_every_sample_exactly_once(kafka: KafkaSettings, tmp_path: Path) -> None:
+def checkpoint_status(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> dict:
+    """``streamrec train --status --json`` of ``ckpt``, run in this process: it reads the newest checkpoint's meta
+    only, and a process of its own spent seconds importing the stack for it."""
+    from streamrec.cli import main
+
+    capsys.readouterr()
+    assert main(["train", "--checkpoint-dir", str(ckpt), "--status", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_kill_9_at_random_points_trains_every_sample_exactly_once(kafka: KafkaSettings, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     ensure_topics(kafka, [kafka.samples_topic])
     env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
                STREAMREC_KAFKA_SAMPLES_TOPIC=kafka.samples_topic, STREAMREC_LEARNER_CHECKPOINT_EVERY_S="0.5",
@@ -247,8 +258,7 @@ def test_kill_9_at_random_points_trains_every_sample_exactly_once(kafka: KafkaSe
     assert {int(p): n for p, n in summary["partition_rows"].items()} == produced  # nothing lost, nothing twice
     assert summary["samples_trained"] == total and summary["duplicates_dropped"] == 0
     assert summary["metrics"]["samples"] == total  # each prediction recorded once too
-    status = subprocess.run([*train_cmd(ckpt)[:6], "--status", "--json"], env=env, capture_output=True, text=True)
-    assert json.loads(status.stdout)["samples_trained"] == total
+    assert checkpoint_status(ckpt, capsys)["samples_trained"] == total
     assert kills == 3
 
 
@@ -288,7 +298,8 @@ def test_two_dataloader_workers_split_the_partitions_and_train_every_sample_exac
     assert {line.split(": ", 1)[1] for line in first_err.splitlines() if "reads samples partitions" in line} <= split
 
 
-def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: Path, reaper: Reaper) -> None:
+def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: Path, reaper: Reaper,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
     ensure_topics(kafka, [kafka.samples_topic])
     produced = produce_samples(kafka, 16, 100, 0.0)
     env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
@@ -313,8 +324,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(kafka: KafkaSettings, tmp_path: P
     assert proc.returncode == 0, err[-2000:]
     status = json.loads(out.strip().splitlines()[-1])
     assert status["reason"] == "signal"
-    meta = json.loads(subprocess.run([*train_cmd(ckpt)[:6], "--status", "--json"], env=env, capture_output=True,
-                                     text=True).stdout)
+    meta = checkpoint_status(ckpt, capsys)
     assert meta["samples_trained"] == status["samples_trained"] <= sum(produced.values())
     # the exit's delta (deltas every hour: the only one) carries what was trained, and the final checkpoint says it
     # includes it: a fresh artifact of it that never reads the delta counts no gap (learner/deltas.py)
