@@ -239,7 +239,7 @@ def test_kill_9_at_random_points_trains_every_sample_exactly_once(kafka: KafkaSe
                STREAMREC_LEARNER_BUCKETS="5000", STREAMREC_LEARNER_CTX_BUCKETS="500", STREAMREC_LEARNER_MLP="32",
                STREAMREC_LEARNER_GROUP_ID=f"learner-{kafka.samples_topic}")
     produced: dict[int, int] = {}
-    producer = threading.Thread(target=lambda: produced.update(produce_samples(kafka, 240, 200, 0.25)))
+    producer = threading.Thread(target=lambda: produced.update(produce_samples(kafka, 240, 100, 0.25)))
     producer.start()
     ckpt = tmp_path / "ckpt"
     rnd = random.Random(11)
@@ -271,7 +271,7 @@ def test_two_dataloader_workers_split_the_partitions_and_train_every_sample_exac
                STREAMREC_LEARNER_NUM_WORKERS="2", STREAMREC_LEARNER_PREFETCH_FACTOR="2",
                STREAMREC_LEARNER_GROUP_ID=f"learner-{kafka.samples_topic}")
     produced: dict[int, int] = {}
-    producer = threading.Thread(target=lambda: produced.update(produce_samples(kafka, 160, 200, 0.25)))
+    producer = threading.Thread(target=lambda: produced.update(produce_samples(kafka, 160, 100, 0.25)))
     producer.start()
     ckpt = tmp_path / "ckpt"
     proc = reaper.add(subprocess.Popen([*train_cmd(ckpt), "--log-level", "info"], env=env, stdout=subprocess.DEVNULL,
