@@ -225,13 +225,14 @@ def test_config_overrides_are_checked() -> None:
 # -- end to end on a subsample ----------------------------------------------------------------
 @needs_ml1m
 def test_autoint_protocol_learns_on_a_subsample() -> None:
-    d = evaluate("ml-1m", "autoint", "default", seed=0, epochs=2, limit=50_000, config=SMALL)
-    assert d["n_train"] + d["n_valid"] + d["n_test"] < 50_000
+    # 25 k ratings (AUC 0.82, logloss 0.39 here: far from the bounds; 50 k took twice as long for no more proof)
+    d = evaluate("ml-1m", "autoint", "default", seed=0, epochs=2, limit=25_000, config=SMALL)
+    assert d["n_train"] + d["n_valid"] + d["n_test"] < 25_000
     assert d["n_train"] == (d["n_train"] + d["n_valid"] + d["n_test"]) * 8 // 10
     assert d["auc"] > 0.6 and d["logloss"] < 0.69
     assert d["fields"][:3] == ["user_id", "item_id", "history"] and d["config"]["epochs"] == 2
-    again = evaluate("ml-1m", "autoint", "default", seed=0, epochs=1, limit=5_000, config=SMALL)
-    assert again["n_test"] == evaluate("ml-1m", "autoint", "paper", seed=0, epochs=1, limit=5_000,
+    again = evaluate("ml-1m", "autoint", "default", seed=0, epochs=1, limit=2_000, config=SMALL)
+    assert again["n_test"] == evaluate("ml-1m", "autoint", "paper", seed=0, epochs=1, limit=2_000,
                                        config=SMALL)["n_test"]
 
 
