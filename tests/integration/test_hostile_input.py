@@ -178,7 +178,10 @@ def committed(kafka: KafkaSettings, group: str) -> dict[tuple[str, int], int]:
         c.close()
 
 
-@pytest.mark.parametrize("driver", ["kafka", "faust"])
+# faust: -m slow (~30 s). Strikes and poison are the pipeline's, shared by both drivers (the kafka variant runs in CI);
+# the faust driver's side, a failed batch exits 1 with nothing of it committed, runs in CI in
+# test_faust_delivery.py::test_faust_commits_nothing_of_a_batch_that_failed_and_exits_with_status_1.
+@pytest.mark.parametrize("driver", ["kafka", pytest.param("faust", marks=pytest.mark.slow)])
 def test_a_message_that_keeps_failing_the_join_is_dead_lettered_after_poison_after_runs_and_nothing_is_lost(
         driver: str, kafka: KafkaSettings, stack, group_id: str) -> None:
     s = SyntheticSettings(impressions=1500, users=800, items=200, impressions_per_s=20.0,
@@ -235,11 +238,10 @@ def test_an_impression_and_a_click_with_a_header_key_not_utf8_are_dead_lettered_
     produce_raw_header_key(kafka, kafka.clicks_topic, 0, a.encode(), click, b"\xc3(click")
     p.send(kafka.clicks_topic, click, a, partition=0)
     p.flush()
-    env = join_env(kafka, stack.redis_url, group_id)
-    for run in range(2):  # the second run finds everything committed: nothing joined or dead-lettered again
-        out = subprocess.run(join_cmd(group_id, driver), env=env, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert json.loads(out.stdout.strip().splitlines()[-1])["dead_lettered"] == (2 if run == 0 else 0)
+    out = subprocess.run(join_cmd(group_id, driver), env=join_env(kafka, stack.redis_url, group_id),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["dead_lettered"] == 2
     assert sorted(sample_rows(kafka)) == sorted([(a, 1), (b, 0)])
     for topic, key, value in ((kafka.impressions_topic, hostile, orjson.dumps(_imp(hostile, ts))),
                               (kafka.clicks_topic, a, click)):
@@ -247,5 +249,8 @@ def test_an_impression_and_a_click_with_a_header_key_not_utf8_are_dead_lettered_
         assert (rec.key, rec.value) == (key.encode(), value)  # replayable as it came
         assert all(k.startswith("dlq.") for k, _ in rec.headers)  # its own headers not kept
         assert dict(rec.headers)["dlq.kind"] == b"bad_header" and b"not UTF-8" in dict(rec.headers)["dlq.reason"]
+    # Every record committed, the hostile ones too: a restarted worker, which starts from the group's committed
+    # offsets, reads none of them again (it failed the same batch at every restart). What a second run that found
+    # nothing to join or dead-letter proved, without the second run.
     done = committed(kafka, group_id)
     assert (done[(kafka.impressions_topic, 0)], done[(kafka.clicks_topic, 0)]) == (3, 2)
