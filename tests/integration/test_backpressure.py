@@ -4,7 +4,7 @@ back instead of given up past ``max_waiting_per_partition`` (``stream/joiner/bac
 The stream: a synthetic log at a 50% click rate whose impressions carry ~1.5 KB of context each (a click is
 ~150 bytes), copied into the test's topics in small record batches and read by a consumer that fetches at
 most 64 KB per partition per request: every fetch brings the clicks of ~25x as many impressions as it brings
-impressions, so clicks run ahead whatever the interleaving of fetches. It spans sixteen attribution windows, so
+impressions, so clicks run ahead whatever the interleaving of fetches. It spans eight attribution windows, so
 an impression expires while the run goes on. Without the gate (``backpressure = false``) the waiting
 clicks pass the cap and the furthest are given up as ``overflow`` (their impressions become negatives): the
 first test shows the stream is hostile enough, for each driver. With it, every impression has exactly its label. The
@@ -37,8 +37,10 @@ from tests.integration.test_joiner import expected_join, join_cmd, join_env, rea
 from tests.joiner_stubs import assigning_pipeline
 from tests.kafka_io import read_topic
 
-WINDOW = 30.0  # attribution window (s); the stream spans 500 s of event time
-SYN = SyntheticSettings(impressions=10_000, users=5_000, items=500, impressions_per_s=20.0, base_ctr=0.5,
+WINDOW = 30.0  # attribution window (s); the stream spans 250 s of event time
+# (10_000 until 2026-12-06: the clicks run ~25x ahead in every fetch whatever the stream's length, so half of it
+# is as hostile, in half the time)
+SYN = SyntheticSettings(impressions=5_000, users=2_500, items=500, impressions_per_s=20.0, base_ctr=0.5,
                         attribution_window_s=WINDOW, malformed_share=0.0)
 CAP = 100  # max_waiting_per_partition
 BATCH = 20  # batch_max: the gate pauses at min(80% of the cap, cap - one batch)
@@ -141,21 +143,24 @@ def test_a_burst_of_orphan_clicks_past_the_cap_neither_stops_the_join_nor_costs_
     # back), and once they are read to the end the held clicks join, the cap gives up orphans, and every impression
     # has exactly its label. Giving the furthest clicks up as overflow at the burst instead (the cap alone) gives up
     # real clicks whose impressions had not been read yet.
-    syn = dataclasses.replace(SYN, impressions=5_000, users=2_500)
     burst = 3 * CAP
-    stream = _publish_hostile(kafka, syn, orphan_burst=burst)
+    stream = _publish_hostile(kafka, SYN, orphan_burst=burst)
     want = expected_join(stream, int(WINDOW * 1000))
     summary = _join(kafka, stack.redis_url, group_id, driver, backpressure=True, lateness_s=10.0,
                     STREAMREC_JOINER_BATCH_MAX=str(CAP * 3 // 2))
     rows = read_samples(kafka)
-    assert set(Counter(r[0] for r in rows).values()) == {1} and len(rows) == syn.impressions
+    assert set(Counter(r[0] for r in rows).values()) == {1} and len(rows) == SYN.impressions
     assert {r[0]: r[1] for r in rows} == want.labels
     injected = burst * kafka.partitions
     assert summary["overflow_clicks"] + summary["orphan_clicks"] == want.orphan + injected
     assert summary["clicks_held_at_cap"] > 0, summary  # the cap's room held clicks back
 
 
-@pytest.mark.parametrize("driver", ["kafka", "faust"])
+# faust: -m slow (~20 s). The hold is the pipeline's, shared by both drivers (the kafka variant runs in CI); the faust
+# driver's side of it runs in CI in test_faust_delivery.py (this stream and hold: held_back > 0, no commit past a held
+# record: test_faust_never_commits_records_the_join_holds_back_before_it_joins_them) and test_join_driver_parity.py (a
+# tight hold: the same samples as the kafka driver's).
+@pytest.mark.parametrize("driver", ["kafka", pytest.param("faust", marks=pytest.mark.slow)])
 def test_impressions_a_fetch_brings_ahead_of_their_clicks_are_held_so_samples_keep_event_time(
         driver: str, kafka: KafkaSettings, stack, group_id: str) -> None:
     # Heavy clicks: every fetch brings ~25x more event time of impressions than of clicks, so a batch holds
@@ -163,7 +168,7 @@ def test_impressions_a_fetch_brings_ahead_of_their_clicks_are_held_so_samples_ke
     # batches), they would go out as observed 0s before the delayed positives of older impressions. Held back
     # (hold_limits), the samples of each partition keep event time to within the drift, and every impression
     # still has exactly one observed 0 and, when clicked in its window, one delayed positive.
-    stream = _publish_hostile(kafka, dataclasses.replace(SYN, impressions=5_000, users=2_500), heavy="clicks")
+    stream = _publish_hostile(kafka, SYN, heavy="clicks")
     want = expected_join(stream, int(WINDOW * 1000))
     drift_s = 3.0
     # A quorum of 1: an input's time is its newest event, so the bound is the drift alone (with the default, a
