@@ -9,6 +9,7 @@ import dataclasses
 import json
 import subprocess
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from stream.samples import SampleBatch, watermark_of
+from tests.bounded_teardown import Reaper
 from tests.integration.test_joiner import WINDOW_S, join_cmd, join_env
 from tests.kafka_io import read_topic
 
@@ -31,10 +33,16 @@ HEADERS = [("trace-id", b"t-1"), ("nil", None), ("empty", b""), ("dup", b"1"), (
            ("dlq.reason", b"forged")]
 
 
-def _outputs(kafka: KafkaSettings, stack, app_id: str, driver: str) -> dict:
-    out = subprocess.run(join_cmd(app_id, driver), env=join_env(kafka, stack.redis_url, app_id), capture_output=True,
-                         text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
+def _start(kafka: KafkaSettings, stack, app_id: str, driver: str, err: Path) -> subprocess.Popen:
+    """``driver``'s join, its log to ``err`` (two at once: a pipe left unread while the other is awaited could fill)."""
+    with err.open("w") as log:
+        return subprocess.Popen(join_cmd(app_id, driver), env=join_env(kafka, stack.redis_url, app_id),
+                                stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def _outputs(kafka: KafkaSettings, proc: subprocess.Popen, err: Path) -> dict:
+    stdout, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err.read_text()[-3000:]
     samples: dict[str, tuple[int, int]] = {}
     closing: dict[int, int] = {}  # partition -> the newest watermark its samples messages carry
     for rec in read_topic(kafka, kafka.samples_topic):
@@ -57,20 +65,21 @@ def _outputs(kafka: KafkaSettings, stack, app_id: str, driver: str) -> dict:
             letters.append((dl.kind, r.key, r.value, dl.original_headers,
                             [h for h in r.headers if not h[0].startswith("dlq.source.")]))
         dead[kind] = sorted(letters, key=repr)
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    summary = json.loads(stdout.strip().splitlines()[-1])
     return {"samples": samples, "closing": closing, "late": late, "dead": dead,
             "counts": {k: summary[k] for k in ("samples", "positives", "late_clicks", "orphan_clicks",
                                                "duplicate_clicks", "dead_lettered")}}
 
 
 def test_both_drivers_give_the_same_samples_late_clicks_watermarks_and_dead_letters_with_headers(
-        kafka: KafkaSettings, stack, group_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        kafka: KafkaSettings, stack, group_id: str, monkeypatch: pytest.MonkeyPatch, reaper: Reaper,
+        tmp_path: Path) -> None:
     # Small batches and a tight hold: the drivers cut the input differently (held records, clicks a batch before their
     # impressions); the outputs must not depend on it (the closing watermarks did: engine drain)
     monkeypatch.setenv("STREAMREC_JOINER_BATCH_MAX", "5")
     monkeypatch.setenv("STREAMREC_JOINER_MAX_INPUT_DRIFT_S", "1")
     table = build_synthetic(SYN, ClickDelay(median_s=60.0), seed=11)
-    runs = {}
+    topics, procs = {}, {}
     for driver in ("kafka", "faust"):
         k = dataclasses.replace(kafka, impressions_topic=f"{kafka.impressions_topic}-{driver}",
                                 clicks_topic=f"{kafka.clicks_topic}-{driver}",
@@ -81,7 +90,12 @@ def test_both_drivers_give_the_same_samples_late_clicks_watermarks_and_dead_lett
         producer.send(k.clicks_topic, b"{not json", b"bad-click", HEADERS)
         producer.send(k.clicks_topic, b'{"impression_id": 5}', b"no-headers")  # no headers at all
         producer.flush()
-        runs[driver] = _outputs(k, stack, f"{group_id}-{driver}", driver)
+        topics[driver] = k
+    # Both at once, each on its own topics and group: their start-ups and idle exits overlap (this test took one
+    # after the other's, ~27 s)
+    for driver, k in topics.items():
+        procs[driver] = reaper.add(_start(k, stack, f"{group_id}-{driver}", driver, tmp_path / f"{driver}.err"))
+    runs = {driver: _outputs(topics[driver], proc, tmp_path / f"{driver}.err") for driver, proc in procs.items()}
     ours, faust = runs["kafka"], runs["faust"]
     assert len(ours["samples"]) == SYN.impressions and ours["counts"]["dead_lettered"] > 3
     for part in ("counts", "samples", "late", "closing"):
