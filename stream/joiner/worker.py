@@ -337,6 +337,7 @@ class FaustJoinWorker:
         except Exception as exc:  # the broker could not say (its metadata request timed out), or a bug: no retry here
             self._die(f"the partition layout of assigned partitions could not be checked ({type(exc).__name__}: "
                       f"{clip(str(exc))}); restart to check it again", 1)  # (module docstring)
+        log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))  # as the kafka driver says it
         self._idle.reset()  # idleness counts from when there is something to read
         self._assigned = {tp.partition for tp in assigned if tp.topic == self.kafka.impressions_topic}
         self.unfetched.forget(tp.partition for tp in assigned)
