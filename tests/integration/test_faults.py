@@ -384,6 +384,24 @@ def test_sigkill_of_the_learner_while_its_disk_is_full_trains_every_sample_once(
     assert rows == Counter(produced) and summary["samples_trained"] == sum(produced.values())
 
 
+class _Lines:
+    """The stderr lines of ``proc``, read in a thread as they come (a pipe left unread fills and stops the process);
+    ``seen`` is set at the first that holds ``marker``."""
+
+    def __init__(self, proc: subprocess.Popen, marker: str) -> None:
+        self.lines: list[str] = []
+        self.seen = threading.Event()
+        self._marker = marker
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            self.lines.append(line)
+            if self._marker in line:
+                self.seen.set()
+
+
 @pytest.mark.parametrize("driver", ["kafka", FAUST_SLOW])
 def test_a_joiner_joining_mid_stream_and_another_dying_rebalance_without_loss(driver: str, kafka: KafkaSettings,
                                                                               stack, group_id: str,
@@ -391,7 +409,7 @@ def test_a_joiner_joining_mid_stream_and_another_dying_rebalance_without_loss(dr
     s = SyntheticSettings(impressions=20_000, users=8000, items=1500, impressions_per_s=50.0,
                           attribution_window_s=WINDOW_S, malformed_share=0.0)
     table = build_synthetic(s, ClickDelay(median_s=20.0), seed=24)
-    replay = paced_replay(table, kafka, seconds=25.0)
+    replay = paced_replay(table, kafka, seconds=18.0)  # (25 s until the kill waited for the rebalance, not 10 s)
     env = join_env(kafka, stack.redis_url, group_id)
     env["STREAMREC_JOINER_BATCH_MAX"] = "1000"
     first = reaper.add(subprocess.Popen(join_cmd(group_id, driver, idle_s=10.0), env=env, stdout=subprocess.DEVNULL,
@@ -399,14 +417,14 @@ def test_a_joiner_joining_mid_stream_and_another_dying_rebalance_without_loss(dr
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(read_topic(kafka, kafka.samples_topic)) < 3:
         time.sleep(0.2)
-    second = reaper.add(subprocess.Popen(join_cmd(group_id, driver, idle_s=10.0), env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True))  # a member joins: the partitions rebalance
-    time.sleep(10.0)
+    second = reaper.add(subprocess.Popen([*join_cmd(group_id, driver, idle_s=10.0), "--log-level", "info"], env=env,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    log = _Lines(second, "assigned [(")
+    assert log.seen.wait(timeout=120), "".join(log.lines)[-3000:]  # a member joined: the partitions rebalanced
     os.kill(first.pid, signal.SIGKILL)  # and the first dies: the survivor takes its partitions after the session
     first.wait()
     replay.join()
-    out, err = second.communicate(timeout=300)
-    assert second.returncode == 0, err[-3000:]
+    assert second.wait(timeout=300) == 0, "".join(log.lines)[-3000:]
     dups = assert_joined_exactly(kafka, table, "rebalance")
     print(f"\nmember joined, member killed: {dups} duplicate samples of {s.impressions}")
 
