@@ -39,6 +39,15 @@ def gloo_rank(rank: int, world: int, store: str, work: Callable[..., None], *arg
     os._exit(0)
 
 
+def in_turn(rank: int, world: int, works: list[tuple[Callable[..., None], tuple]]) -> None:
+    """A :func:`gloo_rank` work that runs several: each ``(work, args)`` in turn on the one group, as
+    ``work(rank, world, *args)``. Runs that need no fresh process share one spawn: each rank's start (torch and
+    torchrec imported, the test module too) costs seconds of CPU, and on CI's 2 cores it was most of such a test's
+    time. Each work builds its own model and state, and its frame is gone before the next starts."""
+    for work, args in works:
+        work(rank, world, *args)
+
+
 def run_gloo_ranks(world: int, store: str, work: Callable[..., None], args_of: Callable[[int], tuple],
                    timeout_s: float = RANKS_TIMEOUT_S) -> list[int | None]:
     """``work`` on ``world`` spawned :func:`gloo_rank` processes (rank ``r`` gets ``args_of(r)``); their exit codes

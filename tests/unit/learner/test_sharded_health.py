@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from learner.batch import TensorBatch, to_tensors
 from learner.features import default_config
 from learner.health import FieldCoverage, combine_rank_norms, combine_rank_updates, field_blocks
 from tests.integration.test_learner import sample_batch
-from tests.unit.learner.gloo_ranks import run_gloo_ranks
+from tests.unit.learner.gloo_ranks import in_turn, run_gloo_ranks
 from tests.unit.learner.test_sharded_boost import BOOST, CFG, HALF_LIFE, LR, batch, plain_model
 
 STEPS = 2
@@ -86,12 +87,17 @@ def reference_norms(world: int) -> list[tuple[float, float, dict[str, float]]]:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_ranks_gradient_norms_combined_are_one_processs_gradient_norms_of_the_same_step(
-        world: int, tmp_path: Path) -> None:
+        world: int, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """The dense norm is the all-reduced gradient's (rank 0's); the table's and each field's come from every
-    rank's shard (fbgemm's row-wise Adagrad sums' growth), combined as sqrt(sum of squares)."""
-    outs = [str(tmp_path / f"rank{r}.pkl") for r in range(world)]
-    assert run_gloo_ranks(world, str(tmp_path / "store"), trainer_rank, lambda r: (outs[r],)) == [0] * world
-    steps, blocks = combine_rank_norms([pickle.loads(Path(o).read_bytes()) for o in outs])
+    rank's shard (fbgemm's row-wise Adagrad sums' growth), combined as sqrt(sum of squares). One rank runs in this
+    process's group of one; two are the module's spawned ranks."""
+    if world == 1:
+        request.getfixturevalue("one_rank_group")
+        trainer_rank(0, 1, str(tmp_path / "grads0.pkl"))
+        outs = [tmp_path / "grads0.pkl"]
+    else:
+        outs = [request.getfixturevalue("two_ranks") / f"grads{r}.pkl" for r in range(2)]
+    steps, blocks = combine_rank_norms([pickle.loads(o.read_bytes()) for o in outs])
     want = reference_norms(world)
     assert len(steps) == len(blocks) == STEPS
     for (dense, table), per_field, (w_dense, w_table, w_fields) in zip(steps, blocks, want, strict=True):
@@ -126,28 +132,27 @@ def update_rank(rank: int, world: int, lr: float, boost: bool, out: str) -> None
     Path(out).write_bytes(pickle.dumps(got))
 
 
-def rank_updates(tmp_path: Path, lr: float, boost: bool) -> list[tuple[dict[str, float], float, float]]:
-    """Per step on 2 ranks: (the ranks' update norms combined, the table's direct norm, the dense one)."""
-    outs = [str(tmp_path / f"rank{r}.pkl") for r in range(2)]
-    assert run_gloo_ranks(2, str(tmp_path / "store"), update_rank, lambda r: (lr, boost, outs[r])) == [0, 0]
-    per_rank = [pickle.loads(Path(o).read_bytes()) for o in outs]
+def rank_updates(runs: Path, name: str) -> list[tuple[dict[str, float], float, float]]:
+    """Per step of the 2 ranks' update run ``name`` (of UPDATE_RUNS): (the ranks' update norms combined, the
+    table's direct norm, the dense one)."""
+    per_rank = [pickle.loads((runs / f"{name}{r}.pkl").read_bytes()) for r in range(2)]
     return [(combine_rank_updates([r[i][0] for r in per_rank]), math.sqrt(sum(r[i][1] for r in per_rank)),
              per_rank[0][i][2]) for i in range(STEPS)]
 
 
 @pytest.mark.parametrize("boost", [False, True])
-def test_the_ranks_update_norms_combined_are_the_whole_models_change_of_the_step(boost: bool, tmp_path: Path) -> None:
+def test_the_ranks_update_norms_combined_are_the_whole_models_change_of_the_step(boost: bool, two_ranks: Path) -> None:
     """The sharded learner exported no update norm (model_not_learning never fired on N ranks). The embedding part
     is what the step changed in every rank's shard (the boost's part too, applied after the fused update), the
     dense part what the dense step changed, each equal to a full copy's change."""
-    for got, w_table, w_dense in rank_updates(tmp_path, LR, boost):
+    for got, w_table, w_dense in rank_updates(two_ranks, "boost" if boost else "plain"):
         assert w_table > 0 and w_dense > 0
         assert got == pytest.approx({"dense": w_dense, "embedding": w_table}, rel=1e-5)
 
 
-def test_a_zero_learning_rate_reads_an_embedding_update_norm_of_0_on_two_ranks(tmp_path: Path) -> None:
+def test_a_zero_learning_rate_reads_an_embedding_update_norm_of_0_on_two_ranks(two_ranks: Path) -> None:
     """What model_not_learning watches: nothing changes, though the gradients are as large as ever."""
-    for got, w_table, w_dense in rank_updates(tmp_path, 0.0, boost=True):
+    for got, w_table, w_dense in rank_updates(two_ranks, "zero_lr"):
         assert got == {"dense": 0.0, "embedding": 0.0} and w_table == w_dense == 0.0
 
 
@@ -197,15 +202,12 @@ def daemon_rank(rank: int, world: int, directory: str, out: str) -> None:
 
 
 def test_two_ranks_export_the_window_auc_coverage_and_gradient_norms_of_every_ranks_rows_on_rank_0(
-        tmp_path: Path) -> None:
+        two_ranks: Path) -> None:
     """The sharded daemon exported none of them (the feature_stopped_arriving and gradients_vanished rules saw
     nothing on N ranks). Rank 0: the window AUC of both ranks' predictions (the summary's, which merges the ranks'
     windows), each field's coverage over both ranks' rows (one process's FieldCoverage over all of them), the
     histograms of the sampled steps; rank 1: a NaN window AUC and none of the others."""
-    outs = [str(tmp_path / f"rank{r}.pkl") for r in range(2)]
-    assert run_gloo_ranks(2, str(tmp_path / "store"), daemon_rank,
-                          lambda r: (str(tmp_path / "ckpt"), outs[r])) == [0, 0]
-    (summary, got), (_, other) = (pickle.loads(Path(o).read_bytes()) for o in outs)
+    (summary, got), (_, other) = (pickle.loads((two_ranks / f"daemon{r}.pkl").read_bytes()) for r in range(2))
     assert summary["samples_trained"] == 48
     window_auc = got[("streamrec_learner_window_auc", ())]
     assert math.isfinite(window_auc) and window_auc == pytest.approx(summary["metrics"]["window_auc"], abs=1e-12)
@@ -223,6 +225,26 @@ def test_two_ranks_export_the_window_auc_coverage_and_gradient_norms_of_every_ra
         assert got[("streamrec_learner_update_norm", (("part", part),))] > 0
     assert math.isnan(other[("streamrec_learner_window_auc", ())])
     assert not any(name != "streamrec_learner_window_auc" and v for (name, _), v in other.items())
+
+
+UPDATE_RUNS = {"plain": (LR, False), "boost": (LR, True), "zero_lr": (0.0, True)}  # name: (lr, boost)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's 2-rank runs in one spawn (``gloo_ranks.in_turn``), each rank's results in the directory returned:
+    the sharded daemon's first (it reads the process's /metrics before the others run), then the gradient norms'
+    steps and each of UPDATE_RUNS, every run on a model of its own."""
+    runs = tmp_path_factory.mktemp("two_ranks")
+
+    def works(r: int) -> tuple[list[tuple[Callable[..., None], tuple]]]:
+        return ([(daemon_rank, (str(runs / "ckpt"), str(runs / f"daemon{r}.pkl"))),
+                 (trainer_rank, (str(runs / f"grads{r}.pkl"),)),
+                 *[(update_rank, (lr, boost, str(runs / f"{name}{r}.pkl")))
+                   for name, (lr, boost) in UPDATE_RUNS.items()]],)
+
+    assert run_gloo_ranks(2, str(runs / "store"), in_turn, works, timeout_s=300) == [0, 0]
+    return runs
 
 
 def test_a_restarted_sharded_learner_exports_the_window_auc_of_the_samples_before_the_restart(
