@@ -27,7 +27,7 @@ from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.row_mapper import RowMapper, field_spans, mapped_slots
 from stream.samples import SampleBatch
-from tests.unit.learner.gloo_ranks import run_gloo_ranks
+from tests.unit.learner.gloo_ranks import in_turn, run_gloo_ranks
 
 B = 6
 # rows: item_id [0, 262), user_id [262, 668), ctx.device [668, 688); 2 ranks hold [0, 344) and [344, 688): the
@@ -147,13 +147,20 @@ def rank_work(rank: int, world: int, out: str, cfg_name: str, rounds: int, load:
                                         "nbytes": ids.nbytes(), "occupancy": dict(ids.occupancy)}))
 
 
-def run_ranks(world: int, tmp_path: Path, cfg_name: str, rounds: int = ROUNDS, load: Path | None = None,
-              tag: str = "") -> dict[str, Any]:
-    """``rank_work`` on ``world`` spawned ranks; their dumps, and the whole table, sums and maps they hold."""
-    outs = [str(tmp_path / f"{tag}rank{r}.pkl") for r in range(world)]
-    assert run_gloo_ranks(world, str(tmp_path / f"{tag}store"), rank_work,
-                          lambda r: (outs[r], cfg_name, rounds, str(load) if load else None)) == [0] * world
-    got = [pickle.loads(Path(o).read_bytes()) for o in outs]
+def run_ranks(world: int, tmp_path: Path, runs: dict[str, tuple[str, int, Path | None]]) -> dict[str, dict[str, Any]]:
+    """``rank_work`` on ``world`` spawned ranks for each of ``runs`` (tag: (cfg_name, rounds, load)), in turn on
+    the same ranks (one spawn: ``gloo_ranks.in_turn``); per tag, what :func:`gathered` makes of the ranks' dumps."""
+    def works(r: int) -> tuple[list[tuple[Any, tuple]]]:
+        return ([(rank_work, (str(tmp_path / f"{tag}rank{r}.pkl"), cfg_name, rounds, str(load) if load else None))
+                 for tag, (cfg_name, rounds, load) in runs.items()],)
+
+    assert run_gloo_ranks(world, str(tmp_path / "store"), in_turn, works, timeout_s=300) == [0] * world
+    return {tag: gathered(world, tmp_path, tag, cfg_name) for tag, (cfg_name, _, _) in runs.items()}
+
+
+def gathered(world: int, tmp_path: Path, tag: str, cfg_name: str) -> dict[str, Any]:
+    """The dumps of run ``tag``'s ranks, the whole table, sums and maps they hold, and rank 0's deltas directory."""
+    got = [pickle.loads((tmp_path / f"{tag}rank{r}.pkl").read_bytes()) for r in range(world)]
     from learner.sharded_ids import whole_maps
 
     cfg = CFGS[cfg_name]
@@ -170,7 +177,26 @@ def run_ranks(world: int, tmp_path: Path, cfg_name: str, rounds: int = ROUNDS, l
             sums[lo:lo + len(t)] = t
     states = [g["state"] for g in got]
     return {"ranks": got, "table": table, "sums": sums, "counts": counts, "states": states,
-            "mapper": RowMapper.from_state(cfg, whole_maps(cfg, states))}
+            "mapper": RowMapper.from_state(cfg, whole_maps(cfg, states)), "deltas": tmp_path / f"{tag}rank0.deltas"}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """One spawned rank's ROOMY run, read by the tests below (none writes to it)."""
+    return run_ranks(1, tmp_path_factory.mktemp("one_rank"), {"roomy": ("roomy", ROUNDS, None)})
+
+
+@pytest.fixture(scope="module")
+def two_ranks(one_rank: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory,
+              ) -> dict[str, dict[str, Any]]:
+    """Two spawned ranks' runs, read by the tests below: ROOMY, FULL, and ``restored``: :func:`one_rank`'s maps and
+    table restored onto both ranks (no rounds)."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    one, dump = one_rank["roomy"], tmp / "one.pkl"
+    dump.write_bytes(pickle.dumps({"table": one["table"], "sums": one["sums"], "counts": one["counts"],
+                                   "states": one["states"]}))
+    return run_ranks(2, tmp, {"roomy": ("roomy", ROUNDS, None), "full": ("full", ROUNDS, None),
+                              "restored": ("roomy", 0, dump)})
 
 
 def admitted(mapper: RowMapper, field: int, keys: np.ndarray) -> np.ndarray:
@@ -179,8 +205,9 @@ def admitted(mapper: RowMapper, field: int, keys: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_ranks_mapping_their_shares_give_every_id_one_processs_vector_and_state(world: int, tmp_path: Path) -> None:
-    got = run_ranks(world, tmp_path, "roomy")
+def test_ranks_mapping_their_shares_give_every_id_one_processs_vector_and_state(
+        world: int, request: pytest.FixtureRequest) -> None:
+    got = request.getfixturevalue("one_rank" if world == 1 else "two_ranks")["roomy"]
     ref = reference(ROOMY, world)
     mapper, want = got["mapper"], ref["mapper"]
     stats = want.stats()
@@ -222,7 +249,7 @@ def test_ranks_mapping_their_shares_give_every_id_one_processs_vector_and_state(
         assert len(torch.unique(pairs[0])) == len(torch.unique(pairs[1])) == pairs.shape[1]  # a bijection
     from learner.deltas import list_deltas, load_delta
 
-    (_, _, path), = list_deltas(tmp_path / "rank0.deltas")
+    (_, _, path), = list_deltas(got["deltas"])
     served = RowMapper.from_state(ROOMY, load_delta(path).id_maps)  # what serving maps ids with
     for f, keys in ((0, np.arange(30, dtype=np.int64)), (2, USERS)):
         assert np.array_equal(served.rows(f, keys), mapper.rows(f, keys))
@@ -234,11 +261,11 @@ def test_ranks_mapping_their_shares_give_every_id_one_processs_vector_and_state(
             assert len(part["row_key"]) < 400
 
 
-def test_a_full_share_evicts_its_own_least_recently_seen_ids(tmp_path: Path) -> None:
+def test_a_full_share_evicts_its_own_least_recently_seen_ids(two_ranks: dict[str, dict[str, Any]]) -> None:
     """Each rank's map is the IdMap of its share (capacity: its own rows) fed, round by round, the keys it owns."""
     from learner.sharded_ids import owner_index
 
-    got = run_ranks(2, tmp_path, "full")
+    got = two_ranks["full"]
     shares = got["ranks"][0]["shares"]["user_id"]
     assert len(shares) == 2
     user = [f.name for f in FULL.fields].index("user_id")
@@ -276,14 +303,11 @@ def test_a_full_share_evicts_its_own_least_recently_seen_ids(tmp_path: Path) -> 
         assert ((given >= s.start) & (given < s.start + s.count)).any(), s
 
 
-def test_a_restore_on_another_world_size_keeps_every_ids_vector_and_sum(tmp_path: Path) -> None:
+def test_a_restore_on_another_world_size_keeps_every_ids_vector_and_sum(one_rank: dict[str, dict[str, Any]],
+                                                                        two_ranks: dict[str, dict[str, Any]]) -> None:
     """1 rank's maps restored onto 2 ranks: the ids whose new owner's share does not hold their row move there
     with their vector and row-wise sum; the whole maps' ids are the same, and so is everything that did not move."""
-    one = run_ranks(1, tmp_path, "roomy", tag="one-")
-    dump = tmp_path / "one.pkl"
-    dump.write_bytes(pickle.dumps({"table": one["table"], "sums": one["sums"], "counts": one["counts"],
-                                   "states": one["states"]}))
-    two = run_ranks(2, tmp_path, "roomy", rounds=0, load=dump, tag="two-")
+    one, two = one_rank["roomy"], two_ranks["restored"]
     moved = 0
     for f, keys in ((0, np.arange(30, dtype=np.int64)), (2, USERS)):
         assert np.array_equal(admitted(two["mapper"], f, keys), admitted(one["mapper"], f, keys))
