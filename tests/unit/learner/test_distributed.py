@@ -249,16 +249,16 @@ def test_a_huge_dense_value_never_makes_the_sharded_trainers_adam_state_infinite
     assert trainer.overflow_steps == 1
 
 
-def _two_ranks(rank: int, store_path: str, out: str) -> None:
-    """One of 2 gloo ranks (torch.multiprocessing.spawn): a suspect's round, a failed round told through the store,
-    and a stop signal on rank 1 while rank 0 waits for the first samples; the results in ``out``-<rank>.json."""
+def _two_ranks(rank: int, world: int, out: str) -> None:
+    """One of 2 gloo ranks (``two_ranks``): a suspect's round, a failed round told through the store, and a stop
+    signal on rank 1 while rank 0 waits for the first samples; the results in ``out``-<rank>.json."""
     import json
     import time
     from types import SimpleNamespace
 
     from learner import distributed, sharded_daemon
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    real = sharded_daemon.infer_feature_config
     try:
         got: dict = {}
         rnd = LockStep(10).agree(25 if rank == 0 else 5, False, False, False, 0, suspect=rank == 1)
@@ -278,18 +278,15 @@ def _two_ranks(rank: int, store_path: str, out: str) -> None:
         got["config"] = learner._fresh_config()
         Path(f"{out}-{rank}.json").write_text(json.dumps(got))
     finally:
-        dist.destroy_process_group()
+        sharded_daemon.infer_feature_config = real
 
 
 def test_two_ranks_train_a_suspect_alone_share_a_failed_round_and_any_ranks_stop_ends_the_wait(
-        tmp_path: Path) -> None:
+        two_ranks: Path) -> None:
     import json
 
-    import torch.multiprocessing as mp
-
-    mp.spawn(_two_ranks, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
     for rank in (0, 1):
-        got = json.loads((tmp_path / f"out-{rank}.json").read_text())
+        got = json.loads((two_ranks / f"suspect-{rank}.json").read_text())
         assert got["turn"] == 1 and got["steps"] == [5]
         assert got["idle"] is None  # rank 1's suspect waits for its round: not idle
         assert got["failed"] == "rank 0: ValueError: bad row"
@@ -345,36 +342,56 @@ def _settings_of_each_rank(rank: int, world: int, tmp: str, out: str) -> None:
     Path(out).write_text(json.dumps(got))
 
 
-def test_ranks_started_with_different_settings_directories_or_on_one_in_use_all_stop_at_start_naming_why(
-        tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's 2-rank runs in one spawn (``gloo_ranks.in_turn``; each rank's start imports torch, torchrec and
+    this module), each in a directory of its own under the one returned: the settings checks (on ``settings/``, its
+    ckpt's LOCK held here as another learner would), the failed checkpoints (full disk, unreadable metadata), the
+    checksums read once, and the suspect's round last (it stubs the daemon's probe, restored at its end)."""
     import fcntl
-    import json
     import os
 
-    from tests.unit.learner.gloo_ranks import run_gloo_ranks
+    from tests.unit.learner.gloo_ranks import in_turn, run_gloo_ranks
 
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "mount").symlink_to(tmp_path / "ckpt")  # another host's mount point of the same directory
-    lock = os.open(tmp_path / "ckpt" / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)  # another job's rank 0, or a learner
+    runs = tmp_path_factory.mktemp("two_ranks")
+    settings = runs / "settings"
+    (settings / "ckpt").mkdir(parents=True)
+    (settings / "mount").symlink_to(settings / "ckpt")  # another host's mount point of the same directory
+    lock = os.open(settings / "ckpt" / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)  # another job's rank 0, or a learner
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     os.write(lock, b"4242\n")
-    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+
+    def works(r: int) -> tuple[list[tuple[object, tuple]]]:
+        return ([(_settings_of_each_rank, (str(settings), str(runs / f"settings-{r}.json"))),
+                 (_two_ranks_one_full_disk, (str(runs / "full_disk"), str(runs / "full_disk"))),
+                 (_two_ranks_one_unreadable_metadata, (str(runs / "unreadable"), str(runs / "unreadable"))),
+                 (_two_ranks_check_a_checkpoint, (str(runs / "checksums"), str(runs / "checksums"))),
+                 (_two_ranks, (str(runs / "suspect"),))],)
+
     try:
-        assert run_gloo_ranks(2, str(tmp_path / "store"), _settings_of_each_rank,
-                              lambda r: (str(tmp_path), outs[r])) == [0, 0]
+        assert run_gloo_ranks(2, str(runs / "store"), in_turn, works, timeout_s=300) == [0, 0]
     finally:
         os.close(lock)
+    return runs
+
+
+def test_ranks_started_with_different_settings_directories_or_on_one_in_use_all_stop_at_start_naming_why(
+        two_ranks: Path) -> None:
+    import json
+
+    tmp = two_ranks / "settings"
+    outs = [str(two_ranks / f"settings-{r}.json") for r in range(2)]
     for out in outs:  # every rank decides the same: none is left waiting in a collective
         got = json.loads(Path(out).read_text())
-        assert f"{tmp_path / 'ckpt'} is in use by another learner (pid 4242, holding LOCK)" in got["locked"]
+        assert f"{tmp / 'ckpt'} is in use by another learner (pid 4242, holding LOCK)" in got["locked"]
         assert got["same"] is None
         assert "step_rows: rank 0 100, rank 1 50" in got["step_rows"]
         assert "lr_dense: rank 0 0.001, rank 1 0.01" in got["lr_dense"]
-        assert (f"rank 0 writes {tmp_path / 'ckpt'} but rank 1's {tmp_path / 'elsewhere'} is not that directory"
+        assert (f"rank 0 writes {tmp / 'ckpt'} but rank 1's {tmp / 'elsewhere'} is not that directory"
                 in got["checkpoint_dir"])
         # rank 0 could not write the .group token (a full disk): every rank stops with its error, none waits for it
         assert got["full"] == json.loads(Path(outs[0]).read_text())["full"]
-        assert (f"{tmp_path / 'ckpt'}: rank 0 cannot write its .group (the file system is full (no space left on "
+        assert (f"{tmp / 'ckpt'}: rank 0 cannot write its .group (the file system is full (no space left on "
                 "device)" in got["full"])
 
 
@@ -631,17 +648,16 @@ def test_a_dcp_data_file_copied_in_from_another_sharded_checkpoint_is_refused_na
     assert sharded_checkpoint.latest(tmp_path) is not None
 
 
-def _two_ranks_check_a_checkpoint(rank: int, store_path: str, directory: str, out: str) -> None:
-    """One of 2 gloo ranks: a sharded checkpoint saved, its files' sha256 read by each rank at save and at
-    ``latest()``, then a file damaged; what each rank read and raised in ``out``-<rank>.json."""
+def _two_ranks_check_a_checkpoint(rank: int, world: int, directory: str, out: str) -> None:
+    """One of 2 gloo ranks (``two_ranks``): a sharded checkpoint saved, its files' sha256 read by each rank at save
+    and at ``latest()``, then a file damaged; what each rank read and raised in ``out``-<rank>.json."""
     import json
 
     from learner import checkpoint, sharded_checkpoint
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    real = sharded_checkpoint.sha256_file
     try:
         read: list[str] = []
-        real = sharded_checkpoint.sha256_file
         sharded_checkpoint.sha256_file = lambda p: read.append(Path(p).name) or real(p)  # type: ignore[func-returns-value]
         path = sharded_checkpoint.save(Path(directory), {"model": {f"w{rank}": torch.full((64,), float(rank))}},
                                        {}, {"samples_trained": 1, "world_size": 2}, rank)
@@ -661,21 +677,17 @@ def _two_ranks_check_a_checkpoint(rank: int, store_path: str, directory: str, ou
         Path(f"{out}-{rank}.json").write_text(json.dumps({"save": at_save, "restore": at_restore,
                                                           "refused": refused}))
     finally:
-        dist.destroy_process_group()
+        sharded_checkpoint.sha256_file = real
 
 
 def test_two_ranks_read_a_sharded_checkpoint_once_between_them_to_check_its_sha256_and_both_refuse_a_damaged_file(
-        tmp_path: Path) -> None:
+        two_ranks: Path) -> None:
     """Every rank hashed every DCP data file at each restore (and rank 0 alone all of them at save, the others
     waiting): N ranks read the checkpoint N times. Each rank now reads its share, and every rank still refuses a
     file another rank found damaged."""
     import json
 
-    import torch.multiprocessing as mp
-
-    mp.spawn(_two_ranks_check_a_checkpoint, args=(str(tmp_path / "store"), str(tmp_path / "ckpt"),
-                                                  str(tmp_path / "out")), nprocs=2, join=True)
-    got = [json.loads((tmp_path / f"out-{rank}.json").read_text()) for rank in (0, 1)]
+    got = [json.loads((two_ranks / f"checksums-{rank}.json").read_text()) for rank in (0, 1)]
     files = {".metadata", "__0_0.distcp", "__1_0.distcp"}
     for when in ("save", "restore"):
         assert sorted(got[0][when] + got[1][when]) == sorted(files)  # each file read once, by one rank
@@ -805,7 +817,7 @@ def _two_ranks_one_full_disk(rank: int, world: int, directory: str, out: str) ->
 
 
 def test_a_checkpoint_one_ranks_full_disk_fails_fails_on_every_rank_with_its_oserror_and_the_previous_stays_newest(
-        tmp_path: Path) -> None:
+        two_ranks: Path) -> None:
     """Rank 1 could not write its own state: it raised alone while rank 0 waited in the barrier for it (then failed
     on the peer's exit, a job stopped for a full disk). Every rank now raises the same OSError (the daemon's
     _try_save skips the checkpoint on every rank alike), the half-written one is removed and never complete, the
@@ -813,11 +825,7 @@ def test_a_checkpoint_one_ranks_full_disk_fails_fails_on_every_rank_with_its_ose
     import errno
     import json
 
-    from tests.unit.learner.gloo_ranks import run_gloo_ranks
-
-    assert run_gloo_ranks(2, str(tmp_path / "store"), _two_ranks_one_full_disk,
-                          lambda r: (str(tmp_path / "ckpt"), str(tmp_path / "out"))) == [0, 0]
-    got = [json.loads((tmp_path / f"out-{rank}.json").read_text()) for rank in (0, 1)]
+    got = [json.loads((two_ranks / f"full_disk-{rank}.json").read_text()) for rank in (0, 1)]
     for g in got:
         assert g["raised"].startswith(f"{errno.ENOSPC} ") and "rank 1: OSError" in g["raised"]
         assert g["newest_after_failure"] == g["first"] and g["tmp_left"] == []
@@ -953,7 +961,7 @@ def _two_ranks_one_unreadable_metadata(rank: int, world: int, directory: str, ou
 
 
 def test_a_checkpoint_whose_metadata_one_rank_cannot_read_back_fails_on_every_rank_not_on_that_rank_alone(
-        tmp_path: Path) -> None:
+        two_ranks: Path) -> None:
     """The checksums' stage read ``.metadata`` on each rank before its all-gather, outside the agreed stages: rank 1's
     read error (EIO on its mount) left save on rank 1 alone (an OSError the daemon's _try_save skips: it trained on)
     while rank 0 waited in the checksums' all-gather, which the next collective of rank 1 then answered. Every rank
@@ -961,11 +969,7 @@ def test_a_checkpoint_whose_metadata_one_rank_cannot_read_back_fails_on_every_ra
     import errno
     import json
 
-    from tests.unit.learner.gloo_ranks import run_gloo_ranks
-
-    assert run_gloo_ranks(2, str(tmp_path / "store"), _two_ranks_one_unreadable_metadata,
-                          lambda r: (str(tmp_path / "ckpt"), str(tmp_path / "out")), timeout_s=60) == [0, 0]
-    got = [json.loads((tmp_path / f"out-{rank}.json").read_text()) for rank in (0, 1)]
+    got = [json.loads((two_ranks / f"unreadable-{rank}.json").read_text()) for rank in (0, 1)]
     for g in got:
         assert g["raised"].startswith(f"{errno.EIO} ") and "rank 1: OSError" in g["raised"]
         assert g["newest_after_failure"] == g["first"] and g["tmp_left"] == []
