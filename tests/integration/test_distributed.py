@@ -92,11 +92,16 @@ def last_json(stdout: str) -> dict:
     return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
 
 
-def unshard(src: Path, dst: Path, env: dict[str, str]) -> Checkpoint:
-    """``streamrec train --unshard``: the newest sharded checkpoint of ``src`` as a single-process one in ``dst``."""
-    un = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(src), "--unshard",
-                         str(dst), "--json"], env=env, capture_output=True, text=True, timeout=120)
-    assert un.returncode == 0, un.stderr[-3000:]
+def unshard(src: Path, dst: Path, env: dict[str, str] | None = None) -> Checkpoint:
+    """The newest sharded checkpoint of ``src`` as a single-process one in ``dst``: by ``streamrec train --unshard``
+    where ``env`` is given (the CLI's path, run by the kill-and-restart test), else by what that command calls,
+    ``sharded_checkpoint.unshard``, in this process (a process start, torch's import, less)."""
+    if env is None:
+        sharded_checkpoint.unshard(src, dst)
+    else:
+        un = subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--checkpoint-dir", str(src), "--unshard",
+                             str(dst), "--json"], env=env, capture_output=True, text=True, timeout=120)
+        assert un.returncode == 0, un.stderr[-3000:]
     plain = load_latest(dst)
     assert plain is not None
     return plain
@@ -122,9 +127,12 @@ def test_two_ranks_killed_and_restarted_train_every_sample_once_then_unshard_to_
     ckpt = tmp_path / "ckpt"
     env = env_for(kafka, STREAMREC_LEARNER_CHECKPOINT_EVERY_SAMPLES="600")
     out_file, err_file = tmp_path / "torchrun.out", tmp_path / "torchrun.err"  # files: a full pipe would block
+    # the job ends once both halves are trained (--max-samples: the ranks' counts, earlier runs' included), not an
+    # idle wait after the last sample; the long idle bound only keeps the first run from ending before the kill
+    total = MESSAGES * ROWS
     with open(out_file, "w") as so, open(err_file, "w") as se:
-        proc = subprocess.Popen(torchrun(2, ckpt, max_restarts=3, idle_s=6), env=env, stdout=so, stderr=se,
-                                start_new_session=True)
+        proc = subprocess.Popen(torchrun(2, ckpt, "--max-samples", str(total), max_restarts=3, idle_s=120), env=env,
+                                stdout=so, stderr=se, start_new_session=True)
     # at the first sharded checkpoint SIGKILL rank 1 (a python child of torchrun's agent): what the ranks trained
     # after it is lost with them and must be trained again, once
     deadline = time.monotonic() + 240
@@ -154,7 +162,7 @@ def test_two_ranks_killed_and_restarted_train_every_sample_once_then_unshard_to_
     assert meta["world_size"] == 2
     assert {int(p): n for p, n in meta["partition_rows"].items()} == rows
     assert {int(p): o for p, o in meta["offsets"].items()} == {p: MESSAGES // PARTITIONS for p in rows}
-    assert meta["samples_trained"] == sum(rows.values()) == summary["samples_trained"]
+    assert meta["samples_trained"] == sum(rows.values()) == summary["samples_trained"] == total
     assert meta["metrics"]["samples"] == sum(rows.values())  # progressive metrics counted each sample once
     assert err.count(" on 2 ranks (gloo)") >= 2, err[-4000:]  # rank 0 started again: the agent restarted the group
     assert sorted(summary["samples_per_rank"]) != [0, 0]
@@ -217,7 +225,7 @@ def test_two_ranks_with_dynamic_ids_reach_the_progressive_auc_and_id_maps_of_one
     assert s2["served"]["all"]["impressions"] == s1["served"]["all"]["impressions"] == sum(rows.values())
     assert abs(s2["served"]["all"]["auc"] - s1["served"]["all"]["auc"]) <= 0.02
     # the reshard to one process carries the maps: every user maps to its own, trained row
-    plain = unshard(tmp_path / "two", tmp_path / "single", env)
+    plain = unshard(tmp_path / "two", tmp_path / "single")
     from learner.row_mapper import RowMapper
     cfg = plain.feature_config
     mapper = RowMapper.from_state(cfg, plain["id_maps"])
@@ -306,7 +314,7 @@ def test_two_ranks_boosting_young_rows_reach_one_processs_auc_and_unshard_the_up
     auc1, auc2 = s1["metrics"]["auc"], s2["metrics"]["auc"]
     print(f"boost 4, progressive AUC: 1 process {auc1:.4f}, 2 ranks {auc2:.4f}")
     assert auc1 > 0.65 and abs(auc1 - auc2) <= 0.02, (auc1, auc2)
-    plain = unshard(tmp_path / "two", tmp_path / "single", env)
+    plain = unshard(tmp_path / "two", tmp_path / "single")
     assert plain.meta["model"]["boost"] == 4.0
     state = next(iter(plain["sparse_opt"]["state"].values()))
     updates = state["updates"]  # (num_rows,) int32: each row's boosted updates so far
@@ -352,11 +360,15 @@ def test_two_ranks_write_serving_deltas_whose_rows_and_dense_weights_are_the_fin
             rows[p] += n
         proc.wait(timeout=300)
         assert proc.returncode == 0, err_file.read_text()[-4000:]
+        # every announcement was published before the learner exited: wait for as many as there are deltas (not a
+        # fixed 2 s), then take whatever else is already there (one too many would show)
         announced = []
-        until = time.monotonic() + 2  # get_message returns None for the (ignored) subscribe confirmation too
-        while time.monotonic() < until:
-            if (msg := sub.get_message(timeout=0.2)) is not None:
+        until, written = time.monotonic() + 30, len(list_deltas(deltas))
+        while len(announced) < written and time.monotonic() < until:
+            if (msg := sub.get_message(timeout=0.2)) is not None:  # None for the ignored subscribe confirmation too
                 announced.append(int(msg["data"]))
+        while (msg := sub.get_message(timeout=0.2)) is not None:
+            announced.append(int(msg["data"]))
     finally:
         sub.close()
         client.close()
@@ -437,7 +449,7 @@ def test_two_ranks_calibrate_what_they_serve_like_one_process_and_unshard_it(kaf
     assert (c2["a"], c2["b"]) != (1.0, 0.0)
     assert abs(c1["a"] - c2["a"]) < 0.2 and abs(c1["b"] - c2["b"]) < 0.2, (c1, c2)
     # the reshard to one process serves the fitted (a, b), and a single-process restart keeps fitting from it
-    plain = unshard(tmp_path / "two", tmp_path / "single", env)
+    plain = unshard(tmp_path / "two", tmp_path / "single")
     np.testing.assert_allclose(plain["model"]["calibration"].numpy(), [c2["a"], c2["b"]], rtol=1e-6)
     assert plain["calibration"]["rows"] == c2["pairs_fitted"]
 
@@ -515,4 +527,4 @@ def test_two_ranks_restored_onto_a_samples_topic_made_again_past_their_offsets_t
     assert trained == sum(rows.values())  # every record of the new topic, once
     said = [line for line in second.stderr.splitlines() if "ERROR" in line and new_id in line]
     assert len(said) == 1 and old_id in said[0]
-    assert unshard(ckpt, tmp_path / "single", env_for(kafka)).meta["topic_id"] == new_id  # its restore compares it
+    assert unshard(ckpt, tmp_path / "single").meta["topic_id"] == new_id  # its restore compares it
