@@ -100,6 +100,15 @@ class Unfetched:
         self.since = {k: t for k, t in self.since.items() if k[1] not in gone}
 
 
+def unread(partitions: Iterable[int], behind: Behind, paused: set[Key]) -> list[Key]:
+    """The inputs of ``partitions`` with more to read (``behind``: by the high watermark their fetcher saw, or not
+    fetched yet since the assignment, for ``Unfetched``'s grace), those ``paused`` left out (the idle exit resumes them
+    first). A driver counts no idleness while there is one: an idle exit before the clicks' first fetch (a slow group
+    join or fetch under load) drained their impressions as 0s, their clicks never read (the faust driver's)."""
+    return [(kind, p) for p in sorted(partitions) for kind in (IMPRESSIONS, CLICKS)
+            if (kind, p) not in paused and behind(kind, p)]
+
+
 def hold_limits(reached: Mapping[Key, int | None], behind: Behind, drift_ms: int) -> dict[Key, int]:
     """Per input of the partitions in a batch, the event time it may be joined up to now (absent: no limit).
 

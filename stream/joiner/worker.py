@@ -90,7 +90,7 @@ from faust.types import TP
 from stream.config import MAX_POLL_INTERVAL_MS, KafkaSettings, SaslMechanism, SecurityProtocol
 from stream.errors import ConfigError, clip
 from stream.idle_clock import IdleClock
-from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Unfetched, topic_of
+from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Unfetched, topic_of, unread
 from stream.joiner.config import JoinerSettings
 from stream.joiner.faust_delivery import BatchConsumer, BatchDelivery, Processed, install
 from stream.joiner.pipeline import JoinPipeline, Record
@@ -393,14 +393,21 @@ class FaustJoinWorker:
         stall past its session had lost its partitions, which faust tells it only a heartbeat later: taken for idle
         at once, it drained its stale joins, their pending impressions out as samples labelled 0 whose clicks the
         partitions' new owner had joined already (the frozen-joiner fault test). With a limit under a heartbeat it
-        still did (idleness restarted at 0)."""
+        still did (idleness restarted at 0). Idleness counts only while the worker holds partitions and has read each
+        assigned input to its end (``backpressure.unread``): it ran during a rebalance and before the clicks' first
+        fetch, and a slow group join or fetch ended the run with the clicks unread, their impressions drained as 0s."""
         idle_s = self._idle.tick()  # below 0 for two heartbeats after a stall
         self.pipeline.awake.tick()  # a round ran: a quiet click input's time counts (a stall's does not)
         limit = self.js.exit_when_idle_s
         if self._wait or time.monotonic() < self._waited_until:  # a recovery's wait, owed or under way, is no idleness
             self._idle.reset()  # (the rewound records are read only after it: idleness counts from its end)
             return
-        if limit is None or self._stopping or self._busy or self._records_in_hand or idle_s < limit:
+        if limit is None or self._stopping or self._busy or self._records_in_hand:
+            return
+        if not self._assigned or unread(self._assigned, self._behind, self.pauses.paused):
+            self._idle.reset()  # a rebalance under way, input not read yet: no idleness (backpressure.unread)
+            return
+        if idle_s < limit:
             return
         if self.pipeline.held_counts:  # never end a run with records held: the next batch joins them all
             self._join_held = True

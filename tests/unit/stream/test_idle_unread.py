@@ -1,0 +1,54 @@
+"""Neither driver's idle exit ends a bounded run with input it has not read. The faust driver's idle clock ran while
+the worker held no partition (a rebalance: revoked, the group's next generation not formed yet; a group join slower
+than the limit under load) and while an assigned input had not been fetched yet, or had more to read than its
+batches had brought: ``--exit-when-idle 4 --drain`` could end the run there, its pending impressions drained as 0s
+with their clicks unread (seen once: the fake_negative policy's faust run in tests/integration/test_join_policies.py
+with no delayed positive). Both drivers now count idleness only once they hold partitions and every assigned input is
+read to its end, by the high watermark its fetcher saw (``backpressure.unread``; an input never fetched counts as
+unread for ``Unfetched``'s grace, so a partition whose fetch keeps failing cannot keep a run from ending)."""
+
+from __future__ import annotations
+
+import pytest
+
+from stream.joiner.backpressure import UNFETCHED_GRACE_S, Unfetched
+from tests.unit.stream.test_idle_stall import Clock, idle_worker, tick_until
+
+LIMIT_S = 10.0  # idle_worker's and run_kafka_worker's --exit-when-idle
+
+
+def clicks_unread_until(clock: Clock, end: float, before: bool | None) -> object:
+    """A fetcher's ``fetched_more`` for a worker's inputs: clicks ``before`` (True: more to read, None: not fetched
+    yet) until ``end``, then read to their end; impressions read to their end throughout."""
+    def fetched_more(tp: tuple[str, int]) -> bool | None:
+        return before if tp[0] == "clicks" and clock.t < end else False
+    return fetched_more
+
+
+def test_the_faust_driver_does_not_exit_idle_while_it_holds_no_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, drained = Clock(), list[float]()
+    monkeypatch.setattr("time.monotonic", clock)
+    w = idle_worker(monkeypatch, clock, drained)
+    w.app.consumer.fetched_more = clicks_unread_until(clock, 0.0, None)
+    w._assigned = set()  # a rebalance under way: revoked, not assigned again yet
+    tick_until(w, clock, 30.0)
+    assert drained == [] and not w._stopping
+    w._assigned = {0}  # assigned at 30 s, everything read already
+    tick_until(w, clock, 60.0)
+    assert w._stopping and drained == [pytest.approx(30.0 + LIMIT_S, abs=0.3)]
+
+
+@pytest.mark.parametrize("before, ends_at", [(True, 25.0 + LIMIT_S), (None, UNFETCHED_GRACE_S + LIMIT_S)],
+                         ids=["more-to-read", "not-fetched"])
+def test_the_faust_driver_does_not_exit_idle_before_every_assigned_input_is_read_to_its_end(
+        monkeypatch: pytest.MonkeyPatch, before: bool | None, ends_at: float) -> None:
+    """Clicks with more to read until 25 s: idleness counts from 25 s. Clicks never fetched: from when their grace
+    (from the first idle check) has passed; a partition whose fetch keeps failing does not keep the run from ending."""
+    clock, drained = Clock(), list[float]()
+    monkeypatch.setattr("time.monotonic", clock)
+    w = idle_worker(monkeypatch, clock, drained)
+    w.unfetched = Unfetched(clock=clock)
+    w.app.consumer.fetched_more = clicks_unread_until(clock, 25.0 if before else float("inf"), before)
+    tick_until(w, clock, 60.0)
+    assert w._stopping and drained == [pytest.approx(ends_at, abs=0.3)]
+
