@@ -22,7 +22,8 @@ them again, so the two marks are set apart. The gate's event-time rule, which pa
 the other's by the drift, is not used here: the hold already bounds what is joined by the same drift, and that rule
 paused and resumed inputs with nearly every batch of a replay (~25 of ~70 s of a replayed ML-1M went to re-fetching).
 Clicks near ``max_waiting_per_partition`` are still paused by the gate (``backpressure.py``) until their impressions
-catch up; the gate is asked after every batch, and a run never ends idle with an input paused or records held.
+catch up; the gate is asked after every batch, and a run never ends idle with an input paused or records held, nor
+before every assigned input is read to its end (``backpressure.unread``; idleness counts from then).
 
 A failure of the infrastructure (the broker or Redis unreachable, a delivery not acknowledged) is
 not the batch's fault: the worker recovers in-process instead. It forgets its in-memory state, seeks
@@ -47,7 +48,7 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, Kafka
 from stream.config import KafkaSettings
 from stream.errors import BadMessage, clip
 from stream.idle_clock import IdleClock
-from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Key, Unfetched, topic_of
+from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Key, Unfetched, topic_of, unread
 from stream.joiner.config import JoinerSettings
 from stream.joiner.metrics import ASSIGN_RETRIES
 from stream.joiner.pipeline import JoinPipeline, Record, records_of
@@ -262,6 +263,8 @@ class KafkaJoinWorker:
                 idle_s = self._idle.tick()  # below 0 for two heartbeats after a stall
                 if resumed and idle:
                     self._idle.reset()  # clicks resumed: not idle while they are read
+                elif idle and limit is not None and unread(self._assigned, self._behind, self.pauses.paused):
+                    self._idle.reset()  # an input not read to its end yet (backpressure.unread): no idleness
                 elif idle and limit is not None and idle_s >= limit:
                     if self._held:  # never end a run with records held back: join them first
                         if not self._process([], None):

@@ -102,9 +102,11 @@ class StalledConsumer:
 
 
 def run_kafka_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, stall_s: float,
-                     gate: Callable[[], set[object]] = set, limit: float = 10.0) -> list[float]:
+                     gate: Callable[[], set[object]] = set, limit: float = 10.0,
+                     behind: Callable[[str, int], bool] = lambda _kind, _p: False) -> list[float]:
     """``KafkaJoinWorker.run`` with ``--exit-when-idle LIMIT --drain`` over a :class:`StalledConsumer` (its first poll
-    returns after ``stall_s``) and ``gate`` as its gate; the clock times at which it drained."""
+    returns after ``stall_s``, partition 0 assigned), ``gate`` as its gate and ``behind`` saying which inputs have more
+    to read (none: read to their end); the clock times at which it drained."""
     from stream.config import KafkaSettings
     from stream.joiner import kafka_driver
     from stream.joiner.config import JoinerSettings
@@ -118,6 +120,8 @@ def run_kafka_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, stall_s: flo
     w.pipeline = SimpleNamespace(totals=SimpleNamespace(stage_s={"fetch": 0.0}), awake=IdleClock(1.0, 0.0),  # type: ignore[assignment]
                                  restore=lambda _p: None, drain=lambda: drained.append(clock.t))
     monkeypatch.setattr(w, "_apply_gate", gate)
+    monkeypatch.setattr(w, "_behind", behind)
+    w._assigned = {0}
     monkeypatch.setattr(w, "_commit", lambda: None)
     try:
         assert w.run() == 0

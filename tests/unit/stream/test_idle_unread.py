@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from stream.joiner.backpressure import UNFETCHED_GRACE_S, Unfetched
-from tests.unit.stream.test_idle_stall import Clock, idle_worker, tick_until
+from stream.joiner.backpressure import CLICKS, UNFETCHED_GRACE_S, Unfetched
+from stream.joiner.config import JoinerSettings
+from tests.unit.stream.test_idle_stall import Clock, idle_worker, run_kafka_worker, tick_until
 
 LIMIT_S = 10.0  # idle_worker's and run_kafka_worker's --exit-when-idle
 
@@ -52,3 +53,13 @@ def test_the_faust_driver_does_not_exit_idle_before_every_assigned_input_is_read
     tick_until(w, clock, 60.0)
     assert w._stopping and drained == [pytest.approx(ends_at, abs=0.3)]
 
+
+def test_the_kafka_driver_does_not_exit_idle_before_every_assigned_input_is_read_to_its_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its polls bring nothing while the clicks' fetcher says there is more (a fetch slower than the limit): it ended
+    the run at the limit all the same."""
+    clock = Clock()
+    drained = run_kafka_worker(monkeypatch, clock, stall_s=0.0,
+                               behind=lambda kind, _p: kind == CLICKS and clock.t < 25.0)
+    round_s = JoinerSettings().batch_within_s  # idleness counts from the last round that found them unread
+    assert drained and drained[0] >= 25.0 - round_s + LIMIT_S
