@@ -384,7 +384,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
         nothing more). Nothing read or sought yet (a new group's first assignment, started at the beginning): aiokafka's
         fetch position stands in for the read offset once it is known, or a partition whose every record was deleted
         (retention, DeleteRecords: the log start, where it starts, is the high water) read as more for good and the
-        hold kept the other input back (as the kafka driver's ``stream.kafka.fetched_more`` once did)."""
+        hold kept the other input back (as the kafka driver's ``stream.kafka.fetched_more`` once did). Past the last
+        record read, the log may hold offsets no record is handed on from (a transaction's commit marker, aborted or
+        compacted records): the fetch position, which passes them, at the high water says nothing is left (the read
+        offset below it read as more for good: no idle exit, ``backpressure.unread``, and the other input held back)."""
         if (tp[0], tp[1]) in self._carried:
             return True
         try:
@@ -399,7 +402,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
         if read is None:
             position = _fetch_position(self._thread._ensure_consumer(), tp)
             return position is None or position < high
-        return (read + 1 if sought is None else sought) < high
+        if (read + 1 if sought is None else sought) >= high:
+            return False
+        position = None if sought is not None else _fetch_position(self._thread._ensure_consumer(), tp)
+        return position is None or position < high
 
     def _set_carry(self, records: list[Record]) -> None:
         self._carry = records

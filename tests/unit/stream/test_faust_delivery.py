@@ -224,8 +224,9 @@ def test_a_partition_whose_last_records_wait_in_the_carry_still_has_more_to_read
             raise KeyError(tp)  # not fetched yet
         return highs[tp]
 
+    unsubscribed = SimpleNamespace(_subscription=SimpleNamespace(subscription=None))  # aiokafka's position unknown
     fake = SimpleNamespace(highwater=highwater, _read_offset={clicks: 39, imps: 5}, _sought={}, _carry=[],
-                           _carried=set())
+                           _carried=set(), _thread=SimpleNamespace(_ensure_consumer=lambda: unsubscribed))
     more = BatchConsumer.fetched_more
     assert more(fake, clicks) is False  # type: ignore[arg-type]  # fetched to its high water, nothing carried
     assert more(fake, imps) is True  # type: ignore[arg-type]  # 6..9 not fetched yet
@@ -459,3 +460,38 @@ def test_a_session_or_heartbeat_in_kafka_extra_is_refused_for_session_timeout_ms
     for key in ("session.timeout.ms", "heartbeat.interval.ms"):
         with pytest.raises(ConfigError, match=rf"\[kafka.extra\] {key}: the setting \[kafka\] session_timeout_ms"):
             KafkaSettings(extra={key: "20000"})
+
+
+def test_a_partition_ending_in_a_transaction_marker_has_nothing_more_once_the_fetcher_passed_it() -> None:
+    """An application producing in transactions ends each with a commit marker: the partition's last offset holds no
+    record, so faust's read offset (the last record read) stays below the high water for good (so do aborted records
+    read committed, and compacted ones). Read as more to read, no idleness counted (``backpressure.unread``: a bounded
+    ``--exit-when-idle`` run never ended) and the hold kept the other input back. aiokafka's fetch position passes
+    control batches and skipped records as its fetcher hands the records on: at the high water, nothing is left."""
+    import asyncio
+
+    from aiokafka.consumer.fetcher import OffsetResetStrategy
+    from aiokafka.consumer.subscription_state import SubscriptionState
+    from aiokafka.structs import TopicPartition as AioTP
+    from faust.types import TP
+
+    from stream.joiner.faust_delivery import BatchConsumer
+
+    imps = TP("impressions", 0)
+
+    async def answers() -> list[bool | None]:
+        subscription = SubscriptionState()
+        subscription.assign_from_user({AioTP(*imps)})
+        aiokafka = SimpleNamespace(_subscription=subscription)
+        fake = SimpleNamespace(highwater=lambda tp: 1225, _read_offset={imps: 1223}, _sought={}, _carried=set(),
+                               _thread=SimpleNamespace(_ensure_consumer=lambda: aiokafka))
+        state = subscription.subscription.assignment.state_value(AioTP(*imps))
+        state.await_reset(OffsetResetStrategy.EARLIEST)
+        state.reset_to(0)
+        more = BatchConsumer.fetched_more
+        state.consumed_to(1224)  # the last record (1223) handed on, the marker (1224) not fetched yet
+        out = [more(fake, imps)]  # type: ignore[arg-type]
+        state.consumed_to(1225)  # the marker's control batch drained: the fetch position is the high water
+        return [*out, more(fake, imps)]  # type: ignore[arg-type]
+
+    assert asyncio.run(answers()) == [True, False]  # was [True, True]: more to read for good
