@@ -173,25 +173,28 @@ RANK_LOCAL_SETTINGS = frozenset({"num_workers", "prefetch_factor", "persistent_w
 GROUP_FILE = ".group"  # in checkpoint_dir: rank 0's token of this start (check_same_settings)
 
 
-def check_same_settings(kafka: KafkaSettings, ls: LearnerSettings, rank: int) -> None:
+def check_same_settings(kafka: KafkaSettings, ls: LearnerSettings, rank: int,
+                        limits: EventLimits = DEFAULT_LIMITS) -> None:
     """Collective, every rank at start: a ConfigError on EVERY rank (so none waits in a collective for the others)
     when the ranks were started with different settings, e.g. one host's config file or environment differing.
     Each rank decides from its own value (its step's size, its stop at ``max_samples``, its learning rates, its
     topic), so a difference made the ranks' collectives diverge or their replicas drift apart, and a rank with
     another ``checkpoint_dir`` wrote its shards where no load looks while rank 0 renamed a checkpoint without them
-    into place as complete. The ``[learner]`` settings but :data:`RANK_LOCAL_SETTINGS` and the samples topic must be
-    equal; ``checkpoint_dir`` must be the directory rank 0 writes (a token rank 0 writes there, read by every
+    into place as complete. The ``[learner]`` settings but :data:`RANK_LOCAL_SETTINGS`, the samples topic and the
+    ``[limits]`` bounds a samples message is read under (``kafka_dataset.check_strings``: a message dead-lettered on
+    one rank was trained on another, as its partition fell) must be equal; ``checkpoint_dir`` must be the directory rank 0 writes (a token rank 0 writes there, read by every
     rank)."""
     import uuid
 
     mine = {f.name: getattr(ls, f.name) for f in fields(ls) if f.name not in RANK_LOCAL_SETTINGS}
     mine["[kafka] samples_topic"] = kafka.samples_topic
+    mine.update({f"[limits] {name}": getattr(limits, name) for name in ("max_str_len", "max_key_len")})
     everyone = all_gather_objects(mine)
     differ = {k: [e.get(k) for e in everyone] for k in everyone[0]
               if any(e.get(k) != everyone[0][k] for e in everyone[1:])}
     if differ:
-        raise ConfigError("the ranks were started with different settings (every rank must use the same [learner] "
-                          "and [kafka] samples_topic): " + "; ".join(
+        raise ConfigError("the ranks were started with different settings (every rank must use the same [learner], "
+                          "[kafka] samples_topic and [limits]): " + "; ".join(
                               f"{k}: " + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(vals))
                               for k, vals in differ.items()))
     token = broadcast_object(uuid.uuid4().hex if rank == 0 else None)
@@ -945,7 +948,7 @@ def _train(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
     """The learner's run; nothing of the learner outlives this call (run_ranks), nor rank 0's directory lock."""
     lock = hold_checkpoint_dir(ls, ctx.rank)
     try:
-        check_same_settings(kafka, ls, ctx.rank)
+        check_same_settings(kafka, ls, ctx.rank, limits)
         learner = ShardedLearner(kafka, ls, ctx, redis=redis, limits=limits)
         if ctx.rank == 0:
             print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers} on {ctx.world_size} ranks "

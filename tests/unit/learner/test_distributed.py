@@ -321,6 +321,14 @@ def _settings_of_each_rank(rank: int, world: int, tmp: str, out: str) -> None:
             got[name] = None
         except ConfigError as exc:
             got[name] = str(exc)
+    from stream.limits import EventLimits
+
+    try:  # rank 1's environment raises [limits] max_str_len: its partitions' long ids trained, rank 0's dead-lettered
+        check_same_settings(kafka, LearnerSettings(checkpoint_dir=ckpt, step_rows=100), rank,
+                            EventLimits(max_str_len=4096 if rank else 256))
+        got["limits"] = None
+    except ConfigError as exc:
+        got["limits"] = str(exc)
     from learner import sharded_daemon
 
     def full(path: Path, data: object) -> None:  # rank 0's disk is full when it writes the .group token
@@ -387,6 +395,7 @@ def test_ranks_started_with_different_settings_directories_or_on_one_in_use_all_
         assert got["same"] is None
         assert "step_rows: rank 0 100, rank 1 50" in got["step_rows"]
         assert "lr_dense: rank 0 0.001, rank 1 0.01" in got["lr_dense"]
+        assert "[limits] max_str_len: rank 0 256, rank 1 4096" in got["limits"]
         assert (f"rank 0 writes {tmp / 'ckpt'} but rank 1's {tmp / 'elsewhere'} is not that directory"
                 in got["checkpoint_dir"])
         # rank 0 could not write the .group token (a full disk): every rank stops with its error, none waits for it
