@@ -712,7 +712,9 @@ class RuleEngine:
                 # absent still, until data comes; for the text, the time it had counted and the outage it did not
                 counted = max(float(rec.get("counted_s", rule.absent_for_s)), rule.absent_for_s)
                 self.no_data_since[rule.name] = now - counted
-                if "held" in rec:
+                # its outage said only from a last evaluation before the restart (a damaged file's time, past any
+                # date, raised in every evaluation's text; a wall clock stepped back said it ended before it began)
+                if "held" in rec and 0.0 <= float(rec["held"]) <= wall:
                     self.no_data_down[rule.name] = Outages.of(rec).then(float(rec["held"]), wall)
                 self.absent[rule.name] = st
             else:

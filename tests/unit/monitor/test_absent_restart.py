@@ -201,3 +201,24 @@ def test_a_monitor_stopped_before_its_first_evaluation_keeps_its_restored_absenc
     mon, _ = absent_then_restarted(tmp_path, clocks := Clocks(), 10, 15, [])
     mon, _ = restart(mon, tmp_path, clocks, 0, [NO_DATA] * 30)
     assert first_absence_alert(mon, clocks, 30)[0] == 165
+
+
+def test_a_restored_firing_absence_alert_whose_last_evaluation_is_no_date_still_alerts(tmp_path: Path) -> None:
+    # a state file edited or damaged: "held" a finite number past any date (year 33658). It passed the file's checks,
+    # and every evaluation of the restarted monitor raised formatting the outage's times for the alert's text
+    mon, _ = monitor(rules(tmp_path / "state.json"), shares([NO_DATA] * 41), clocks := Clocks())
+    for _ in range(41):
+        mon.step()
+        clocks.tick(STEP_S)
+    mon.close(5)
+    path = tmp_path / "state.json"
+    data = json.loads(path.read_text())
+    data["firing"][0]["held"] = 1e12
+    path.write_text(json.dumps(data))
+    clocks.tick(600)
+    clocks.mono = 7.0  # a new process (restart's)
+    mon, _ = monitor(rules(path), shares([NO_DATA]), clocks)
+    try:
+        assert [a.message for a in mon.step()] == ["cold_start_share: no data for share for 600s"]
+    finally:
+        mon.close(5)
