@@ -182,8 +182,8 @@ def check_same_settings(kafka: KafkaSettings, ls: LearnerSettings, rank: int,
     another ``checkpoint_dir`` wrote its shards where no load looks while rank 0 renamed a checkpoint without them
     into place as complete. The ``[learner]`` settings but :data:`RANK_LOCAL_SETTINGS`, the samples topic and the
     ``[limits]`` bounds a samples message is read under (``kafka_dataset.check_strings``: a message dead-lettered on
-    one rank was trained on another, as its partition fell) must be equal; ``checkpoint_dir`` must be the directory rank 0 writes (a token rank 0 writes there, read by every
-    rank)."""
+    one rank was trained on another, as its partition fell) must be equal; ``checkpoint_dir`` must be the directory
+    rank 0 writes (a token rank 0 writes there, read by every rank)."""
     import uuid
 
     mine = {f.name: getattr(ls, f.name) for f in fields(ls) if f.name not in RANK_LOCAL_SETTINGS}
