@@ -4,6 +4,7 @@ on free ports, with a unique topic set and consumer group per test."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 import uuid
@@ -22,6 +23,13 @@ if TYPE_CHECKING:
     from tests.redis_cluster import ClusterNodes
 
 pytest_plugins = ["tests.hang_watchdog"]
+
+# Tansu answers a JoinGroup only once half the member's session timeout has passed (../shared/environment.md; its
+# coordinator sleeps in 1 s steps until then): 3 s sessions (heartbeats every 0.5 s, stream.kafka.heartbeat_interval_s)
+# join in 2 s where the product default of 6 s takes 3, about 10% of the suite's time over some hundred group joins.
+# Set in the environment, so every CLI a test starts (their environments copy os.environ) reads it too; a test that
+# needs the default builds KafkaSettings itself or drops STREAMREC_ variables from the child's environment.
+SESSION_TIMEOUT_MS = int(os.environ.setdefault("STREAMREC_KAFKA_SESSION_TIMEOUT_MS", "3000"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -60,7 +68,7 @@ def kafka(stack: LocalStack) -> KafkaSettings:
     """Settings pointing at the session broker, with topic names unique to this test."""
     tag = uuid.uuid4().hex[:10]
     return dataclasses.replace(
-        KafkaSettings(bootstrap_servers=stack.bootstrap_servers),
+        KafkaSettings(bootstrap_servers=stack.bootstrap_servers, session_timeout_ms=SESSION_TIMEOUT_MS),
         impressions_topic=f"impressions-{tag}",
         clicks_topic=f"clicks-{tag}",
         samples_topic=f"samples-{tag}",

@@ -131,7 +131,8 @@ def test_faust_never_commits_records_the_join_holds_back_before_it_joins_them(
         "STREAMREC_TEST_DELIVERY_LOG": str(log), "STREAMREC_JOINER_BATCH_MAX": str(BATCH),
         "STREAMREC_JOINER_MAX_WAITING_PER_PARTITION": str(CAP),
         "STREAMREC_KAFKA_EXTRA": "max.partition.fetch.bytes=65536", "STREAMREC_JOINER_EMISSION": "fake_negative",
-        "STREAMREC_JOINER_MAX_INPUT_DRIFT_S": "3", "STREAMREC_JOINER_WATERMARK_QUORUM": "1"}
+        "STREAMREC_JOINER_MAX_INPUT_DRIFT_S": "3", "STREAMREC_JOINER_WATERMARK_QUORUM": "1",
+        "BROKER_COMMIT_INTERVAL": "0.5"}  # faust's commit timer (2.8 s) fires during the holds of a short run too
     cmd = [sys.executable, "-m", "tests.integration.faust_delivery_hooks", "join", "--app-id", group_id, "--driver",
            "faust", "--window-s", str(WINDOW), "--lateness-s", "0", "--exit-when-idle", "4", "--drain", "--json"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
