@@ -109,9 +109,9 @@ class ExitCheckpointFailed(StreamrecError):
 
 def exit_save_failed(directory: Path, exc: OSError) -> ExitCheckpointFailed:
     """The error of an exit checkpoint that raised ``exc``: what a restart resumes from, and the fix."""
-    code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    code = "" if exc.errno is None else f" [errno {errno.errorcode.get(exc.errno, exc.errno)}]"  # OSError("text"): none
     return ExitCheckpointFailed(
-        f"the checkpoint at exit could not be written to {directory}: {describe_os_error(exc)} [errno {code}]; a "
+        f"the checkpoint at exit could not be written to {directory}: {describe_os_error(exc)}{code}; a "
         "restart resumes from the newest checkpoint written before and trains what came after it again. Free space "
         "or fix the directory, then restart")
 

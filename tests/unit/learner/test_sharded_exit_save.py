@@ -31,3 +31,12 @@ def test_a_full_disk_at_the_sharded_exit_checkpoint_is_exit_checkpoint_failed_na
         run_sharded(tmp_path, monkeypatch, batches)
     assert str(tmp_path / "ckpt") in str(failed.value) and "the file system is full" in str(failed.value)
     assert isinstance(failed.value.__cause__, OSError)
+
+
+def test_an_exit_oserror_without_an_errno_has_no_errno_tag_and_an_unknown_one_says_its_number(tmp_path: Path) -> None:
+    """An ``OSError`` raised with only a message (a library's own ``OSError("...")``) has no errno: its exit line said
+    ``[errno None]``; one with an errno names its symbol, and an unknown number is said as the number."""
+    plain = str(checkpoint.exit_save_failed(tmp_path, OSError("the mount went away")))
+    assert "the mount went away" in plain and "errno" not in plain
+    assert "[errno EROFS]" in str(checkpoint.exit_save_failed(tmp_path, OSError(errno.EROFS, "Read-only file system")))
+    assert "[errno 9999]" in str(checkpoint.exit_save_failed(tmp_path, OSError(9999, "odd")))
