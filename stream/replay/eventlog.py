@@ -100,7 +100,8 @@ Column types that can never be valid (a bool id column, a struct feature) are co
 mistakes and raise :class:`EventLogError` (a ``ValueError``), as do a missing column, an unknown
 file format, and a mapping that breaks the limits on every event: more ``features`` columns than
 ``max_context_keys`` or ``dense`` columns than ``max_dense_keys``, or one whose name (the event's
-key) is over ``max_key_len`` chars. The limits checked are ``load_eventlog``'s ``limits``: the command's ``[limits]``,
+key) is over ``max_key_len`` chars, or no impression id column with a file name that makes the generated ids
+(``<stem>-<row:09d>``) longer than ``max_str_len``. The limits checked are ``load_eventlog``'s ``limits``: the command's ``[limits]``,
 the joiner's, so an import publishes what the joiner accepts and dead-letters at the source what it would refuse.
 """
 
@@ -636,6 +637,12 @@ def _impression_ids(arr: pa.Array | None, column: str | None, stem: str, n: int,
     ``max_len``: ``[limits] max_str_len``."""
     generated = [f"{stem}-{i:09d}" for i in range(n)]
     if arr is None or column is None:
+        # the longest is the last: over max_len, every row's event is one the joiner dead-letters (a mapping mistake)
+        if n and len(generated[-1]) > max_len:
+            raise EventLogError(f"the impression ids generated from the file name ({_shown(generated[-1])}) are "
+                                f"{len(generated[-1])} chars, over the {max_len} an id may have ([limits] "
+                                f"max_str_len): map an impression id column with {FLAGS['impression_id']}, give the "
+                                "file a shorter name, or raise max_str_len")
         return generated, generated, []
     t = arr.type
     utf8: list[_Check] = []

@@ -114,3 +114,18 @@ def test_a_shorter_future_ts_s_dead_letters_a_row_the_defaults_publish(tmp_path:
     t = load_eventlog(tmp_path / "f.parquet", cols, FIXED, seed=0, limits=EventLimits(future_ts_s=60))
     assert [m.error.kind for m in t.raw] == ["future_ts"] and "at most 60 s ahead" in t.raw[0].error.reason
     assert load_eventlog(tmp_path / "f.parquet", cols, FIXED, seed=0).n_impressions == 1
+
+
+def test_generated_impression_ids_over_max_str_len_refuse_the_file_not_publish_what_the_joiner_rejects(
+        tmp_path: Path) -> None:
+    """Without an impression id column each row's id is generated from the file name (``<stem>-<row:09d>``). Under a
+    lowered max_str_len that id was over it for every row, yet every row was published: the joiner dead-lettered each
+    impression (and its click). Now the import is refused up front, naming the fixes."""
+    path = tmp_path / "clickstream_export_2024_week_03.csv"  # ids of 41 chars
+    path.write_text("user_id,item_id,ts\n1,2,1700000000000\n")
+    lowered = EventLimits(max_str_len=32)
+    with pytest.raises(EventLogError, match=r"41 chars.*max_str_len.*--impression-id-col"):
+        load_eventlog(path, ColumnMap(clicked=None), FIXED, seed=0, limits=lowered)
+    fits = load_eventlog(path, ColumnMap(clicked=None), FIXED, seed=0, limits=EventLimits(max_str_len=41))
+    assert [decode_impression(i.encode(), EventLimits(max_str_len=41)).impression_id for i in published(fits)] == [
+        "clickstream_export_2024_week_03-000000000"]
