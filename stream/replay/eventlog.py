@@ -37,6 +37,8 @@ Reading
     in the file is refused (Arrow would silently take the first). A CSV row that does not parse (a missing or extra
     delimiter, an unclosed quote, bytes that are not UTF-8 in an id column) refuses the file, naming its line
     (the header is line 1); rows longer than Arrow's 1 MiB block are read with larger blocks (up to 256 MiB).
+    A Parquet string cell that is not UTF-8 (Arrow does not check them on read) rejects its row in an id or feature
+    column and refuses the file, naming the column and row, in any other.
     A file named ``.csv`` that starts like gzip, bzip2, zstd or Parquet is refused with the name that reads it.
     Text from the file in an error message is escaped (control characters as ``\\x..``) and clipped.
 
@@ -101,8 +103,9 @@ mistakes and raise :class:`EventLogError` (a ``ValueError``), as do a missing co
 file format, and a mapping that breaks the limits on every event: more ``features`` columns than
 ``max_context_keys`` or ``dense`` columns than ``max_dense_keys``, or one whose name (the event's
 key) is over ``max_key_len`` chars, or no impression id column with a file name that makes the generated ids
-(``<stem>-<row:09d>``) longer than ``max_str_len``. The limits checked are ``load_eventlog``'s ``limits``: the command's ``[limits]``,
-the joiner's, so an import publishes what the joiner accepts and dead-letters at the source what it would refuse.
+(``<stem>-<row:09d>``) longer than ``max_str_len``. The limits checked are ``load_eventlog``'s ``limits``: the
+command's ``[limits]``, the joiner's, so an import publishes what the joiner accepts and dead-letters at the source
+what it would refuse.
 """
 
 from __future__ import annotations
@@ -330,6 +333,43 @@ def _read_parquet(path: Path, fh: io.FileIO, cols: ColumnMap, wanted: list[str],
     return pa.Table.from_batches(batches).slice(0, limit)
 
 
+_CELLWISE_ROLES = ("user", "item", "impression_id", "features")  # columns whose cells that are not UTF-8 reject a row
+
+
+def _utf8_checked(path: Path, table: pa.Table, cols: ColumnMap) -> pa.Table:
+    """A Parquet table whose string columns are UTF-8 text: Arrow does not check them when it reads a file, which
+    another writer can fill with other bytes (a Latin-1 id), and reading such a cell was a UnicodeDecodeError
+    traceback. A column that holds one becomes binary, so in an id or feature column each such cell rejects its row
+    (``_to_text``, as a CSV feature cell does); in a time, clicked or dense column it refuses the file, naming the
+    column and the row."""
+    roles: dict[str, set[str]] = {}
+    for role, name in cols.roles():
+        roles.setdefault(name, set()).add(role)
+    for i, f in enumerate(table.schema):
+        arr = _plain(table.column(i))
+        if not _is_text(arr.type):
+            continue
+        try:
+            arr.validate(full=True)
+            continue
+        except pa.ArrowInvalid:
+            raw = arr.cast(pa.large_binary())
+        if not roles.get(f.name, set()) <= set(_CELLWISE_ROLES):
+            row = next(k for k, v in enumerate(raw.to_pylist()) if v is not None and not _is_utf8(v))
+            raise EventLogError(f"{path}: column {_shown(f.name, 80)} holds bytes that are not UTF-8 text (row {row} "
+                                "counting from 0): a Latin-1 or other non-UTF-8 file? convert it to UTF-8")
+        table = table.set_column(i, f.name, raw)
+    return table
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 # The first bytes of files that are not CSV text, and the name that reads them.
 _MAGIC = ((b"\x1f\x8b", "gzip-compressed", ".csv.gz"), (b"BZh", "bzip2-compressed", ".csv.bz2"),
           (b"\x28\xb5\x2f\xfd", "zstd-compressed", ".csv.zst"), (b"PAR1", "Parquet", ".parquet"))
@@ -502,14 +542,7 @@ def _to_text(arr: pa.Array, field: str, column: str) -> tuple[pa.Array, list[_Ch
     except pa.ArrowInvalid:
         pass
 
-    def utf8(v: bytes | None) -> bool:
-        try:
-            v is None or v.decode("utf-8")
-        except UnicodeDecodeError:
-            return False
-        return True
-
-    ok = np.fromiter((utf8(v) for v in arr.to_pylist()), bool, len(arr))  # (N,) only on this failure path
+    ok = np.fromiter((v is None or _is_utf8(v) for v in arr.to_pylist()), bool, len(arr))  # (N,) on failure only
     text = pc.if_else(pa.array(ok), arr, pa.scalar(None, arr.type)).cast(pa.string())
     return text, [_Check(~ok, field, column, "UTF-8 text (a Latin-1 or other non-UTF-8 file? convert it to UTF-8)")]
 
@@ -1155,7 +1188,7 @@ def load_eventlog(path: str | Path, columns: ColumnMap, delay: ClickDelay, seed:
     wanted = list(dict.fromkeys(col for _, col in cols.roles()))
     with _open_log(path) as fh:
         if fmt == "parquet":
-            table = _read_parquet(path, fh, cols, wanted, limit)
+            table = _utf8_checked(path, _read_parquet(path, fh, cols, wanted, limit), cols)
         else:
             ext = path.name.lower()
             ext = ext[: len(ext) - len(next((e for e in _COMPRESSED_EXT if ext.endswith(e)), ""))]

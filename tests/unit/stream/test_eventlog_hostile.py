@@ -278,6 +278,35 @@ def test_a_cell_that_is_not_utf8_dead_letters_its_row_not_the_whole_file(tmp_pat
     assert all("UTF-8 text" in str(r.error) for r in t.raw)
 
 
+def _string_column(cells: list[bytes]) -> pa.Array:
+    """A Parquet ``string`` column holding ``cells`` as they are, UTF-8 or not (a writer other than Arrow can write
+    such a file; Arrow does not check the bytes when it reads it)."""
+    offsets = [0]
+    for c in cells:
+        offsets.append(offsets[-1] + len(c))
+    offsets_buffer = pa.array(offsets, pa.int32()).buffers()[1]
+    return pa.Array.from_buffers(pa.string(), len(cells), [None, offsets_buffer, pa.py_buffer(b"".join(cells))])
+
+
+def test_a_parquet_string_cell_that_is_not_utf8_dead_letters_its_row_or_refuses_the_file_never_a_traceback(
+        tmp_path: Path) -> None:
+    """A Parquet string column is not checked for UTF-8 when read: a Latin-1 user id or feature value was a
+    UnicodeDecodeError traceback out of ``streamrec replay``. Now an id or feature cell rejects its row as a CSV
+    feature cell does, and such a cell in the time column refuses the file naming the column and the row."""
+    bad = [b"u1", "caf\xe9".encode("latin-1"), b"u3"]
+    path = tmp_path / "latin1.parquet"
+    pq.write_table(pa.table({"user_id": _string_column(bad), "item_id": [1, 2, 3], "ts": [T0_S * 1000] * 3,
+                             "genre": _string_column([b"a", b"b", b"\xff"])}), path)
+    t = load(path, clicked=None, features=("genre",))
+    assert t.n_impressions == 1 and t.user_id.tolist() == ["u1"]
+    assert [r.error.field for r in t.raw] == ["user_id", "context.genre"]
+    assert all("UTF-8 text" in str(r.error) for r in t.raw)
+    ts_path = tmp_path / "ts.parquet"
+    pq.write_table(pa.table({"user_id": [1, 2], "item_id": [1, 2], "ts": _string_column([b"1", b"2\xff"])}), ts_path)
+    with pytest.raises(EventLogError, match=r"column 'ts' holds bytes that are not UTF-8 text \(row 1 "):
+        load(ts_path, clicked=None)
+
+
 def test_each_read_of_an_event_log_has_its_own_position_whatever_an_earlier_reader_still_reads() -> None:
     # pyarrow's streaming CSV reader reads ahead on a thread that may outlive the reader: through one shared file
     # offset, its late read moved the next read's start, which took a data row for the header ("Column 'user_id' in
