@@ -327,17 +327,19 @@ def _stopped(exc: BaseException, producer: AckedProducer, total: int) -> None:
     A SIGTERM while it waits (a second one, or a process manager's stop after an error) cuts the wait short: its
     :class:`Terminated` was raised out of the flush and ended the process with neither the counts nor ``exc``'s
     status (a traceback instead). Now the reports already in are counted (a lower bound, as after Ctrl-C), the line is
-    logged, later SIGTERMs are ignored until :func:`publish` restores the handler, and ``exc`` goes on (exit 143)."""
+    logged, later SIGTERMs are ignored until :func:`publish` restores the handler, and ``exc`` goes on (exit 143). A
+    Ctrl-C while it waits (an operator at the terminal) cuts it short the same way: its KeyboardInterrupt went past
+    the count and replaced ``exc`` (exit 130, neither the line nor the first stop's error)."""
     timeout = 0.0 if isinstance(exc, KeyboardInterrupt) else STOP_FLUSH_S
     failed = ""
     try:  # the notice inside: a SIGTERM right after it is one during the flush
         if timeout:
             log.warning("[replay] stopping (%s): waiting up to %.0f s for what was sent to be acknowledged; a SIGTERM "
-                        "stops waiting", type(exc).__name__, timeout)
+                        "or Ctrl-C stops waiting", type(exc).__name__, timeout)
         producer.flush(timeout)
-    except Terminated:  # raised only in the main thread, where the handler may be set
+    except (Terminated, KeyboardInterrupt) as cut:  # raised only in the main thread, where the handler may be set
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a third one must not lose the count either
-        failed = " (its flush cut short by a SIGTERM)"
+        failed = f" (its flush cut short by a {'SIGTERM' if isinstance(cut, Terminated) else 'Ctrl-C'})"
         try:
             producer.flush(0)  # the reports already in: counted, the rest as unacknowledged
         except Exception:  # noqa: BLE001 - messages still unanswered: what acked_total then claims is a lower bound

@@ -378,3 +378,52 @@ def test_a_second_sigterm_cuts_the_stop_flush_short_and_still_logs_the_acknowled
     assert re.search(r"\[replay\] stopped \(Terminated\) after sending part of its \d+ events: acknowledged per "
                      r"topic \{.*\}; \d+ events not sent or not acknowledged \(its flush cut short by a SIGTERM\)",
                      err), err
+
+
+def test_a_ctrl_c_during_the_stop_flush_cuts_it_short_and_still_logs_the_acknowledged_counts(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """The stop's flush after an error or a SIGTERM waits up to 30 s; an operator at the terminal presses Ctrl-C to
+    stop waiting. That KeyboardInterrupt was raised out of the flush past the handler that counts: the per-topic line
+    was never logged and the first stop's status was lost (exit 130). Now a Ctrl-C cuts the wait short as a second
+    SIGTERM does: the line is logged (a lower bound) and the first stop's status goes on (143). The replay's own
+    broker is frozen (SIGSTOP) so that the flush waits."""
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    broker = Service([str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                      "--storage-engine", "memory://tansu/"], port)
+    broker.start()
+    own = dataclasses.replace(kafka, bootstrap_servers=f"127.0.0.1:{port}")
+    metrics_port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "replay", "--config", str(_replay_config(
+        tmp_path, own)), "--dataset", "synthetic", "--syn-impressions", "2000", "--rate", "100", "--metrics-port",
+        str(metrics_port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    series = f'streamrec_events_total{{stage="replay",topic="{own.impressions_topic}"}}'
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:  # until some events went out
+            if (metric(scrape(f"http://127.0.0.1:{metrics_port}/metrics"), series) or 0) > 0:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the replay ended before it was stopped"
+        assert broker.proc is not None and proc.stderr is not None
+        broker.proc.send_signal(signal.SIGSTOP)  # nothing sent from now on is acknowledged: the stop's flush waits
+        proc.send_signal(signal.SIGTERM)
+        for line in proc.stderr:  # until it says it waits
+            lines.append(line)
+            if "stopping (Terminated): waiting up to" in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        rc = proc.wait(timeout=60)
+        err = "".join(lines) + proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if broker.proc is not None:
+            broker.proc.send_signal(signal.SIGCONT)
+        broker.stop()
+    assert "Traceback" not in err, err
+    assert re.search(r"\[replay\] stopped \(Terminated\) after sending part of its \d+ events: acknowledged per "
+                     r"topic \{.*\}; \d+ events not sent or not acknowledged \(its flush cut short by a Ctrl-C\)",
+                     err), err
+    assert rc == 128 + signal.SIGTERM, (rc, err)
