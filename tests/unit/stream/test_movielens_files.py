@@ -60,3 +60,18 @@ def test_a_missing_device_or_directory_packaged_file_is_dataset_missing(folder: 
         path.mkdir()
     with pytest.raises(DatasetMissing, match=r"cannot read .*ml-100k\.item.*--force-reinstall recbole==1.2.1"):
         movielens.read_movielens("ml-100k")
+
+
+@pytest.mark.parametrize(("row", "what"), [
+    ("2\t20\tfive\t891717742", r"rating:float.*'five'"),  # was an ArrowInvalid traceback
+    ("2\t20\t3\tnan", r"timestamp:float.*'nan'"),  # was replayed at ts -2**63 (the joiner dead-letters it)
+    ("2\t20\t3\t-891717742", r"timestamp:float.*'-891717742'"),  # was replayed at a negative ts
+    ("2\t20\t3\t1e300", r"timestamp:float.*'1e300'"),
+])
+def test_a_packaged_ratings_file_with_a_bad_rating_or_time_is_dataset_missing_naming_its_line(
+        folder: Path, row: str, what: str) -> None:
+    """A damaged ``.inter`` (a rating that is no number, a time that is no epoch second) is a broken install, never a
+    traceback nor events at times the joiner dead-letters: DatasetMissing naming the file, line and reinstall."""
+    (folder / "ml-100k.inter").write_text(FILES["inter"].replace("2\t20\t3\t891717742", row))
+    with pytest.raises(DatasetMissing, match=rf"ml-100k\.inter.*line 3.*{what}.*--force-reinstall recbole==1.2.1"):
+        movielens.load_movielens("ml-100k", ClickDelay(), seed=1)
