@@ -589,6 +589,9 @@ class DeliveryReport:
     first_error: str | None = None
 
 
+FLUSH_MARGIN_S = 5.0  # past the delivery timeout: its reports served after it expires the last messages
+
+
 class AckedProducer:
     """An idempotent producer that counts acknowledgements and surfaces delivery errors.
 
@@ -626,6 +629,10 @@ class AckedProducer:
         self.max_message_bytes = int(conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_BYTES))
         self.max_message_setting = ("[kafka.extra] message.max.bytes" if "message.max.bytes" in kafka.extra
                                     else "the producer's message.max.bytes")
+        # librdkafka answers each message within its delivery timeout (message.timeout.ms, alias delivery.timeout.ms:
+        # 300 s by default; 0: never times out), retrying until then: ``flush_answered`` waits that long
+        timeout_ms = int(conf.get("message.timeout.ms", conf.get("delivery.timeout.ms", 300_000)))
+        self.delivery_timeout_s = math.inf if timeout_ms == 0 else timeout_ms / 1000
         # the first delivery refused as too large since the last flush: (what, its topic)
         self._too_large: tuple[str, str] | None = None
         self._denied: DeliveryRefused | None = None  # the first delivery denied by authorization since the last flush
@@ -743,6 +750,13 @@ class AckedProducer:
     def poll(self) -> None:
         self._producer.poll(0)
         self._renew_if_fatal()
+
+    def flush_answered(self) -> DeliveryReport:
+        """:meth:`flush` until librdkafka has answered every message (its delivery timeout and a margin): a message
+        a shorter flush counts as unacknowledged may still be delivered after it (the caller's rerun, told it was not,
+        then sends it twice)."""
+        timeout_s = self.delivery_timeout_s + FLUSH_MARGIN_S
+        return self.flush(-1 if math.isinf(timeout_s) else timeout_s)  # -1: confluent-kafka's "no timeout"
 
     def flush(self, timeout_s: float = 60.0) -> DeliveryReport:
         remaining = self._producer.flush(timeout_s)

@@ -427,3 +427,26 @@ def test_a_ctrl_c_during_the_stop_flush_cuts_it_short_and_still_logs_the_acknowl
                      r"topic \{.*\}; \d+ events not sent or not acknowledged \(its flush cut short by a Ctrl-C\)",
                      err), err
     assert rc == 128 + signal.SIGTERM, (rc, err)
+
+
+def test_the_replays_last_flush_waits_for_librdkafkas_answer_to_every_message_not_a_fixed_minute(
+        kafka: KafkaSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The end of a replay flushed for 60 s while librdkafka retries a message for its delivery timeout (300 s by
+    default): a broker away for 1-5 minutes at the end made the replay report as unacknowledged (exit 1) messages
+    librdkafka went on to deliver, and the rerun the error advises sent them twice. The last flush now waits for the
+    producer's delivery timeout (here ``[kafka.extra] message.timeout.ms`` = 90 s) and a margin."""
+    waits: list[float] = []
+    flush = AckedProducer.flush
+
+    def recorded(self: AckedProducer, timeout_s: float = 60.0) -> Any:
+        waits.append(timeout_s)
+        return flush(self, timeout_s)
+
+    monkeypatch.setattr(AckedProducer, "flush", recorded)
+    slow = dataclasses.replace(kafka, extra={"message.timeout.ms": "90000"})
+    summary = publish(build_synthetic(SyntheticSettings(impressions=200), ClickDelay(), seed=1), slow, "synthetic")
+    assert sum(summary.acked.values()) == summary.impressions + summary.clicks > 0
+    assert waits and waits[-1] >= 90 + 5, waits
+    forever = AckedProducer(dataclasses.replace(kafka, extra={"message.timeout.ms": "0"}))  # 0: librdkafka never
+    assert forever.delivery_timeout_s == float("inf")  # times out, so neither does the flush (-1)
+    assert AckedProducer(dataclasses.replace(kafka, extra={"delivery.timeout.ms": "120000"})).delivery_timeout_s == 120
