@@ -598,7 +598,18 @@ def _deadline_connection(url: str, deadline: float) -> tuple[http.client.HTTPCon
     except BaseException:
         conn.close()
         raise
-    return conn, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return conn, _request_target(parts)
+
+
+_NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+
+
+def _request_target(parts: urllib.parse.SplitResult) -> str:
+    """The path and query of ``parts`` as an HTTP request sends them: each non-ASCII character percent-encoded as
+    UTF-8 (as browsers and ``requests`` send it), the rest as written. http.client raised UnicodeEncodeError for a
+    raw one at every request: a rules file with ``webhook_url = ".../köln"`` loaded, and each alert stayed queued."""
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return _NON_ASCII.sub(lambda m: urllib.parse.quote(m.group(), safe=""), target)
 
 
 def _auth_headers(url: str) -> dict[str, str]:
