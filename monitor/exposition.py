@@ -144,8 +144,21 @@ def parse(text: str, declared: set[str] | None = None) -> list[Sample]:
         except ValueError:
             raise ExpositionError(f"line {number}: {_shown(token)} is not a number (a float, NaN, +Inf or -Inf): "
                                   f"{_shown(line)}") from None
-        append((name, key, value, None if ts is None else int(ts)))
+        append((name, key, value, None if ts is None else _timestamp(ts, number, line)))
     return out
+
+
+_INT64_DIGITS = 19  # 2**63 - 1 has 19 digits: a longer one is refused unread (int() raises past 4,300 digits)
+
+
+def _timestamp(token: str, number: int, line: str) -> int:
+    """``token`` (``-?[0-9]+``) as the Prometheus server reads a timestamp, ParseInt(token, 10, 64); an
+    :class:`ExpositionError` naming the line where that refuses it (the scrape fails there too)."""
+    digits = token.lstrip("-").lstrip("0")
+    if len(digits) <= _INT64_DIGITS and -2**63 <= (ts := int(token)) < 2**63:
+        return ts
+    raise ExpositionError(f"line {number}: timestamp {_shown(token)} is not a 64-bit integer (milliseconds since the "
+                          f"epoch): {_shown(line)}")
 
 
 def _crlf(number: int) -> ExpositionError:

@@ -429,3 +429,15 @@ def test_a_value_go_does_not_read_fails_the_scrape_though_python_float_reads_it(
     with pytest.raises(ValueError, match=r"\bline 2\b.*not a number"):
         snap.add_text("learner", f"streamrec_y 1\nstreamrec_x {value}\n")
     assert snap.metrics == {}
+
+
+@pytest.mark.parametrize("ts", ["9223372036854775808", "-9223372036854775809", "1" * 5000])
+def test_a_timestamp_past_a_64_bit_integer_fails_the_scrape_naming_its_line(ts: str) -> None:
+    # Prometheus reads it with ParseInt(ts, 10, 64) and refuses the scrape; here one of 20 digits was read (a stale
+    # sample), and one of 5,000 raised int()'s digit limit ("use sys.set_int_max_str_digits()"), naming no line
+    with pytest.raises(ExpositionError, match=r"^line 2: timestamp .* is not a 64-bit integer"):
+        parse(f"streamrec_x 1\nstreamrec_y 2 {ts}\n")
+
+
+def test_the_64_bit_timestamp_bounds_are_read() -> None:
+    assert [s[3] for s in parse("a 1 9223372036854775807\nb 1 -9223372036854775808\n")] == [2**63 - 1, -2**63]
