@@ -588,6 +588,7 @@ class RuleEngine:
         if st.state is State.PENDING:
             st.state, st.since = State.INACTIVE, now
         elif st.state is State.FIRING and now - st.held < rule.keep_firing_for_s:
+            st.restored = restored  # (restored: announced again when it next holds, as it may never have been)
             return None  # a flap: keeps firing until the condition has not held for keep_firing_for_s
         elif st.state is State.FIRING:
             st.state, st.since = State.RESOLVED, now
@@ -674,6 +675,8 @@ class RuleEngine:
         for whoever reads the file; restore computes it again from the rule, ``absent`` and the labels)."""
         rule = self.by_name[name]  # what a resolve needs once the rule is gone (_resolve_retired)
         counted = self._no_data_counted(name) if absent and st.state is State.FIRING else {}
+        if not absent and math.isfinite(st.held):  # when it last held: restore() goes on with keep_firing_for_s
+            counted = {"held": st.held + self.wall_offset}
         return {"rule": name, "labels": dict(lb), "since": st.since + self.wall_offset,
                 "value": encode_value(st.value), "sources": sorted(st.sources), **({"absent": True} if absent else {}),
                 **counted,
@@ -718,6 +721,10 @@ class RuleEngine:
                     self.no_data_down[rule.name] = Outages.of(rec).then(float(rec["held"]), wall)
                 self.absent[rule.name] = st
             else:
+                # keep_firing_for_s counts on from when it last held, the outage included (not seen to hold then):
+                # without it, a flapping rule restarted at a flap resolved at once and fired again at the next
+                if "held" in rec and float(rec["held"]) <= wall:
+                    st.held = now - (wall - float(rec["held"]))
                 self.states[rule.name][labels_of(rec["labels"])] = st
             restored += 1
         return restored
@@ -1023,7 +1030,9 @@ class FiringStateFile:
     :meth:`RuleEngine.restore_no_data`). The timers and the firing absence alerts' records also carry, where a restart
     cut the monitor's outage out of their time, ``down_s``/``restarts``/``down_from``/``down_to`` (:class:`Outages`),
     and a firing absence alert's record ``held`` and ``counted_s``, so the restored alert's text says what it counted
-    and what it did not; a record without them (an older monitor's) restores as before."""
+    and what it did not; a record without them (an older monitor's) restores as before. A firing series' record also
+    carries ``held`` (when its condition last held, wall-clock seconds), so ``keep_firing_for_s`` counts on across the
+    restart (an older monitor's record without it resolves at the first evaluation that does not hold, as before)."""
 
     VERSION = 2
 
