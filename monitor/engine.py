@@ -210,6 +210,7 @@ class Scraper:
             STALE_SAMPLES.labels(name)
         # a sample stamped before the scrape began by more than this is no data (Snapshot.add_text)
         self.stale_after_s, self.clock = stale_after_s, clock
+        self._round_deadline: float | None = None  # time.monotonic() by which every fetch of a scrape() ends
 
     @classmethod
     def of(cls, config: RulesConfig, clock: Callable[[], float] = time.time) -> Scraper:
@@ -219,20 +220,27 @@ class Scraper:
         return cls(config.sources, config.scrape_timeout_s, config.sample_max_age_s, clock)
 
     def fetch(self, url: str) -> str:
-        """The answer of ``url`` by ``timeout_s`` in total (connect, send, every read: a target that trickles
-        its answer is cut off too), at most :data:`SCRAPE_MAX_BYTES` of it; raises otherwise."""
-        return get_text(url, time.monotonic() + self.timeout_s, SCRAPE_MAX_BYTES)
+        """The answer of ``url`` by the round's deadline (``timeout_s`` from the start of :meth:`scrape`; outside
+        one, from now) in total (connect, send, every read: a target that trickles its answer is cut off too), at
+        most :data:`SCRAPE_MAX_BYTES` of it; raises otherwise."""
+        deadline = self._round_deadline
+        return get_text(url, time.monotonic() + self.timeout_s if deadline is None else deadline, SCRAPE_MAX_BYTES)
 
     def scrape(self) -> Snapshot:
-        """Fetch every source at once (one thread each, up to :attr:`MAX_PARALLEL`), so a round takes
-        ``scrape_timeout_s`` at most however many sources hang, then parse them in the order of the rules
-        file (which source wins a duplicate series does not depend on which answered first)."""
+        """Fetch every source at once (one thread each, up to :attr:`MAX_PARALLEL`), all by one deadline, so a round
+        takes ``scrape_timeout_s`` at most however many sources hang (a source still waiting for a thread then is a
+        failed scrape: each fetch's own timeout added one more per :attr:`MAX_PARALLEL` hanging sources), then
+        parse them in the order of the rules file (which source wins a duplicate series does not depend on which
+        answered first)."""
         snap = Snapshot()
         if not self.sources:
             return snap
-        started = self.clock()
-        with ThreadPoolExecutor(min(len(self.sources), self.MAX_PARALLEL), thread_name_prefix="scrape") as pool:
-            answers = {name: pool.submit(self.fetch, url) for name, url in self.sources.items()}
+        started, self._round_deadline = self.clock(), time.monotonic() + self.timeout_s
+        try:
+            with ThreadPoolExecutor(min(len(self.sources), self.MAX_PARALLEL), thread_name_prefix="scrape") as pool:
+                answers = {name: pool.submit(self.fetch, url) for name, url in self.sources.items()}
+        finally:
+            self._round_deadline = None
         for name, url in self.sources.items():
             try:
                 snap.add_text(name, _whole(answers[name].result()), started, self.stale_after_s,

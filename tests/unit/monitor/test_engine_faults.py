@@ -756,6 +756,28 @@ def test_sources_are_scraped_at_once_so_one_that_hangs_does_not_add_its_timeout_
         b.close()
 
 
+def test_more_hanging_sources_than_threads_still_end_the_round_at_scrape_timeout_s(
+        target: Callable[..., Target]) -> None:
+    # each fetch had scrape_timeout_s from when a thread took it, so every MAX_PARALLEL hanging sources added one more
+    # scrape_timeout_s to the round (17 hanging sources: two of them), delaying every rule's evaluation
+    asked: list[str] = []
+
+    def hang(name: str) -> Callable[[BaseHTTPRequestHandler, threading.Event], None]:
+        def answer(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
+            asked.append(name)
+            stop.wait(30)
+        return answer
+
+    class OneThread(Scraper):
+        MAX_PARALLEL = 1
+
+    first, second = target(hang("first")), target(hang("second"))
+    snap = OneThread({"first": first.url, "second": second.url}, timeout_s=0.5).scrape()
+    assert {name: err.split(": ", 1)[1] for name, err in snap.errors.items()} == {
+        "first": "no answer within scrape_timeout_s=0.5s", "second": "no answer within scrape_timeout_s=0.5s"}
+    assert "second" not in asked  # it waited for the thread until the round's deadline: not scraped at all
+
+
 def test_a_sources_scrape_errors_are_exported_as_0_before_its_first_failure_so_increase_counts_that_one(
         target: Callable[..., Target]) -> None:
     def down(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
