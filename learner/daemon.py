@@ -480,7 +480,9 @@ class Learner:
         self.trainer.step()  # no gradient left pending: the checkpoint is a clean step boundary
         tr = self.trainer
         if self.mapper is not None and self.mapper.active and self._event_now is not None:
-            self.mapper.decay_idle_buckets(tr.model, self._event_now)  # the artifact gets today's buckets
+            decayed = self.mapper.decay_idle_buckets(tr.model, self._event_now)  # the artifact gets today's buckets
+            if self.deltas is not None:  # ... and serving with the next delta (listed as pending by the sync below)
+                self.deltas.mark(decayed)
         meta = {
             "samples_trained": tr.samples, "steps": tr.steps, "offsets": {str(p): o for p, o in self.offsets.items()},
             "partition_rows": {str(p): n for p, n in self.partition_rows.items()}, "duplicates": self.duplicates,

@@ -30,7 +30,7 @@ import torch
 
 from learner.batch import TensorBatch
 from learner.features import FeatureConfig, FieldSpec
-from learner.id_map import IdMap, LookupResult, first_seen_of
+from learner.id_map import IdMap, LookupResult, first_seen_of, to_global
 
 log = logging.getLogger("streamrec.train")
 
@@ -142,12 +142,18 @@ class RowMapper:
         self.maps[owner].init_admitted(weight, res, first_row=first)
 
     @torch.no_grad()
-    def decay_idle_buckets(self, model: torch.nn.Module, now: float) -> None:
-        """Apply every field's bucket decay up to ``now`` to the table (fields with ``bucket_half_life_s``)."""
+    def decay_idle_buckets(self, model: torch.nn.Module, now: float) -> torch.Tensor:
+        """Apply every field's bucket decay up to ``now`` to the table (fields with ``bucket_half_life_s``). Returns
+        the global rows it scaled (R,) int64: changed outside any trained batch, they are the deltas' to send too
+        (the daemon marks them), or serving kept them undecayed until the next artifact."""
         weight: torch.Tensor = model.sparse.bag.weight  # type: ignore[union-attr,assignment]
         firsts = {owner: first for _, owner, first, own in self._slots if own}
+        scaled = [torch.zeros(0, dtype=torch.int64)]
         for name, m in self.maps.items():
-            m.decay_buckets(weight, m.decay_idle_buckets(now), first_row=firsts[name])
+            res = m.decay_idle_buckets(now)
+            m.decay_buckets(weight, res, first_row=firsts[name])
+            scaled.append(to_global(firsts[name], res.decayed_buckets))
+        return torch.cat(scaled)
 
     def rows(self, field_index: int, hashed: np.ndarray) -> np.ndarray:
         """Global rows of field ``field_index``'s hashed values, read-only (serving, refresh): admitted ids

@@ -456,7 +456,9 @@ class ShardedLearner:
                       "duplicates": self.duplicates, "delayed_weights": self.trainer.delayed.state_dict(),
                       "dense_clip": self.trainer.dense_clip.state_dict()}
         if self.ids is not None and self.ids.active:
-            self.ids.decay_idle(self.dmp)  # the artifact built from this checkpoint gets today's buckets
+            decayed = self.ids.decay_idle(self.dmp)  # the artifact built from this checkpoint gets today's buckets
+            if self.deltas is not None:  # ... and serving with the next delta (rank 0's pending list: the sync below)
+                self.deltas.mark(torch.from_numpy(decayed))
             rank_state.update(self.ids.state_dict())  # each rank its shares of the maps
         if rank == 0:
             rank_state.update(self.quality.state_dict())

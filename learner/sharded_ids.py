@@ -340,14 +340,19 @@ class ShardedRowMapper:
         self._apply_rows(changed, np.concatenate(resets) if resets else np.empty(0, np.int64), dmp)
         return stats
 
-    def decay_idle(self, dmp: Any) -> None:
+    def decay_idle(self, dmp: Any) -> np.ndarray:
         """Every bucket's decay brought up to the last round's time in the shards (before a checkpoint; the same
-        call on every rank, on the replicated clocks)."""
+        call on every rank, on the replicated clocks). Returns the global rows scaled (R,) int64, the same on every
+        rank: changed outside any trained batch, the deltas send them too (``RowMapper.decay_idle_buckets``)."""
         if self.now == float("-inf"):
-            return
+            return np.zeros(0, np.int64)
         local = local_pieces(table_weight(dmp))
+        scaled = [np.zeros(0, np.int64)]
         for f in self.fields.values():
-            self._decay(f.first, *f.clock.idle(self.now), local)
+            decayed, factor = f.clock.idle(self.now)
+            self._decay(f.first, decayed, factor, local)
+            scaled.append(f.first + decayed)
+        return np.concatenate(scaled)
 
     # -- the rows, where they live ---------------------------------------------------------------------------
     @torch.no_grad()
