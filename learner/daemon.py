@@ -673,6 +673,7 @@ class Learner:
                 self._observe_ids(ids)
                 if self.deltas is not None:  # rows given to other ids wait for the delta with the maps
                     self.deltas.hold(ids.reassigned)
+                    self.deltas.mark(torch.from_numpy(ids.decayed))  # (decayed buckets no batch row names)
             nan_before, clipped_before = self.trainer.nan_losses, self.trainer.dense_clip.clipped
             labels = kept.labels.numpy()
             probs = np.concatenate([self.trainer.test_then_train(chunk)  # each chunk predicted, then learned

@@ -49,6 +49,9 @@ class MapStats:
     time_to_admission: dict[str, np.ndarray] = field(default_factory=dict)
     # (R,) global rows handed to another id in this call (evicted or admitted): ``DeltaWriter.hold`` them
     reassigned: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    # (D,) global bucket rows this call's decay scaled (bucket_half_life_s): an admitted id's bucket is in no row of
+    # the batch (the id reads its own row), so the daemon marks these for the deltas apart
+    decayed: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
 
 def id_map_of(spec: FieldSpec, capacity: int | None = None, decay: bool = True, lookups_only: bool = False) -> IdMap:
@@ -81,7 +84,7 @@ class RowMapper:
         spans = self.spans(tb)
         results, stats = self.lookup([tb.keys[start:end] for start, end in spans], now, train)
         values = tb.values.numpy()  # shares memory with the tensor: written in place
-        reassigned = [stats.reassigned]
+        reassigned, decayed = [stats.reassigned], [stats.decayed]
         for (_, owner, first, own_field), (start, end), res in zip(self._slots, spans, results, strict=True):
             if res is None:
                 continue
@@ -90,7 +93,8 @@ class RowMapper:
                 reassigned.append(first + np.concatenate([res.evicted_rows, res.admitted_rows]))
                 if model is not None:
                     self._init_rows(owner, first, res, model, sparse_opt)
-        stats.reassigned = np.concatenate(reassigned)
+                    decayed.append(first + res.decayed_buckets)
+        stats.reassigned, stats.decayed = np.concatenate(reassigned), np.concatenate(decayed)
         return stats
 
     @property

@@ -858,6 +858,7 @@ class ShardedLearner:
         self._observe_ids(st)
         if self.deltas is not None:
             self.deltas.hold(st.reassigned)
+            self.deltas.mark(torch.from_numpy(st.decayed))  # (decayed buckets no batch row names)
 
     def _observe_ids(self, st: MapStats) -> None:
         """The id maps' metrics (rank 0: ``st`` counts every rank's keys, ``ids.occupancy`` every rank's maps), as

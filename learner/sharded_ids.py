@@ -329,6 +329,7 @@ class ShardedRowMapper:
             src = np.concatenate([a[2] for a in answered])  # (A,) their buckets
             decayed, factor = f.clock.touch(np.concatenate([rows[rows < nb], src]), self.now)
             changed.append((f, dst, src, decayed, factor))
+            stats.decayed = np.concatenate([stats.decayed, f.first + decayed])  # (global, for the deltas)
             stats.admitted[name] = len(dst)
             stats.evicted[name] = sum(len(a[3]) for a in answered)
             # every rank's rows given to another id, global: the same list on every rank (rank 0's writer holds them)
