@@ -31,8 +31,8 @@ Failing closed, once:
   carried keep their older value until a later delta touches them again or the next artifact arrives,
   and the dense weights are restored by the very next delta (each carries them whole).
   A delta whose read failed for want of a resource of this process is read again next round
-  (``learner.deltas.TRANSIENT_TRIES``): a new artifact waits for it (reloaded next round) rather than go live
-  staler than the model it replaces.
+  (``learner.deltas.TRANSIENT_TRIES``), and so is one whose application ran it out of memory (not a misfit): a new
+  artifact waits for it (reloaded next round) rather than go live staler than the model it replaces.
 * **Signatures** (``[serve] signing_key_file``, read once at start, passed here as ``signing_key``). An
   artifact whose manifest is unsigned or whose signature does not match, and a delta that is not signed
   with the key, are rejected like every bad artifact or delta (counted, remembered, the live model keeps
@@ -64,7 +64,7 @@ from typing import Any
 import redis
 
 from learner.artifact import CURRENT, PIN, VERSIONS, ArtifactError, current_version, read_pin, version_path
-from learner.deltas import DeltaReader, transient
+from learner.deltas import TRANSIENT_TRIES, DeltaReader, transient
 from learner.tensorpack import SigningKey
 from serving.embedding_store import VersionNotStored
 from serving.features import FeatureEncoder
@@ -174,6 +174,8 @@ class ModelUpdater:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._read_deltas = False  # whether this check_now read the deltas already (one round of their retries)
+        # delta file version -> consecutive rounds its application ran this process short (MemoryError)
+        self._apply_failing: dict[tuple[Any, ...], int] = {}
         self._lock = threading.Lock()  # check_now may be called from tests while the thread runs
         self._threads: list[threading.Thread] = []
         self.last_error: str | None = None
@@ -364,7 +366,8 @@ class ModelUpdater:
             log.info("artifact %s not swapped in: serving is stopping", model.version)
             return
         if held is not None:  # a delta's read is retried next round (DeltaReader.retrying): not caught up either
-            log.warning("artifact %s not swapped in yet: delta %s could not be read now and is retried next round; "
+            log.warning("artifact %s not swapped in yet: delta %s could not be read or applied now (a resource "
+                        "short) and is retried next round; "
                         "the model serving keeps answering (it is not staler than the deltas)", model.version,
                         held.name)
             return
@@ -408,6 +411,7 @@ class ModelUpdater:
         after = m.delta_seq or m.source_delta_seq or 0  # a fresh model starts where its source checkpoint was
         # (a check reads them for a new artifact, then for the live model: one round of a failing read's retries)
         same_round, self._read_deltas = self._read_deltas, True
+        held = None
         for d in self.deltas.newer(after, live.source_samples, live.lineage, applied_samples=m.delta_samples,
                                    same_round=same_round):
             if self._stop.is_set():  # a backlog ends at stop (each delta goes live whole: nothing half-applied)
@@ -416,9 +420,13 @@ class ModelUpdater:
                 m.apply_delta(d.rows, d.vectors, d.dense_state, d.seq, id_maps=d.id_maps,
                               samples_trained=d.samples_trained, created=d.created)
             except Exception as exc:  # noqa: BLE001 - ValueError for a misfit; whatever else, never block
+                if _short_of_resources(exc) and self._apply_again(d.path, same_round):
+                    held = d.path  # (nothing later applies before it: values are absolute, in seq order)
+                    break
                 self.deltas.mark_unfit(d.path)
-                self._delta_rejected(d.path, f"does not fit model {m.version}: {exc}")
+                self._delta_rejected(d.path, f"does not fit model {m.version}: {type(exc).__name__}: {exc}")
                 continue
+            self._apply_failing.pop((str(d.path), *_stat_key(d.path)), None)
             self.metrics.deltas_applied.inc()
         if self.deltas.gaps > gaps:
             self.metrics.delta_gaps.inc(self.deltas.gaps - gaps)
@@ -426,7 +434,24 @@ class ModelUpdater:
             self.metrics.delta_rewinds.inc(self.deltas.rewinds - rewinds)
         if self.deltas.retries > retries:
             self.metrics.delta_retries.inc(self.deltas.retries - retries)
-        return self.deltas.retrying
+        return held or self.deltas.retrying
+
+    def _apply_again(self, path: Path, same_round: bool) -> bool:
+        """Whether delta ``path``, whose application just ran this process short of memory, is applied again next
+        round (not rejected): up to ``learner.deltas.TRANSIENT_TRIES`` rounds in a row, as a read that fails so
+        (counted in ``delta_retries``; a second application in one check counts no second try). A misfit it is not:
+        rejected as one, its rows were lost until the next artifact while the later deltas stepped past it."""
+        key = (str(path), *_stat_key(path))
+        if same_round and key in self._apply_failing:
+            return True
+        tries = self._apply_failing.pop(key, 0) + 1
+        if tries >= TRANSIENT_TRIES:
+            return False
+        self._apply_failing[key] = tries
+        self.metrics.delta_retries.inc()
+        log.warning("delta %s could not be applied: this process ran short of memory; no later delta applies before "
+                    "it, it is applied again next round (try %d of %d)", path.name, tries, TRANSIENT_TRIES)
+        return True
 
     def status(self) -> dict[str, Any]:
         m = self.holder.model()
