@@ -336,6 +336,9 @@ _TOKEN = re.compile(r"""
 """, re.VERBOSE)
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 RANGE_FUNCS = ("rate", "increase", "delta")
+# The longest range: the rates' history keeps every sample of a ranged series that long (a [1000d] loaded, and the
+# monitor's memory grew by a sample per series per scrape for ever); a year, as every other duration of the rules
+MAX_RANGE_S = 365 * 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -705,9 +708,9 @@ class _Parser:
             range_s = float(d.text[:unit.start()]) * _UNITS[unit.group()]
             if range_s <= 0:
                 raise ExprError(f"range [{d.text}] must be positive, at column {d.pos + 1}")
-            if not math.isfinite(range_s):
-                raise ExprError(f"range [{_clip(d.text)}] is too long, at column {d.pos + 1}; use at most days, "
-                                "e.g. [1d]")
+            if not math.isfinite(range_s) or range_s > MAX_RANGE_S:  # the history keeps each series' samples so long
+                raise ExprError(f"range [{_clip(d.text)}] is too long, at column {d.pos + 1}: at most a year "
+                                "([365d]), e.g. [1d]")
             self.take("]")
         return Selector(t.text, tuple(matchers), self.span(t.pos), range_s)
 

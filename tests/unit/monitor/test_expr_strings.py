@@ -50,3 +50,13 @@ def test_a_raw_line_break_inside_a_quoted_value_is_an_unterminated_string_as_in_
     with pytest.raises(ExprError, match="unterminated quoted string"):
         parse('m{msg="a\nb"}')
     assert values('m{msg="a\\nb"}') == [3.0]  # the escape is the way to write it
+
+
+@pytest.mark.parametrize("rng", ["1000d", "366d", "8761h", "31536001s"])
+def test_a_range_over_a_year_is_refused_as_every_other_duration_of_the_rules(rng: str) -> None:
+    """The rates' history keeps every sample of a ranged series for its longest range: ``rate(m[1000d])`` loaded and
+    the monitor's memory grew by a sample per series per scrape for ever; a year is the bound of every other duration
+    (``monitor.rules``), and a range at it still loads."""
+    with pytest.raises(ExprError, match=r"too long, at column \d+: at most a year"):
+        parse(f"rate(m[{rng}])")
+    assert list(parse("rate(m[365d])").ranges()) == list(parse("increase(m[31536000s])").ranges()) == [365 * 86_400.0]
