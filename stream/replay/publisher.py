@@ -8,8 +8,9 @@
 - Rows a source rejected go to ``<topic>.dlq`` with their reason; deliberately malformed messages
   (synthetic ``malformed_share``) go to the real topic for consumers to dead-letter.
 - Pacing: ``rate`` (events per wall-clock second) or ``speed`` (event time / wall time), else as
-  fast as the producer takes them. Every message is acknowledged before the summary is printed; a replay an error,
-  Ctrl-C or SIGTERM stops flushes what it sent, and logs (stderr) the events acknowledged per topic and those not. A
+  fast as the producer takes them. Every message is acknowledged before the summary is printed; a replay an error or
+  SIGTERM stops flushes what it sent (Ctrl-C: what is answered already), and logs (stderr) the events acknowledged per
+  topic (after Ctrl-C a lower bound) and those not. A
   SIGTERM (a process manager's stop) during :func:`publish` in the main thread raises :class:`Terminated` where the
   replay is, so it stops as an error does (flushing for up to ``STOP_FLUSH_S``), and exits 143. A SIGTERM during
   that flush (a process manager's second stop) cuts it short: the events acknowledged so far are logged all the same.
