@@ -9,8 +9,8 @@
    new artifact and by the live one; the new AUC may not fall more than ``max_auc_drop`` below the
    live AUC. These samples are recent, not unseen: the learner trains on everything, so both models
    may have learned from them; the check catches a broken or regressed model, not overfitting.
-   Skipped (and said so in the summary) when there is no live artifact, no samples, a single class,
-   or the live artifact has another feature config.
+   Skipped (and said so in the summary) when there is no live artifact, no samples, a single class, fewer than
+   :data:`MIN_CLASS_SAMPLES` of either class, or the live artifact has another feature config.
 
 An INT8 artifact (``onnx_int8``, learner/onnx_scorer.py) is not exact: the probe checks its fp32 path (the same
 stored tensors scored in torch) against the learner within the tolerance and only records the INT8 scores'
@@ -50,6 +50,10 @@ log = logging.getLogger("streamrec.refresh")
 # measured 0.024; a graph of other weights than the artifact's tensors is off by more
 INT8_PROBE_BOUND = 0.1
 DEFAULT_MAX_INT8_AUC_DROP = RefreshSettings.max_int8_auc_drop
+# holdout samples of each class (clicked, not clicked) below which the AUCs of the new and the live artifact are not
+# compared: a handful of pairs decide the AUC (one of each: 0 or 1), and a young samples topic refused every refresh
+# as "a worse model" on one swapped pair. Unchecked instead, as for one class (a refresh_degraded warning)
+MIN_CLASS_SAMPLES = 30
 
 
 class ValidationFailed(StreamrecError):
@@ -166,7 +170,7 @@ def quality(model: ScoringModel, batches: list[SampleBatch], fp32: bool = False,
     # one row per impression with the label it ends with (fake_negative / es_dfm emit a clicked one twice)
     keep, final = final_view(np.concatenate(ids), np.concatenate(labels), np.concatenate(kinds))
     p, y = np.concatenate(probs)[keep], final[keep].astype(np.float64)
-    return {"samples": int(len(y)), "auc": auc(p, y), "logloss": logloss(p, y)}
+    return {"samples": int(len(y)), "positives": int(y.sum()), "auc": auc(p, y), "logloss": logloss(p, y)}
 
 
 def _unmeasured(fmt: str, why: str) -> str:
@@ -219,6 +223,11 @@ def holdout(new: ScoringModel, live: ScoringModel | None, batches: list[SampleBa
     if math.isnan(mine["auc"]) or math.isnan(theirs["auc"]):
         out["skipped"] = out["unchecked"] = (f"AUC undefined on the {mine['samples']} holdout samples (one class "
                                              "only, or none scored)")
+        return out
+    rarer = min(mine["positives"], mine["samples"] - mine["positives"])
+    if rarer < MIN_CLASS_SAMPLES:
+        out["skipped"] = out["unchecked"] = (f"too few holdout samples to compare AUCs: {rarer} of the rarer class "
+                                             f"among {mine['samples']} (at least {MIN_CLASS_SAMPLES} of each)")
         return out
     drop = theirs["auc"] - mine["auc"]
     out["auc_drop"] = drop
