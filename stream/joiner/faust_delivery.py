@@ -399,13 +399,12 @@ class BatchConsumer(faust_aiokafka.Consumer):
         if high == 0:
             return False
         read, sought = self._read_offset.get(tp), self._sought.get(tp)
-        if read is None:
-            position = _fetch_position(self._thread._ensure_consumer(), tp)
-            return position is None or position < high
-        if (read + 1 if sought is None else sought) >= high:
+        if read is not None and (read + 1 if sought is None else sought) >= high:
             return False
-        position = None if sought is not None else _fetch_position(self._thread._ensure_consumer(), tp)
-        return position is None or position < high
+        if read is not None and sought is not None:  # sought below the high water: more, whatever was fetched
+            return True
+        position = _fetch_position(self._thread._ensure_consumer(), tp)  # nothing read yet, or read below the high
+        return position is None or position < high  # water: the fetch position decides (markers, compacted records)
 
     def _set_carry(self, records: list[Record]) -> None:
         self._carry = records
