@@ -118,6 +118,20 @@ def process_exists(pid: int) -> bool:
     return True
 
 
+def process_identity(pid: int) -> tuple[str, int] | None:
+    """``(executable name, start time in clock ticks since boot)`` of the live process ``pid`` (Linux /proc); None for
+    no process, a zombie or one that cannot be read. The pair tells a process from a later one the system gave the same
+    pid, which the name alone does not (a stale pid file's pid now another run of the same program). The executable,
+    not the command line: redis-server rewrites its own."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        exe = Path(os.readlink(f"/proc/{pid}/exe")).name.removesuffix(" (deleted)")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": the state (field 3) ... starttime (field 22)
+    return None if fields[0] == "Z" else (exe, int(fields[19]))
+
+
 def leftover_writer_alive(pid: int) -> bool:
     """Whether the writer ``pid`` named in a leftover (a temp file of :func:`write_atomic`, a staged artifact) may
     still be writing it, for a cleanup that has nothing of its own in flight (the learner's sequential saves, a

@@ -2,8 +2,8 @@
 
 Both listen on loopback only. ``up`` is idempotent: a service already started by this stack (same
 state directory) and still answering is left alone. Each started service gets a pid file (JSON:
-pid, port, command) and a log file in the state directory; ``down`` stops only processes whose
-pid file it wrote *and* whose command line still matches, so a recycled pid is never killed.
+pid, port, command, start time) and a log file in the state directory; ``down`` stops only processes whose
+pid file it wrote *and* whose executable and start time still match, so a recycled pid is never killed.
 
 The broker keeps its data in memory (``memory://``): ``down`` loses the topics.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from stream.config import check_counts, check_durations, check_ports
 from stream.errors import StreamrecError
-from stream.files import open_append_regular, read_regular, read_tail, write_atomic
+from stream.files import open_append_regular, process_identity, read_regular, read_tail, write_atomic
 
 
 @dataclass(frozen=True)
@@ -112,16 +112,11 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def _pid_alive(pid: int, binary_name: str) -> bool:
-    """Alive, not a zombie, and still the program we started (guards against pid reuse)."""
-    # /proc/PID/exe, not cmdline: redis-server rewrites its cmdline to "redis-server host:port".
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        exe = Path(os.readlink(f"/proc/{pid}/exe"))
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return False
-    state = stat.rsplit(")", 1)[1].split()[0]
-    return state != "Z" and exe.name.removesuffix(" (deleted)") == binary_name
+def _pid_alive(pid: int, binary_name: str, started: int | None = None) -> bool:
+    """Alive, not a zombie, and still the program we started: its executable and, where the pid file has it (not one
+    written before 2026-12-06), its start time (the pid reused by another run of the same program)."""
+    ident = process_identity(pid)
+    return ident is not None and ident[0] == binary_name and started in (None, ident[1])
 
 
 class LocalStack:
@@ -162,7 +157,7 @@ class LocalStack:
             if info is None:
                 continue
             pid, binary = info["pid"], Path(info["command"][0]).name
-            if _pid_alive(pid, binary):
+            if _pid_alive(pid, binary, info.get("started")):
                 self._terminate(name, pid, binary)
                 stopped.append(name)
             self._pid_file(name).unlink(missing_ok=True)
@@ -173,7 +168,7 @@ class LocalStack:
         for name, port, address in (("kafka", self.s.kafka_port, self.bootstrap_servers),
                                     ("redis", self.s.redis_port, self.redis_url)):
             info = self._read_pid(name)
-            alive = info is not None and _pid_alive(info["pid"], Path(info["command"][0]).name)
+            alive = info is not None and _pid_alive(info["pid"], Path(info["command"][0]).name, info.get("started"))
             out.append(ServiceStatus(name, alive and _port_open(self.s.host, port),
                                      info["pid"] if info and alive else None, port, address,
                                      str(self._log_file(name))))
@@ -206,7 +201,7 @@ class LocalStack:
     def _ensure(self, name: str, binary: Path, port: int, args: list[str], ready) -> None:
         info = self._read_pid(name)
         if info is not None:
-            if _pid_alive(info["pid"], binary.name) and info["port"] == port and ready(0.5):
+            if _pid_alive(info["pid"], binary.name, info.get("started")) and info["port"] == port and ready(0.5):
                 return  # already running: up is idempotent
             self._pid_file(name).unlink(missing_ok=True)
         if _port_open(self.s.host, port):
@@ -228,7 +223,9 @@ class LocalStack:
             out.close()
         self._children[name] = proc
         # replaced, not written into: a FIFO there (not read by _read_pid) is replaced by the pid file
-        write_atomic(self._pid_file(name), json.dumps({"pid": proc.pid, "port": port, "command": cmd}).encode())
+        started = (process_identity(proc.pid) or ("", None))[1]  # set at the fork: the same before and after the exec
+        write_atomic(self._pid_file(name), json.dumps({"pid": proc.pid, "port": port, "command": cmd,
+                                                       "started": started}).encode())
         if not ready(self.s.start_timeout_s):
             code = proc.poll()
             try:  # the log grows over every run: its end only

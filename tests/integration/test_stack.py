@@ -12,7 +12,8 @@ import pytest
 import redis
 
 from streamrec.cli import main
-from streamrec.stack import LocalStack, StackError, StackSettings, free_port
+from streamrec.stack import LocalStack, StackError, StackSettings, free_port, redis_binary, redis_server_args
+from tests.bounded_teardown import Reaper
 
 
 def _stack(tmp_path: Path) -> LocalStack:
@@ -80,3 +81,20 @@ def test_cli_stack_status_json(tmp_path: Path, capsys: pytest.CaptureFixture[str
     finally:
         assert main(["stack", "down", "--state-dir", state, "--json"]) == 0
     assert sorted(json.loads(capsys.readouterr().out)["stopped"]) == ["kafka", "redis"]
+
+
+def test_down_never_kills_another_run_of_the_same_program_given_a_stale_pid(tmp_path: Path, reaper: Reaper) -> None:
+    """A stale pid file (its redis gone: a reboot, a kill -9) whose pid the system gave to another redis-server: the
+    executable's name matched, so ``down`` killed a Redis this stack never started."""
+    st = _stack(tmp_path)
+    try:
+        st.up()
+        stale = json.loads((st.state_dir / "redis.pid.json").read_text())
+    finally:
+        st.down()
+    other = reaper.add(subprocess.Popen([str(redis_binary()), *redis_server_args("127.0.0.1", free_port())],
+                                        stdout=subprocess.DEVNULL))
+    (st.state_dir / "redis.pid.json").write_text(json.dumps({**stale, "pid": other.pid}))  # the pid reused
+    assert st.down() == []
+    assert other.poll() is None  # still alive
+    assert not {s.name: s for s in st.status()}["redis"].running
