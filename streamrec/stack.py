@@ -201,8 +201,11 @@ class LocalStack:
     def _ensure(self, name: str, binary: Path, port: int, args: list[str], ready) -> None:
         info = self._read_pid(name)
         if info is not None:
-            if _pid_alive(info["pid"], binary.name, info.get("started")) and info["port"] == port and ready(0.5):
-                return  # already running: up is idempotent
+            if _pid_alive(info["pid"], binary.name, info.get("started")):  # ours: never dropped while it runs
+                if info["port"] == port and ready(self.s.start_timeout_s):  # (still starting: a concurrent up)
+                    return  # already running: up is idempotent
+                raise StackError(f"{name} of this stack (pid {info['pid']}, port {info['port']}) does not answer on "
+                                 f"port {port}: `streamrec stack down` stops it, then `streamrec stack up` again")
             self._pid_file(name).unlink(missing_ok=True)
         if _port_open(self.s.host, port):
             raise StackError(

@@ -12,7 +12,15 @@ import pytest
 import redis
 
 from streamrec.cli import main
-from streamrec.stack import LocalStack, StackError, StackSettings, free_port, redis_binary, redis_server_args
+from streamrec.stack import (
+    LocalStack,
+    StackError,
+    StackSettings,
+    _pid_alive,
+    free_port,
+    redis_binary,
+    redis_server_args,
+)
 from tests.bounded_teardown import Reaper
 
 
@@ -98,3 +106,18 @@ def test_down_never_kills_another_run_of_the_same_program_given_a_stale_pid(tmp_
     assert st.down() == []
     assert other.poll() is None  # still alive
     assert not {s.name: s for s in st.status()}["redis"].running
+
+
+def test_up_on_another_port_refuses_and_down_still_stops_the_running_one(tmp_path: Path) -> None:
+    """``stack up`` again with a service's port changed (a config edit) dropped the pid file of the service still
+    running on the old port and started another: ``down`` then stopped the new one, the old one ran on, orphaned."""
+    st = _stack(tmp_path)
+    moved = LocalStack(StackSettings(state_dir=st.state_dir, kafka_port=st.s.kafka_port, redis_port=free_port()))
+    try:
+        first = {s.name: s.pid for s in st.up()}
+        with pytest.raises(StackError, match=rf"redis of this stack \(pid {first['redis']}, port {st.s.redis_port}\)"
+                                             r".*streamrec stack down"):
+            moved.up()
+    finally:
+        assert sorted(moved.down()) == ["kafka", "redis"]
+    assert not _pid_alive(first["redis"], redis_binary().name)
