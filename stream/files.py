@@ -132,6 +132,13 @@ def process_identity(pid: int) -> tuple[str, int] | None:
     return None if fields[0] == "Z" else (exe, int(fields[19]))
 
 
+def process_matches(pid: int, exe_name: str, started: int | None = None) -> bool:
+    """Whether ``pid`` is a live run of the executable ``exe_name`` that started at ``started`` (clock ticks, as
+    :func:`process_identity` gives; None: any start, for a record written without it)."""
+    ident = process_identity(pid)
+    return ident is not None and ident[0] == exe_name and started in (None, ident[1])
+
+
 def leftover_writer_alive(pid: int) -> bool:
     """Whether the writer ``pid`` named in a leftover (a temp file of :func:`write_atomic`, a staged artifact) may
     still be writing it, for a cleanup that has nothing of its own in flight (the learner's sequential saves, a

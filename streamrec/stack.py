@@ -27,7 +27,7 @@ from pathlib import Path
 
 from stream.config import check_counts, check_durations, check_ports
 from stream.errors import StreamrecError
-from stream.files import open_append_regular, process_identity, read_regular, read_tail, write_atomic
+from stream.files import open_append_regular, process_identity, process_matches, read_regular, read_tail, write_atomic
 
 
 @dataclass(frozen=True)
@@ -112,13 +112,6 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def _pid_alive(pid: int, binary_name: str, started: int | None = None) -> bool:
-    """Alive, not a zombie, and still the program we started: its executable and, where the pid file has it (not one
-    written before 2026-12-06), its start time (the pid reused by another run of the same program)."""
-    ident = process_identity(pid)
-    return ident is not None and ident[0] == binary_name and started in (None, ident[1])
-
-
 class LocalStack:
     """Start, stop and describe the local broker and Redis of one state directory."""
 
@@ -157,7 +150,7 @@ class LocalStack:
             if info is None:
                 continue
             pid, binary = info["pid"], Path(info["command"][0]).name
-            if _pid_alive(pid, binary, info.get("started")):
+            if process_matches(pid, binary, info.get("started")):
                 self._terminate(name, pid, binary)
                 stopped.append(name)
             self._pid_file(name).unlink(missing_ok=True)
@@ -168,7 +161,8 @@ class LocalStack:
         for name, port, address in (("kafka", self.s.kafka_port, self.bootstrap_servers),
                                     ("redis", self.s.redis_port, self.redis_url)):
             info = self._read_pid(name)
-            alive = info is not None and _pid_alive(info["pid"], Path(info["command"][0]).name, info.get("started"))
+            alive = info is not None and process_matches(info["pid"], Path(info["command"][0]).name,
+                                                         info.get("started"))
             out.append(ServiceStatus(name, alive and _port_open(self.s.host, port),
                                      info["pid"] if info and alive else None, port, address,
                                      str(self._log_file(name))))
@@ -201,7 +195,7 @@ class LocalStack:
     def _ensure(self, name: str, binary: Path, port: int, args: list[str], ready) -> None:
         info = self._read_pid(name)
         if info is not None:
-            if _pid_alive(info["pid"], binary.name, info.get("started")):  # ours: never dropped while it runs
+            if process_matches(info["pid"], binary.name, info.get("started")):  # ours: never dropped while it runs
                 if info["port"] == port and ready(self.s.start_timeout_s):  # (still starting: a concurrent up)
                     return  # already running: up is idempotent
                 raise StackError(f"{name} of this stack (pid {info['pid']}, port {info['port']}) does not answer on "
@@ -246,10 +240,10 @@ class LocalStack:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and _pid_alive(pid, binary):
+        while time.monotonic() < deadline and process_matches(pid, binary):
             self._reap(name)
             time.sleep(0.05)
-        if _pid_alive(pid, binary):
+        if process_matches(pid, binary):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self._reap(name, wait=True)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from stream.files import process_matches
 from streamrec.cli import main
 from streamrec.stack import (
     LocalStack,
     StackError,
     StackSettings,
-    _pid_alive,
     free_port,
     redis_binary,
     redis_server_args,
@@ -120,4 +120,4 @@ def test_up_on_another_port_refuses_and_down_still_stops_the_running_one(tmp_pat
             moved.up()
     finally:
         assert sorted(moved.down()) == ["kafka", "redis"]
-    assert not _pid_alive(first["redis"], redis_binary().name)
+    assert not process_matches(first["redis"], redis_binary().name)
