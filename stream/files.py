@@ -122,7 +122,7 @@ def process_identity(pid: int) -> tuple[str, int] | None:
     """``(executable name, start time in clock ticks since boot)`` of the live process ``pid`` (Linux /proc); None for
     no process, a zombie or one that cannot be read. The pair tells a process from a later one the system gave the same
     pid, which the name alone does not (a stale pid file's pid now another run of the same program). The executable,
-    not the command line: redis-server rewrites its own."""
+    not the command line: redis-server rewrites its own. The start time is the fork's: an exec keeps it."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         exe = Path(os.readlink(f"/proc/{pid}/exe")).name.removesuffix(" (deleted)")

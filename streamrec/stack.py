@@ -223,10 +223,12 @@ class LocalStack:
         finally:
             out.close()
         self._children[name] = proc
-        # replaced, not written into: a FIFO there (not read by _read_pid) is replaced by the pid file
-        started = (process_identity(proc.pid) or ("", None))[1]  # set at the fork: the same before and after the exec
-        write_atomic(self._pid_file(name), json.dumps({"pid": proc.pid, "port": port, "command": cmd,
-                                                       "started": started}).encode())
+        try:  # replaced, not written into (a FIFO there); unwritten (a full disk, ^C): stopped, `down` can't find it
+            write_atomic(self._pid_file(name), json.dumps({"pid": proc.pid, "port": port, "command": cmd, "started":
+                                                           (process_identity(proc.pid) or ("", None))[1]}).encode())
+        except BaseException:
+            self._terminate(name, proc.pid, binary.name)
+            raise
         if not ready(self.s.start_timeout_s):
             code = proc.poll()
             try:  # the log grows over every run: its end only

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -144,3 +146,25 @@ def test_a_broker_binary_that_is_not_executable_is_a_stack_error_naming_it(tmp_p
     with pytest.raises(StackError, match=rf"permission denied \({binary}\)"):
         st.up()
     assert st.down() == []
+
+
+def test_a_pid_file_that_cannot_be_written_stops_the_service_it_was_for(tmp_path: Path, reaper: Reaper,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broker was started and its pid file then failed (a full disk): ``up`` raised and left the broker running
+    with no pid file, so ``down`` never stopped it and the next ``up`` found its port taken."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        started.append(reaper.add(real_popen(*args, **kwargs)))
+        return started[-1]
+
+    def full_disk(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    real_popen = subprocess.Popen
+    monkeypatch.setattr("streamrec.stack.subprocess.Popen", popen)
+    monkeypatch.setattr("streamrec.stack.write_atomic", full_disk)
+    st = _stack(tmp_path)
+    with pytest.raises(StackError, match=r"the file system is full \(.*kafka\.pid\.json\)"):
+        st.up()
+    assert [p.poll() is not None for p in started] == [True]  # the broker, stopped
