@@ -89,8 +89,11 @@ def check_counts(section: str, settings: Any, *, zero_ok: Collection[str] = (),
 
 def check_ports(section: str, settings: Any, *, lowest: int = 0) -> None:
     """Every port setting of a settings dataclass (an int field named ``port`` or ``*_port``) is ``None`` (unset) or an
-    integer in ``lowest``..65535 (0: the system picks a free port; ``lowest=1`` where a fixed port is needed). A
-    :class:`ConfigError` otherwise: out of range, bind() raises OverflowError (or a confusing gaierror for -1)."""
+    integer in ``lowest``..65535 (0: the system picks a free port; ``lowest=1`` where a fixed port is needed), and no
+    two name the same fixed port. A :class:`ConfigError` otherwise: out of range, bind() raises OverflowError (or a
+    confusing gaierror for -1); one port twice, the second listener finds it taken by the first (the stack's Redis
+    on its own broker's port was "in use by a process this stack did not start")."""
+    taken: dict[int, str] = {}
     for name in (f.name for f in fields(settings)
                  if (f.name == "port" or f.name.endswith("_port")) and "int" in str(f.type)):  # not reuse_port
         value = getattr(settings, name)
@@ -98,6 +101,9 @@ def check_ports(section: str, settings: Any, *, lowest: int = 0) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= 65535:
             raise ConfigError(f"[{section}] {name} must be a port number {lowest}-65535, got {value!r}")
+        if value and value in taken:  # (0 is a different free port for each)
+            raise ConfigError(f"[{section}] {name} and {taken[value]} are both {value}: give each its own port")
+        taken[value] = name
 
 
 def check_bootstrap_servers(servers: str) -> None:

@@ -49,6 +49,18 @@ def test_port_0_picks_one_for_a_listener_but_not_for_the_stack() -> None:
         build(ServeSettings, "serve", environ={"STREAMREC_SERVE_PORT": "70000"})
 
 
+def test_two_ports_of_one_settings_class_on_the_same_port_are_a_config_error(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stack's broker and Redis both on 23456: ``stack up`` started the broker, then refused Redis with exit 1 as
+    "in use by a process this stack did not start" (its own broker), and left the broker running."""
+    with pytest.raises(ConfigError, match=r"\[stack\] redis_port and kafka_port are both 23456"):
+        StackSettings(kafka_port=23456, redis_port=23456)
+    monkeypatch.setenv("STREAMREC_STACK_KAFKA_PORT", "23456")
+    monkeypatch.setenv("STREAMREC_STACK_REDIS_PORT", "23456")
+    assert main(["stack", "up", "--state-dir", "/nonexistent/never-made"]) == 2
+    assert "redis_port and kafka_port are both 23456" in capsys.readouterr().err
+
+
 def test_monitor_metrics_port_flag_is_range_checked(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["monitor", "--check", "--metrics-port", "70000"])
