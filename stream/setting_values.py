@@ -124,11 +124,16 @@ def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict
 
 def coerce_field(key: str, tp: Any, raw: Any, where: str) -> Any:
     """:func:`_coerce` plus the checks that need the setting's name: an empty host (``host``, ``*_host``) is an
-    error, not "every interface" (bind("") listens on 0.0.0.0) or a lookup failure at bind time."""
+    error, not "every interface" (bind("") listens on 0.0.0.0) or a lookup failure at bind time; so is one holding
+    white space or a control character, which no host name or address holds (it failed a lookup at start, and reached
+    the local stack's broker and redis-server command lines)."""
     value = coerce(tp, raw, where)
     if (key == "host" or key.endswith("_host")) and isinstance(value, str) and not value.strip():
         raise SettingsError(f"{where}: cannot use {shown(raw)}: an empty host is not an address; give one "
                             f"(127.0.0.1: this machine only; 0.0.0.0: every interface) or leave it out for the default")
+    if (key == "host" or key.endswith("_host")) and isinstance(value, str) and any(
+            c.isspace() or not c.isprintable() for c in value):
+        raise SettingsError(f"{where}: cannot use {shown(raw)}: a host holds no white space or a control character")
     return value
 
 

@@ -35,6 +35,24 @@ def test_an_empty_host_is_an_error_not_every_interface(cls: type, section: str, 
 
 
 @pytest.mark.parametrize("cls, section, key", [
+    (ServeSettings, "serve", "host"), (LearnerSettings, "learner", "metrics_host"), (StackSettings, "stack", "host"),
+])
+@pytest.mark.parametrize("raw", ["127.0.0.1\nport 1", " 127.0.0.1", "127.0.0.1\t", "local host", "127.0.0.1\x1b"],
+                         ids=["newline", "leading-space", "tab", "inner-space", "escape"])
+def test_a_host_with_white_space_or_a_control_character_is_an_error_not_a_lookup_failure(
+        cls: type, section: str, key: str, raw: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No host name or address holds one: ``stack up`` failed its first port check on a lookup (a gaierror: a
+    traceback, or a line blaming the state directory), exit 1, naming no setting."""
+    with pytest.raises(SettingsError, match=r"white space or a control character"):
+        build(cls, section, {section: {key: raw}}, environ={})
+    if cls is StackSettings:
+        monkeypatch.setenv("STREAMREC_STACK_HOST", raw)
+        assert main(["stack", "up", "--state-dir", "/nonexistent/never-made"]) == 2
+        assert len(capsys.readouterr().err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("cls, section, key", [
     (LearnerSettings, "learner", "checkpoint_dir"), (LearnerSettings, "learner", "deltas_dir"),
     (ServeSettings, "serve", "publish_root"), (StackSettings, "stack", "state_dir"),
     (RefreshSettings, "refresh", "checkpoint_dir"), (RefreshSettings, "refresh", "publish_root"),
