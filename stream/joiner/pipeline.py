@@ -529,11 +529,11 @@ class JoinPipeline:
                 for part in numbers:
                     self.producer.send(self.state_topic, None, chunk_key(partition, seq, part), partition=partition)
             eng = PartitionJoin.restore(partition, self.cfg, chunks)
-            self._follow_topics(eng, now)
+            self._follow_topics(eng, now, plog.followed)
             # This owner's claim, durable before its first chunk (the flush below): the seqs a stale owner would
             # write next are fenced off, and this one's chunks start past them (state_log.py, "Fencing")
             if start is None:
-                claim, start = next_claim(plog)
+                claim, start = next_claim(plog, (now[0], now[1]))
                 self.producer.send(self.state_topic, claim, claim_key(partition), partition=partition)
             eng.continue_at(start)
             restored[partition] = eng
@@ -548,18 +548,27 @@ class JoinPipeline:
             self._say_lost_state(empty)
         self.totals.stage_s["restore"] += time.monotonic() - t0
 
-    def _follow_topics(self, eng: PartitionJoin, now: list[str | None]) -> None:
+    def _follow_topics(self, eng: PartitionJoin, now: list[str | None], followed: tuple[str | None, str | None]
+                       ) -> None:
         """Each input of ``eng`` read from its first record where its restored offsets are of another topic than the
         one of that name ``now`` (ids as ``stream.kafka.topic_identity`` gives them): deleted and created again since
         (or another cluster), its records up to the old offset were skipped as redelivered, in silence. Said as an
         ERROR naming both ids and counted; a chunk without an id (written before) or a broker that gives none keeps
         the offsets. The ids now are what the partition's next chunks record. A change this pipeline said already is
         followed in silence: a reload (:meth:`_reload`) before the partition's first new chunk finds the old id again
-        (it was said and counted once more)."""
+        (it was said and counted once more).
+
+        The strikes of that input partition go too, here and in Redis (keyed by topic name and offset, they were the
+        old topic's: its poisoned offset dead-lettered the new topic's record there unread), unless ``followed``, the
+        ids of the partition's claim, says an owner since the change did so: a poison record of the new topic failing
+        before the partition's first new chunk then kept its strikes at every restart instead of starting over."""
         for kind, (was, new) in enumerate(zip(eng.topic_ids, now, strict=True)):
             if was and new and was != new:
                 if self._followed.get((eng.partition, kind)) != (was, new):
                     self._say_topic_changed(eng, kind, was, new)
+                if followed[kind] != new:
+                    topic = (self.kafka.impressions_topic, self.kafka.clicks_topic)[kind]
+                    self.strikes.settle({(topic, eng.partition): 1 << 63})  # every offset of the old topic
                 eng.start_over(kind, new)
             elif new:
                 eng.topic_ids[kind] = new

@@ -814,3 +814,49 @@ def test_a_restore_asks_the_broker_for_both_inputs_topic_ids_with_one_admin_clie
     assert len(made) == 1
     ids = [topic_identity(kafka, t)["topic_id"] for t in (kafka.impressions_topic, kafka.clicks_topic)]
     assert p.engines[0].topic_ids == ids and p.engines[1].topic_ids == ids
+
+
+def test_strikes_of_an_input_topic_made_again_do_not_poison_the_new_topics_records_at_their_offsets(
+        kafka: KafkaSettings, make) -> None:
+    """Strikes are keyed by topic name, partition and offset: the impressions topic deleted and made again while its
+    message at offset 1 had failed ``poison_after`` times (the worker stopped before its restart dead-lettered it),
+    the new topic's innocent record at offset 1 was dead-lettered as poison without ever failing. The restore that
+    finds the topic made again (``_follow_topics``) drops that input partition's strikes with its offsets."""
+    ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic], partitions=2)
+    t = kafka.impressions_topic
+
+    def write(ids: list[str]) -> list[Any]:
+        producer = AckedProducer(kafka)
+        for i, imp_id in enumerate(ids):
+            producer.send(t, imp(kafka, 0, i, imp_id, T0 + i).value, imp_id.encode(), partition=0)
+        producer.flush()
+        return [imp(kafka, 0, i, imp_id, T0 + i) for i, imp_id in enumerate(ids)]
+
+    first = make()
+    first.process(write(["old-0"]))
+    for _ in range(first.js.poison_after):  # the old topic's offset 1 failed every time (the last: no restart since)
+        first.strikes.failed([(t, 0, 1)], RuntimeError("boom"))
+    make_again(kafka, t, partitions=2)
+    records = write(["new-0", "new-1", "new-2"])
+    again = make()
+    again.process(records)
+    assert {"new-0", "new-1", "new-2"} <= set(again.engines[0].pending)  # new-1 joined, not dead-lettered as poison
+    assert (t, 0, 1) not in again.strikes.counts and (t, 0, 1) not in make().strikes.counts  # gone from Redis too
+
+
+def test_strikes_of_the_new_topic_given_before_its_first_chunk_survive_a_restart(kafka: KafkaSettings, make) -> None:
+    """The restore that finds an input topic made again drops that input partition's strikes (above); a record of the
+    new topic that fails before the partition's first new chunk must keep its strikes at the next restart, which still
+    finds the old id in the chunks: dropped again, a poison record there failed the worker at every restart, never
+    dead-lettered. The claim records the ids its owner read, so the change is followed once."""
+    ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic], partitions=2)
+    t = kafka.impressions_topic
+    make().process([imp(kafka, 0, 0, "old-0", T0)])
+    make_again(kafka, t, partitions=2)
+    again = make()
+    again.restore({0})  # the change found: the old topic's strikes dropped
+    again.strikes.failed([(t, 0, 0)], RuntimeError("boom"))  # the new topic's first record fails: no chunk written
+    restarted = make()
+    restarted.restore({0})
+    assert restarted.engines[0].offsets[0] < 0  # the change is still found (the chunks hold the old id)
+    assert restarted.strikes.counts.get((t, 0, 0), (0, ""))[0] == 1
