@@ -39,6 +39,7 @@ log = logging.getLogger("streamrec.train")
 class MapStats:
     """What one :meth:`RowMapper.apply` did, per owning field name."""
 
+    # the owning field's own keys (not a sharing field's, such as history's items): the bucket share's new ids
     lookups: dict[str, int] = field(default_factory=dict)
     bucket_lookups: dict[str, int] = field(default_factory=dict)
     admitted: dict[str, int] = field(default_factory=dict)
@@ -118,9 +119,11 @@ class RowMapper:
                 continue
             res = self.maps[owner].lookup(k, now, train=train and own_field)
             results.append(res)
+            if not own_field:  # a sharing field's reads (history) say nothing of new ids: not in the bucket share
+                continue
             stats.lookups[owner] = stats.lookups.get(owner, 0) + len(k)
             stats.bucket_lookups[owner] = stats.bucket_lookups.get(owner, 0) + res.bucket_lookups
-            if train and own_field:
+            if train:
                 stats.admitted[owner] = len(res.admitted_rows)
                 stats.evicted[owner] = len(res.evicted_rows)
                 stats.time_to_admission[owner] = known_delays(res.admitted_delay_s)

@@ -319,11 +319,11 @@ class ShardedRowMapper:
             start = sum(len(g[0][j]) for g in gathered[:self.rank])  # this rank's keys in the field's call
             if e > s:
                 values[s:e] = first + rows[start:start + e - s]
+            if not own_field:  # a sharing field's reads (history): not in the bucket share (RowMapper.lookup)
+                continue
             nb = f.spec.num_buckets
             stats.lookups[name] = stats.lookups.get(name, 0) + len(k)
             stats.bucket_lookups[name] = stats.bucket_lookups.get(name, 0) + int(np.count_nonzero(rows < nb))
-            if not own_field:
-                continue
             answered = [reply[j] for reply in replies if reply[j] is not None]
             dst = np.concatenate([a[1] for a in answered])  # (A,) field-local own rows handed out, every rank's
             src = np.concatenate([a[2] for a in answered])  # (A,) their buckets

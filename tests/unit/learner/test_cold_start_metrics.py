@@ -491,3 +491,37 @@ def test_a_click_that_comes_after_the_users_next_impressions_counts_with_its_imp
     train(["b", "c"], [OBSERVED, OBSERVED], [0.0, 0.0])  # its second (cold) and third (warm)
     train(["a", "d", "c"], [DELAYED_POSITIVE, OBSERVED, DELAYED_POSITIVE], [1.0, 0.0, 1.0])  # clicks of a (cold), c
     assert (q.cold_metrics.count, q.warm_metrics.count) == (3, 3)  # a, b, a's click | c, d, c's click
+
+
+def test_a_burst_of_new_items_fires_cold_start_share_for_item_id_whatever_the_users_histories_hold() -> None:
+    # The history field shares item_id's rows, and its lookups (read-only: they neither count towards admission nor
+    # say anything about new ids) were counted as item_id's: with 48 known items in each user's history (the default
+    # history_len is 50), a batch whose candidate items were all brand new read 8 / 392 = 0.02 on buckets, and
+    # cold_start_share ("a burst of new ids") could never fire for items.
+    from learner.batch import to_tensors
+    from learner.features import FeatureConfig, FieldSpec
+    from learner.row_mapper import RowMapper
+    from stream.samples import SampleBatch
+
+    cfg = FeatureConfig((FieldSpec("user_id", "single", 8, capacity=50, admit_after=2),
+                         FieldSpec("item_id", "single", 8, capacity=50, admit_after=2),
+                         FieldSpec("history", "sequence", 1, shares="item_id")), embedding_dim=4)
+    users, known = list(range(8)), list(range(100, 108))
+
+    def batch(items: list[int], history: list[list[int]], start: int) -> Any:
+        n = len(items)
+        return to_tensors(SampleBatch.from_columns(
+            impression_id=[f"i{start + k}" for k in range(n)], ts=np.arange(start, start + n) * 1000,
+            label=np.arange(n) % 2, label_delay_ms=np.zeros(n), user_id=np.array(users), item_id=np.array(items),
+            history=history, context={}), cfg)
+
+    mapper, metrics = RowMapper(cfg), IdMetrics(metrics_window=10)  # a window of 1 lookup: the last batch's share
+    for k in range(2):  # users and items seen twice: admitted
+        mapper.apply(batch(known, [[] for _ in users], 8 * k), now=float(k))
+    BUCKET_SHARE.clear()
+    st = mapper.apply(batch(list(range(900, 908)), [known * 6 for _ in users], 16), now=2.0)  # new items only
+    metrics.observe(st, {})
+    assert st.lookups == {"user_id": 8, "item_id": 8} and st.bucket_lookups == {"user_id": 0, "item_id": 8}
+    engine = default_rule("cold_start_share")
+    alerts = [(a.labels.get("field"), a.state) for k in range(7) for a in engine.evaluate(scraped(), k * 60.0)]
+    assert alerts == [("item_id", AlertState.FIRING)]

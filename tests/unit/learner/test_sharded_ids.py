@@ -220,6 +220,11 @@ def test_ranks_mapping_their_shares_give_every_id_one_processs_vector_and_state(
     assert any(d and max(d) > 0 for d in delays)  # admit_after 2 over rounds 20 s apart: some wait
     for g in got["ranks"]:  # every rank's round stats (rank 0's are published) report one process's delays
         assert [np.sort(st.time_to_admission["user_id"]).tolist() for st in g["stats"]] == delays
+        # and its lookups, of the owning fields' own keys only (the bucket share): not history's reads of item rows
+        assert [(st.lookups, st.bucket_lookups) for st in g["stats"]] == [
+            (st.lookups, st.bucket_lookups) for st in ref["stats"]]
+    assert [st.lookups["item_id"] for st in ref["stats"]] == [  # one item per sample
+        sum(len(rank_batch(ROOMY, rnd, r, world)) for r in range(world)) for rnd in range(ROUNDS)]
     for f, keys in ((0, np.arange(30, dtype=np.int64)), (2, USERS)):
         assert np.array_equal(admitted(mapper, f, keys), admitted(want, f, keys))  # the same ids on own rows
         rows, ref_rows = mapper.rows(f, keys), want.rows(f, keys)
