@@ -428,8 +428,10 @@ def holds(path: Path, key: str) -> bool:
 
 def rank_states(path: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's ``rank-<r>.pt`` of the checkpoint (weights-only loads). One written for another checkpoint (copied
-    in) is a CheckpointError: its id map shares name rows of another table (states from before the name: unchecked)."""
-    states = [checkpoint.load(path / f"rank-{r}.pt") for r in range(int(meta["world_size"]))]
+    in) is a CheckpointError: its id map shares name rows of another table (states from before the name: unchecked).
+    So is one that does not load (torn, emptied, damaged: no checksum covers it): a raw RuntimeError or EOFError from
+    torch's reader ended the ranks' restore and ``--unshard``, naming neither the file nor the fix."""
+    states = [_rank_state(path, r) for r in range(int(meta["world_size"]))]
     for r, st in enumerate(states):
         if st.get("checkpoint", path.name) != path.name:
             raise checkpoint.CheckpointError(
@@ -437,6 +439,20 @@ def rank_states(path: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
                 f"file copied in from another checkpoint; move {path} out of {path.parent} to resume from the one "
                 "before it")
     return states
+
+
+def _rank_state(path: Path, rank: int) -> dict[str, Any]:
+    """``rank-<rank>.pt`` of the checkpoint at ``path`` (a weights-only load); one that does not load is a
+    CheckpointError naming it and the fix (out of memory is raised as it is: no fault of the file)."""
+    try:
+        return checkpoint.load(path / f"rank-{rank}.pt")
+    except checkpoint._NOT_DAMAGE:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torn or corrupt: named, whatever torch's reader raised
+        raise checkpoint.CheckpointError(
+            f"sharded checkpoint {path}: rank-{rank}.pt does not load ({checkpoint._reason(exc)}): it was torn or "
+            f"damaged after it was written; move {path} out of {path.parent} to resume from (or unshard) the one "
+            "before it") from exc
 
 
 def merged_metrics(states: list[dict[str, Any]], window: int) -> ProgressiveMetrics:

@@ -476,6 +476,22 @@ def test_a_ranks_state_file_from_another_sharded_checkpoint_is_refused_not_loade
         sharded_checkpoint.rank_states(*sharded_checkpoint.latest(tmp_path))
 
 
+@pytest.mark.parametrize("damage", ["torn", "emptied"])
+def test_a_ranks_state_file_that_does_not_load_is_refused_naming_it_and_the_fix_not_a_raw_torch_error(
+        tmp_path: Path, damage: str) -> None:
+    """No checksum covers rank-<r>.pt, and lost_parts checks only that it is there: a torn one ended the ranks'
+    restore and --unshard in torch's RuntimeError ("failed finding central directory"), an emptied one in a bare
+    EOFError, naming neither the file nor what to do."""
+    from learner import checkpoint, sharded_checkpoint
+
+    path = sharded_checkpoint.save(tmp_path, {"model": {"w": torch.zeros(8)}}, {"step": 1},
+                                   {"samples_trained": 100, "world_size": 1}, 0)
+    data = (path / "rank-0.pt").read_bytes()
+    (path / "rank-0.pt").write_bytes(data[:len(data) // 2] if damage == "torn" else b"")
+    with pytest.raises(checkpoint.CheckpointError, match=r"rank-0\.pt does not load .*move .* out of"):
+        sharded_checkpoint.rank_states(*sharded_checkpoint.latest(tmp_path))
+
+
 def test_a_sharded_delta_without_the_id_maps_holds_back_the_rows_given_to_other_ids(
         one_rank_group: None, tmp_path: Path) -> None:
     """Serving maps ids with the maps of the last delta that carried them: a sharded delta without maps that sent
