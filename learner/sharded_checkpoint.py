@@ -54,6 +54,7 @@ from learner.delayed import DelayedFeedbackWeights
 from learner.distributed import all_gather_objects, broadcast_object
 from learner.features import FeatureConfig
 from learner.progressive import ProgressiveMetrics
+from stream.errors import ConfigError
 from stream.files import NotDurable, fsync_dir, sha256_file, write_atomic
 
 log = logging.getLogger("streamrec.checkpoint")
@@ -493,18 +494,35 @@ def unshard(src: Path, dst: Path, keep: int = 3, setting: str = "--unshard") -> 
     The data files are read twice, as at a restore: whole, for their sha256 (:func:`latest`), then by DCP's load,
     which reads each item's byte range in its own order (hashing within that read would take a StorageReader of our
     own, and a file would be half loaded before it was refused); the second read comes from the page cache when
-    the checkpoint fits in memory, and an unshard runs once per export."""
+    the checkpoint fits in memory, and an unshard runs once per export.
+
+    ``dst``'s ``LOCK`` (``checkpoint.hold_directory``) is held while it is written: a learner training there is a
+    ConfigError naming ``setting``, the path and its pid. Without it the unshard wrote beside a running learner, its
+    save pruned that learner's checkpoints, the refresh served the other training as the newest, and the learner's
+    restart resumed it."""
+    if list_complete(dst):  # (dst == src too) the single-process checkpoint would sit beside the sharded ones, and
+        # `streamrec train --status`, which reads single-process checkpoints first, would report it for good
+        raise checkpoint.CheckpointError(f"{dst} holds sharded checkpoints (dcp-*): unshard into another directory, "
+                                         "one for single-process checkpoints")
+    checkpoint.check_directory(Path(dst), setting)
+    try:
+        lock = checkpoint.hold_directory(Path(dst))
+    except ConfigError as exc:
+        raise ConfigError(f"{setting} {dst}: {exc}") from None
+    try:
+        return _unshard(src, dst, keep)
+    finally:
+        checkpoint.release_directory(lock)
+
+
+def _unshard(src: Path, dst: Path, keep: int) -> Path:
+    """:func:`unshard`'s work, ``dst`` checked and held."""
     from learner.config import ModelConfig
     from learner.model import DeepFM
     from learner.optim import make_optimizers
     from learner.sharded_ids import whole_maps
     from learner.sharded_model import TABLE_KEY, padded_width, state_scale
 
-    if list_complete(dst):  # (dst == src too) the single-process checkpoint would sit beside the sharded ones, and
-        # `streamrec train --status`, which reads single-process checkpoints first, would report it for good
-        raise checkpoint.CheckpointError(f"{dst} holds sharded checkpoints (dcp-*): unshard into another directory, "
-                                         "one for single-process checkpoints")
-    checkpoint.check_directory(Path(dst), setting)
     found = latest(src, restore=True)
     if found is None:
         raise checkpoint.CheckpointError(f"no complete sharded checkpoint (dcp-*/meta.json) in {src}")
