@@ -482,6 +482,18 @@ def aggregate_metrics(metrics: ProgressiveMetrics) -> ProgressiveMetrics:
     return merged_metrics([{"metrics": s} for s in all_gather_objects(metrics.state_dict())], metrics.window)
 
 
+def interleaved_recent(lists: list[list[str | tuple[str] | list[str]]]) -> list[str | tuple[str] | list[str]]:
+    """Several learners' recent ids (``RecentIds.state``) as one list, oldest first, whose every newest cut holds an
+    equal share of each (interleaved from the newest back): for a reader whose window is not known where they are
+    merged (``--unshard``'s checkpoint, loaded by one process with its own ``dedup_window``);
+    ``learner.daemon.RecentIds.load_merged`` cuts to a known one. Their concatenation, cut to the window, kept the
+    last's alone."""
+    newest_first: list[str | tuple[str] | list[str]] = []
+    for k in range(max((len(ids) for ids in lists), default=0)):
+        newest_first.extend(ids[-1 - k] for ids in lists if k < len(ids))
+    return newest_first[::-1]
+
+
 def unshard(src: Path, dst: Path, keep: int = 3, setting: str = "--unshard") -> Path:
     """The newest sharded checkpoint in ``src`` as one single-process checkpoint in ``dst`` (module docstring);
     no process group needed. Returns the written checkpoint's path.
@@ -568,7 +580,7 @@ def _unshard(src: Path, dst: Path, keep: int) -> Path:
         with torch.no_grad():  # the served (a, b), as the single-process learner keeps it in the model
             model.get_buffer("calibration").copy_(torch.tensor([float(calibration["a"]), float(calibration["b"])]))
     metrics = merged_metrics(states, window=int(meta.get("metrics_window", 100_000)))
-    recent = [i for s in states for i in s.get("recent_ids", [])]
+    recent = interleaved_recent([s.get("recent_ids", []) for s in states])  # every rank's newest in any window
     state = {"model": model.state_dict(), "sparse_opt": sparse_opt.state_dict(), "dense_opt": dense_opt.state_dict(),
              "metrics": metrics.state_dict(), "recent_ids": recent,
              "id_maps": whole_maps(cfg, states)}  # every rank's parts as one map per field (learner/sharded_ids.py)

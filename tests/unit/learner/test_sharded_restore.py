@@ -165,3 +165,41 @@ def test_delayed_feedback_counts_restored_on_more_ranks_are_shared_out_not_copie
     assert got[0] == {"positives": 20, "delayed": 5}  # each rank its share: the prior weighs as much against it
     single = checkpoint.load(sharded_checkpoint.unshard(tmp_path / "ckpt", tmp_path / "single"))
     assert single["delayed_weights"] == {"positives": 40, "delayed": 10}
+
+
+def _two_ranks_admit_and_save(rank: int, world: int, directory: str) -> None:
+    """A gloo rank's work: admit 8 samples of its own (impression ids ``<rank>-<k>``) into its recent ids (a window
+    of 8), then the job's checkpoint."""
+    import learner.sharded_daemon as sd
+    from learner.kafka_dataset import to_tensors_empty
+
+    sd.new_consumer = lambda *a, **k: NoBroker()  # type: ignore[assignment]  # (a process of its own)
+    ls = LearnerSettings(checkpoint_dir=Path(directory), mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
+                         dedup_window=8)
+    lr = sd.ShardedLearner(KafkaSettings(bootstrap_servers="127.0.0.1:9"), ls, RankContext(rank, world))
+    try:
+        lr._build(CFG)
+        batch = to_tensors(sample_batch(np.random.default_rng(rank), 8, start=0, prefix=f"{rank}-"), CFG,
+                           [(rank, 0, 8)])
+        lr._admit(batch, to_tensors_empty(CFG, None))
+        lr.save()
+    finally:
+        lr.close()
+
+
+def test_unshard_keeps_every_ranks_newest_recent_ids_so_one_process_resumed_from_it_drops_their_duplicates(
+        tmp_path: Path) -> None:
+    """--unshard wrote the ranks' recent ids one rank after the other, and a single process loads the last
+    ``dedup_window`` of them: only the last rank's survived (as in the sharded restore before ``load_merged``), so a
+    joiner's retry of rank 0's newest samples was trained a second time by the learner resumed from the export."""
+    from learner import checkpoint, sharded_checkpoint
+    from learner.daemon import RecentIds
+    from tests.unit.learner.gloo_ranks import in_turn, run_gloo_ranks
+
+    works = [(_two_ranks_admit_and_save, (str(tmp_path / "ckpt"),))]
+    assert run_gloo_ranks(2, str(tmp_path / "store"), in_turn, lambda r: (works,)) == [0, 0]
+    single = checkpoint.load(sharded_checkpoint.unshard(tmp_path / "ckpt", tmp_path / "single"))
+    recent = RecentIds(8)  # the single process's window, as it loads its checkpoint (learner/daemon.py)
+    recent.load(single["recent_ids"])
+    retried = np.array(["0-7", "0-6", "1-7", "1-6"])  # each rank's two newest, delivered again
+    assert recent.filter(retried).tolist() == [False, False, False, False]
