@@ -197,7 +197,7 @@ def test_unshard_keeps_every_ranks_newest_recent_ids_so_one_process_resumed_from
     from tests.unit.learner.gloo_ranks import in_turn, run_gloo_ranks
 
     works = [(_two_ranks_admit_and_save, (str(tmp_path / "ckpt"),))]
-    assert run_gloo_ranks(2, str(tmp_path / "store"), in_turn, lambda r: (works,)) == [0, 0]
+    assert run_gloo_ranks(2, str(tmp_path / "store2"), in_turn, lambda r: (works,)) == [0, 0]
     single = checkpoint.load(sharded_checkpoint.unshard(tmp_path / "ckpt", tmp_path / "single"))
     recent = RecentIds(8)  # the single process's window, as it loads its checkpoint (learner/daemon.py)
     recent.load(single["recent_ids"])
