@@ -37,12 +37,13 @@ import logging
 import re
 import shutil
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from os import PathLike
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -58,6 +59,7 @@ from stream.errors import ConfigError
 from stream.files import NotDurable, fsync_dir, sha256_file, write_atomic
 
 log = logging.getLogger("streamrec.checkpoint")
+T = TypeVar("T")
 
 PREFIX = "dcp-"
 META = "meta.json"
@@ -456,13 +458,27 @@ def _rank_state(path: Path, rank: int) -> dict[str, Any]:
             "before it") from exc
 
 
+def interleaved_newest(lists: Sequence[Sequence[T]]) -> list[T]:
+    """Several ranks' items (each oldest first) as one list, oldest first, whose every newest cut holds an equal share
+    of each where each has enough (interleaved from the newest back): the ranks' recent ids in ``--unshard``'s
+    checkpoint (loaded by one process with its own ``dedup_window``; ``learner.daemon.RecentIds.load_merged`` cuts
+    to a known one) and the ranks' metric windows (:func:`merged_metrics`). Their concatenation, cut to a window,
+    kept the last rank's alone."""
+    newest_first: list[T] = []
+    for k in range(max((len(items) for items in lists), default=0)):
+        newest_first.extend(items[-1 - k] for items in lists if k < len(items))
+    return newest_first[::-1]
+
+
 def merged_metrics(states: list[dict[str, Any]], window: int) -> ProgressiveMetrics:
-    """The progressive metrics of all ranks as one (histograms and sums added; windows concatenated)."""
+    """The progressive metrics of all ranks as one (histograms and sums added; the window: every rank's newest
+    samples in turn, :func:`interleaved_newest`)."""
     out = ProgressiveMetrics(window=window)
     parts = [s["metrics"] for s in states if s.get("metrics")]
     if not parts:
         return out
     out.load_state_dict(parts[0])
+    windows = [out._window_arrays()]  # ((n_r,) probs, (n_r,) labels) of each rank, oldest first
     for d in parts[1:]:
         other = ProgressiveMetrics(window=window)
         other.load_state_dict(d)
@@ -470,28 +486,21 @@ def merged_metrics(states: list[dict[str, Any]], window: int) -> ProgressiveMetr
         out.neg = out.neg + other.neg
         out.loss_sum += other.loss_sum
         out.count += other.count
-        probs, labels = other._window_arrays()
-        if len(probs):
-            out._recent.append((probs, labels))
-            out._recent_n += len(probs)
+        windows.append(other._window_arrays())
+    starts = np.cumsum([0] + [len(p) for p, _ in windows])
+    picked = np.asarray(interleaved_newest([range(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)]),
+                        np.int64)[-window:]  # (<= window,) every rank's newest, into the concatenation
+    probs, labels = (np.concatenate(arrays)[picked] for arrays in zip(*windows, strict=True))
+    out._recent.clear()
+    if len(probs):
+        out._recent.append((probs, labels))
+    out._recent_n = len(probs)
     return out
 
 
 def aggregate_metrics(metrics: ProgressiveMetrics) -> ProgressiveMetrics:
     """Collective: this rank's metrics merged with every other rank's (what the summary and meta report)."""
     return merged_metrics([{"metrics": s} for s in all_gather_objects(metrics.state_dict())], metrics.window)
-
-
-def interleaved_recent(lists: list[list[str | tuple[str] | list[str]]]) -> list[str | tuple[str] | list[str]]:
-    """Several learners' recent ids (``RecentIds.state``) as one list, oldest first, whose every newest cut holds an
-    equal share of each (interleaved from the newest back): for a reader whose window is not known where they are
-    merged (``--unshard``'s checkpoint, loaded by one process with its own ``dedup_window``);
-    ``learner.daemon.RecentIds.load_merged`` cuts to a known one. Their concatenation, cut to the window, kept the
-    last's alone."""
-    newest_first: list[str | tuple[str] | list[str]] = []
-    for k in range(max((len(ids) for ids in lists), default=0)):
-        newest_first.extend(ids[-1 - k] for ids in lists if k < len(ids))
-    return newest_first[::-1]
 
 
 def unshard(src: Path, dst: Path, keep: int = 3, setting: str = "--unshard") -> Path:
@@ -580,7 +589,7 @@ def _unshard(src: Path, dst: Path, keep: int) -> Path:
         with torch.no_grad():  # the served (a, b), as the single-process learner keeps it in the model
             model.get_buffer("calibration").copy_(torch.tensor([float(calibration["a"]), float(calibration["b"])]))
     metrics = merged_metrics(states, window=int(meta.get("metrics_window", 100_000)))
-    recent = interleaved_recent([s.get("recent_ids", []) for s in states])  # every rank's newest in any window
+    recent = interleaved_newest([s.get("recent_ids", []) for s in states])  # every rank's newest in any window
     state = {"model": model.state_dict(), "sparse_opt": sparse_opt.state_dict(), "dense_opt": dense_opt.state_dict(),
              "metrics": metrics.state_dict(), "recent_ids": recent,
              "id_maps": whole_maps(cfg, states)}  # every rank's parts as one map per field (learner/sharded_ids.py)

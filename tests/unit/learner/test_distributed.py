@@ -133,6 +133,20 @@ def test_the_ranks_progressive_metrics_merge_into_those_of_all_their_samples() -
     assert merged.auc != pytest.approx(merged_metrics(parts[:1], window=5000).auc, abs=1e-6)  # not one rank's
 
 
+def test_the_ranks_full_windows_merge_into_a_window_of_every_ranks_newest_samples_not_the_last_ranks_alone() -> None:
+    """merged_metrics concatenated the ranks' windows and the window kept the last ``window`` samples: with every
+    rank's window full, the last rank's alone. The job's window AUC and logloss (the summary, every checkpoint's meta,
+    --unshard's checkpoint, rank 0 after a restore on another world size) were then of one rank's rows."""
+    from learner.sharded_checkpoint import merged_metrics
+
+    parts = []
+    for probs in ([0.11, 0.12, 0.13, 0.14], [0.21, 0.22, 0.23, 0.24]):  # rank 0's, rank 1's window, oldest first
+        m = ProgressiveMetrics(window=4)
+        m.update(np.array(probs), np.array([0.0, 1.0, 0.0, 1.0]))
+        parts.append({"metrics": m.state_dict()})
+    window = merged_metrics(parts, window=4)._window_arrays()[0]
+    assert sorted(window.tolist()) == [0.13, 0.14, 0.23, 0.24]  # the two newest of each rank
+
 def test_each_rank_sends_the_touched_rows_of_its_own_shard_and_together_they_send_each_once() -> None:
     from learner.sharded_deltas import rows_in_shard, union_rows
 
