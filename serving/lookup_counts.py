@@ -18,6 +18,7 @@ of the day before to that day), with one pipelined round trip.
 
 Bounded: at most ``max_pending`` lookups wait in memory (int64 each; those kept for a retry, below, count too); a
 request that would exceed it is not counted (``streamrec_serving_lookup_counts_dropped_total{reason="full"}``).
+A negative id (no hash: a history entry another Redis client wrote) is dropped at the flush (``reason="invalid"``).
 
 A flush writes one day and kind at a time, each all or nothing and each a write of its own (``write_id``); what it
 wrote before a failure counts as flushed. A flush that fails (Redis down, slow, refusing, or the connection lost
@@ -135,8 +136,10 @@ class LookupCounts:
                 writes, self._kept = self._kept, []
                 self._kept_n = 0
             for (day, kind), parts in sorted(pending.items()):
-                members, counts = np.unique(np.concatenate(parts), return_counts=True)  # (M,), (M,)
-                writes.append(LookupWrite(day, kind, members, counts, int(counts.sum())))
+                members, counts = np.unique(np.concatenate(parts), return_counts=True)  # (M,), (M,), ascending
+                members, counts = self._hashes_only(members, counts)
+                if len(members):
+                    writes.append(LookupWrite(day, kind, members, counts, int(counts.sum())))
             if not writes:
                 return 0
             written = 0
@@ -155,6 +158,16 @@ class LookupCounts:
             self._outcome("ok")
             self._flushed(written)
             return written
+
+    def _hashes_only(self, members: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``members`` (M,) ascending and their ``counts`` (M,) without the negative ids, dropped and counted
+        (``reason="invalid"``): no hash (``stream.ids.stable_hash`` is >= 0) but a history entry any Redis client may
+        write ("ts:-7", read and scored as the learner read it); ``add_counts`` refuses them, and one failed its whole
+        write, every lookup of the flush then kept, retried and dropped as a Redis failure."""
+        start = int(np.searchsorted(members, 0))
+        if start:
+            self._drop("invalid", int(counts[:start].sum()))
+        return members[start:], counts[start:]
 
     def _failed(self, exc: Exception, unwritten: list[LookupWrite]) -> None:
         """A flush failed with ``exc`` before writing ``unwritten``: each is kept for the next flush, unless this was

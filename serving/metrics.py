@@ -53,7 +53,7 @@
     streamrec_serving_lookup_counts_flushed_total           row lookups written to Redis day counts
     streamrec_serving_lookup_counts_dropped_total{reason}   row lookups not counted: full (too many waiting) |
                                                             redis (the flush holding them failed) | stopped (after
-                                                            the counter stopped)
+                                                            the counter stopped) | invalid (a negative id: no hash)
 """
 
 from __future__ import annotations
@@ -280,10 +280,10 @@ class ServingMetrics:
         self.lookup_counts_flushed = Counter("streamrec_serving_lookup_counts_flushed", "Row lookups written to the "
                                              "Redis day counts the hot set ranks by.", registry=r)
         self.lookup_counts_dropped = Counter("streamrec_serving_lookup_counts_dropped", "Row lookups not counted: "
-                                             "full (too many waiting), redis (their flush failed) or stopped "
-                                             "(after stop()).", ["reason"],
+                                             "full (too many waiting), redis (their flush failed), stopped "
+                                             "(after stop()) or invalid (a negative id, no hash).", ["reason"],
                                              registry=r)
-        for reason in ("full", "redis", "stopped"):
+        for reason in ("full", "redis", "stopped", "invalid"):
             self.lookup_counts_dropped.labels(reason)
         self.lookups = _LookupCollector(live_model)
         r.register(self.lookups)  # type: ignore[arg-type]

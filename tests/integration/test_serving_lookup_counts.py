@@ -209,3 +209,27 @@ def test_a_flush_that_fails_part_way_retries_only_the_lookups_it_did_not_write(
     assert (lc.flushed, lc.dropped) == (4, 0)
     assert lookups(redis_client, prefix, "user") == {_members(["u1"])[0]: 1}
     assert lookups(redis_client, prefix, "item") == {_members(["i1"])[0]: 2, _members(["i2"])[0]: 1}
+
+
+def test_a_negative_item_in_a_users_history_costs_only_its_own_lookup_not_every_item_lookup_of_the_flush(
+        stack, redis_client: redis.Redis, learner: TinyLearner, tmp_path: Path, prefix: str) -> None:
+    """A history entry "ts:-7" (not the joiner's: its hashes are >= 0; any Redis client can write one) is read and
+    scored as the learner saw it, but is no id the day counts take (``add_counts`` refuses a negative member): it once
+    failed the whole item write of every flush holding it, every other item lookup then kept, retried and dropped as
+    ``reason="redis"`` for as long as the user was scored."""
+    root = tmp_path / "serving"
+    publish_version(learner, root, "v1")
+    redis_client.lpush(f"{prefix}:history:{hash_value('alice')}", f"1:{hash_value(100)}", "2:-7")
+    settings = ServeSettings(port=0, publish_root=root, poll_s=0.1, lookup_counts_flush_s=3600)
+    with ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix)) as svc:
+        conn = connect(svc)
+        assert post(conn, "/v1/score", {"user_id": "alice", "items": [3, "x"]})[0] == 200
+        conn.close()
+        assert svc.lookups is not None
+        assert svc.lookups.flush() == 4  # the user, both candidates, the history item 100
+        reg = svc.metrics.registry
+        assert reg.get_sample_value("streamrec_serving_lookup_counts_dropped_total", {"reason": "invalid"}) == 1
+        assert reg.get_sample_value("streamrec_serving_lookup_counts_dropped_total", {"reason": "redis"}) == 0
+        assert reg.get_sample_value("streamrec_serving_lookup_count_flushes_total", {"outcome": "error"}) == 0
+    assert lookups(redis_client, prefix, "item") == {hash_value(3): 1, hash_value("x"): 1, hash_value(100): 1}
+    assert lookups(redis_client, prefix, "user") == {hash_value("alice"): 1}
