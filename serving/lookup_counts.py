@@ -16,8 +16,9 @@ hashing, O(1) per request. A background thread flushes every ``flush_s`` seconds
 impression counts) of the day they were made, not of the flush (a flush just after midnight writes the last seconds
 of the day before to that day), with one pipelined round trip.
 
-Bounded: at most ``max_pending`` lookups wait in memory (int64 each; those kept for a retry, below, count too); a
-request that would exceed it is not counted (``streamrec_serving_lookup_counts_dropped_total{reason="full"}``).
+Bounded: at most ``max_pending`` lookups wait in memory (int64 each; those kept for a retry, below, count too, and
+those a flush in progress holds: a slow Redis once let requests fill it again meanwhile); a request that would exceed
+it is not counted (``streamrec_serving_lookup_counts_dropped_total{reason="full"}``).
 A negative id (no hash: a history entry another Redis client wrote) is dropped at the flush (``reason="invalid"``).
 
 A flush writes one day and kind at a time, each all or nothing and each a write of its own (``write_id``); what it
@@ -90,6 +91,7 @@ class LookupCounts:
         self._n = 0  # lookups waiting in _pending
         self._kept: list[LookupWrite] = []  # what the last flush failed to write, for its retry (module docstring)
         self._kept_n = 0  # their lookups (they count against max_pending)
+        self._held_n = 0  # lookups the flush in progress took (they count against max_pending until it ends)
         self._flush_lock = threading.Lock()  # one flush at a time (the thread, a direct call, stop)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -111,7 +113,7 @@ class LookupCounts:
         wake = False
         with self._lock:
             closed = self._closed
-            full = not closed and self._n + self._kept_n + n > self.max_pending
+            full = not closed and self._n + self._kept_n + self._held_n + n > self.max_pending
             if not (closed or full):
                 self._pending.setdefault((day, kind), []).append(hashed)
                 self._n += n
@@ -132,32 +134,39 @@ class LookupCounts:
         with self._flush_lock:
             with self._lock:
                 pending, self._pending = self._pending, {}
-                self._n = 0
                 writes, self._kept = self._kept, []
-                self._kept_n = 0
-            for (day, kind), parts in sorted(pending.items()):
-                members, counts = np.unique(np.concatenate(parts), return_counts=True)  # (M,), (M,), ascending
-                members, counts = self._hashes_only(members, counts)
-                if len(members):
-                    writes.append(LookupWrite(day, kind, members, counts, int(counts.sum())))
-            if not writes:
-                return 0
-            written = 0
-            for i, write in enumerate(writes):
-                try:
-                    self.counts.add_counts(write.kind, EVENT, write.members, write.counts, write.day,
-                                           write_id=write.write_id)
-                except Exception as exc:  # noqa: BLE001 - Redis down or refusing: kept once, then lost; serving goes on
-                    self._failed(exc, writes[i:])
-                    self._flushed(written)
-                    return written
-                written += write.lookups
-            if self._failing:
-                log.info("lookup counts: flushing to Redis again")
-            self._failing = False
-            self._outcome("ok")
-            self._flushed(written)
-            return written
+                self._held_n, self._n, self._kept_n = self._n + self._kept_n, 0, 0
+            try:
+                return self._write(pending, writes)
+            finally:
+                with self._lock:
+                    self._held_n = 0
+
+    def _write(self, pending: dict[tuple[int, str], list[np.ndarray]], writes: list[LookupWrite]) -> int:
+        """:meth:`flush`'s writes: ``writes`` (kept from the last flush), then ``pending``'s lookups by day and kind."""
+        for (day, kind), parts in sorted(pending.items()):
+            members, counts = np.unique(np.concatenate(parts), return_counts=True)  # (M,), (M,), ascending
+            members, counts = self._hashes_only(members, counts)
+            if len(members):
+                writes.append(LookupWrite(day, kind, members, counts, int(counts.sum())))
+        if not writes:
+            return 0
+        written = 0
+        for i, write in enumerate(writes):
+            try:
+                self.counts.add_counts(write.kind, EVENT, write.members, write.counts, write.day,
+                                       write_id=write.write_id)
+            except Exception as exc:  # noqa: BLE001 - Redis down or refusing: kept once, then lost; serving goes on
+                self._failed(exc, writes[i:])
+                self._flushed(written)
+                return written
+            written += write.lookups
+        if self._failing:
+            log.info("lookup counts: flushing to Redis again")
+        self._failing = False
+        self._outcome("ok")
+        self._flushed(written)
+        return written
 
     def _hashes_only(self, members: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``members`` (M,) ascending and their ``counts`` (M,) without the negative ids, dropped and counted
@@ -182,6 +191,7 @@ class LookupCounts:
                 lost += write.lookups
         with self._lock:
             self._kept, self._kept_n = keep, sum(w.lookups for w in keep)
+            self._held_n = 0  # now in _kept_n
             self._failed_at = time.monotonic()
         if lost:
             self._drop("redis", lost)

@@ -101,6 +101,34 @@ def test_lookups_kept_for_a_retry_count_against_max_pending() -> None:
     assert lc.dropped == 3
 
 
+def test_lookups_a_flush_holds_while_redis_is_slow_count_against_max_pending() -> None:
+    """A flush waiting on a slow Redis holds its lookups, and keeps them when the write then fails: they once did not
+    count while it ran, so the requests of those seconds filled max_pending again and twice max_pending waited."""
+    class StuckCounts(FakeCounts):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def add_counts(self, *args: object, **kwargs: object) -> None:
+            self.entered.set()
+            assert self.release.wait(10)  # Redis slow, then down
+            self.down = True
+            super().add_counts(*args, **kwargs)  # type: ignore[arg-type]
+
+    fake = StuckCounts()
+    lc = LookupCounts(fake, max_pending=10)  # type: ignore[arg-type]
+    lc.add("item", np.arange(8, dtype=np.int64))
+    flusher = threading.Thread(target=lc.flush)
+    flusher.start()
+    assert fake.entered.wait(10)
+    lc.add("item", np.arange(3, dtype=np.int64))  # 8 held by the flush + 3 > 10: not counted
+    lc.add("user", np.array([1, 2], np.int64))  # 10: fits
+    fake.release.set()
+    flusher.join(10)
+    assert lc.dropped == 3
+    assert lc._n + lc._kept_n == 10  # the 8 kept for their retry and the 2 added meanwhile
+
+
 def test_what_stop_s_last_flush_fails_to_write_is_dropped_and_counted() -> None:
     fake = FakeCounts()
     lc = LookupCounts(fake).start()  # type: ignore[arg-type]
