@@ -154,8 +154,8 @@ _INT64_DIGITS = 19  # 2**63 - 1 has 19 digits: a longer one is refused unread (i
 def _timestamp(token: str, number: int, line: str) -> int:
     """``token`` (``-?[0-9]+``) as the Prometheus server reads a timestamp, ParseInt(token, 10, 64); an
     :class:`ExpositionError` naming the line where that refuses it (the scrape fails there too)."""
-    digits = token.lstrip("-").lstrip("0")
-    if len(digits) <= _INT64_DIGITS and -2**63 <= (ts := int(token)) < 2**63:
+    digits = token.lstrip("-").lstrip("0")  # (leading zeros read, as ParseInt does: int() counts them to its limit)
+    if len(digits) <= _INT64_DIGITS and -2**63 <= (ts := int(token[:token.startswith("-")] + (digits or "0"))) < 2**63:
         return ts
     raise ExpositionError(f"line {number}: timestamp {_shown(token)} is not a 64-bit integer (milliseconds since the "
                           f"epoch): {_shown(line)}")
