@@ -341,20 +341,22 @@ def _utf8_checked(path: Path, table: pa.Table, cols: ColumnMap) -> pa.Table:
     another writer can fill with other bytes (a Latin-1 id), and reading such a cell was a UnicodeDecodeError
     traceback. A column that holds one becomes binary, so in an id or feature column each such cell rejects its row
     (``_to_text``, as a CSV feature cell does); in a time, clicked or dense column it refuses the file, naming the
-    column and the row."""
+    column and the row. A list of strings holding one becomes a list of binary entries, refused whole as one read
+    so (``_prepare_feature``)."""
     roles: dict[str, set[str]] = {}
     for role, name in cols.roles():
         roles.setdefault(name, set()).add(role)
     for i, f in enumerate(table.schema):
         arr = _plain(table.column(i))
-        if not _is_text(arr.type):
+        listed = _is_list(arr.type) and _is_text(arr.type.value_type)
+        if not (_is_text(arr.type) or listed):
             continue
         try:
             arr.validate(full=True)
             continue
         except pa.ArrowInvalid:
-            raw = arr.cast(pa.large_binary())
-        if not roles.get(f.name, set()) <= set(_CELLWISE_ROLES):
+            raw = arr.cast(pa.list_(pa.large_binary()) if listed else pa.large_binary())
+        if not listed and not roles.get(f.name, set()) <= set(_CELLWISE_ROLES):
             row = next(k for k, v in enumerate(raw.to_pylist()) if v is not None and not _is_utf8(v))
             raise EventLogError(f"{path}: column {_shown(f.name, 80)} holds bytes that are not UTF-8 text (row {row} "
                                 "counting from 0): a Latin-1 or other non-UTF-8 file? convert it to UTF-8")
@@ -508,6 +510,10 @@ def _plain(arr: pa.ChunkedArray | pa.Array) -> pa.Array:
 
 def _is_text(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t) or str(t) == "string_view"
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
 
 
 def _is_binary(t: pa.DataType) -> bool:
@@ -948,7 +954,7 @@ def _prepare_feature(arr: pa.Array, column: str, csv: bool, limits: EventLimits
         arr = pc.if_else(pc.is_nan(arr), pa.scalar(None, arr.type), arr)
         f = pc.fill_null(arr.cast(pa.float64()), 0.0).to_numpy(zero_copy_only=False)
         return arr, [_Check(~np.isfinite(f), field, column, "a finite number")], False
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+    if _is_list(t):
         vt = t.value_type
         if pa.types.is_dictionary(vt):
             vt = vt.value_type

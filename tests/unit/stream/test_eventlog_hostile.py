@@ -324,3 +324,14 @@ def test_each_read_of_an_event_log_has_its_own_position_whatever_an_earlier_read
         with _stream(fh, None) as second:
             first.read(4096)  # the earlier reader's late read-ahead
             assert second.read(16) == b"user_id,item_id\n"
+
+
+def test_a_parquet_list_feature_entry_that_is_not_utf8_refuses_the_file_as_a_binary_list_does(tmp_path: Path) -> None:
+    """A ``list<string>`` feature column is not checked for UTF-8 when read either: a Latin-1 tag was a
+    UnicodeDecodeError traceback out of the rows' ``to_pylist``; it is refused as a list of binary entries is."""
+    tags = pa.ListArray.from_arrays(pa.array([0, 1, 2, 3], pa.int32()), _string_column([b"a", b"\xff", b"c"]))
+    path = tmp_path / "tags.parquet"
+    pq.write_table(pa.table({"user_id": ["u1", "u2", "u3"], "item_id": [1, 2, 3], "ts": [T0_S * 1000] * 3,
+                             "tags": tags}), path)
+    with pytest.raises(EventLogError, match=r"feature column 'tags': list values are not UTF-8 text"):
+        load(path, clicked=None, features=("tags",))
