@@ -22,7 +22,7 @@ learner_port=${DEMO_LEARNER_PORT:-19202}
 serve_port=${DEMO_SERVE_PORT:-18080}
 interval=${DEMO_INTERVAL:-1}
 # the monitor runs in the background: a value it refuses ended it at once, unnoticed until the end of the run
-[[ $interval =~ ^[0-9]*\.?[0-9]+$ ]] && awk "BEGIN { exit !($interval > 0) }" ||
+[[ $interval =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] && awk "BEGIN { exit !($interval > 0 && $interval < 1e9) }" ||
   { echo "demo: DEMO_INTERVAL must be a number of seconds > 0, got '$interval'" >&2; exit 2; }
 if [[ $dataset == ml-1m ]]; then user=${DEMO_USER:-1m_1}; else user=${DEMO_USER:-1}; fi
 limit=()

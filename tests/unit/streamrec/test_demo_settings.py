@@ -11,7 +11,7 @@ import pytest
 DEMO = Path(__file__).resolve().parents[3] / "streamrec" / "demo.sh"
 
 
-@pytest.mark.parametrize("interval", ["abc", "0", "-1", "1s", "0.0", " 1", "nan"])
+@pytest.mark.parametrize("interval", ["abc", "0", "-1", "1s", "0.0", " 1", "nan", "inf", "0x10", "1e400", "."])
 def test_a_demo_interval_the_background_monitor_would_refuse_stops_the_demo_before_it_starts(
         interval: str, tmp_path: Path) -> None:
     """``DEMO_INTERVAL`` goes to ``streamrec monitor --interval``, which runs in the background: a value it refuses
@@ -25,5 +25,5 @@ def test_a_demo_interval_the_background_monitor_would_refuse_stops_the_demo_befo
 
 def test_a_fractional_demo_interval_is_accepted() -> None:
     check = DEMO.read_text().split("interval=${DEMO_INTERVAL:-1}\n", 1)[1].split("\nif ", 1)[0]
-    for ok in ("0.5", "2", ".25"):
+    for ok in ("0.5", "2", ".25", "5.", "1e1", "2.5E-1"):  # what the monitor's --interval (a float) takes
         assert subprocess.run(["bash", "-c", f"set -euo pipefail\ninterval={ok}\n{check}"], timeout=10).returncode == 0
