@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from stream.errors import ConfigError, shown
 from stream.secrets import MASK, Secret, redact, redacted_repr
@@ -447,6 +447,7 @@ class RedisSettings:
         if parts.scheme != "unix" and not re.fullmatch(r"/?[0-9]*", unquote(parts.path)):
             raise ConfigError(f"[redis] url: the path of {redact(self.url)!r} is not a database number: expected "
                               "redis://host:port/<db> with <db> an integer (nothing: db 0)")
+        self._check_query(parts.scheme, parts.query)
         # counts_ttl_days, history_len >= 1 (serving's h[-0:] is the whole history); history_ttl_days 0: never expire
         check_counts("redis", self, zero_ok=("history_ttl_days",),
                      at_most={"counts_ttl_days": 3_650, "history_len": 10_000, "history_ttl_days": 3_650})
@@ -468,6 +469,20 @@ class RedisSettings:
         if self.cluster and unquote(parts.path).strip("/") not in ("", "0"):
             raise ConfigError(f"[redis] cluster = true but url {redact(self.url)!r} names database "
                               f"{unquote(parts.path).strip('/')}: a Redis Cluster has database 0 only")
+
+    def _check_query(self, scheme: str, query: str) -> None:
+        """No query parameters but a unix:// url's ``db`` (its only way to name one): redis-py passes each to the
+        client, over what the components set (``?socket_timeout=60`` over ``embedding_store_timeout_s``,
+        ``?ssl_check_hostname=false`` turning off a rediss:// url's host check, ``?decode_responses=true`` failing
+        every binary read), accepted in silence."""
+        params = parse_qs(query, keep_blank_values=True)
+        taken = {"db"} if scheme == "unix" else set()
+        if extra := sorted(set(params) - taken):
+            raise ConfigError(f"[redis] url: query parameters are not taken ({shown(', '.join(extra))}): they would "
+                              "override the client settings streamrec sets (timeouts, TLS checks, the replies' types); "
+                              "give them through the [redis] settings or leave them out")
+        if any(not re.fullmatch(r"[0-9]+", v) for v in params.get("db", [])):
+            raise ConfigError(f"[redis] url: ?db= of {redact(self.url)!r} is not a database number (an integer)")
 
     def _check_prefix(self) -> None:
         """The prefix begins every key: it must not change which hash slot a key is in (Redis Cluster hashes a key

@@ -285,3 +285,19 @@ def test_a_duration_or_rate_past_ten_years_of_seconds_is_refused_at_start(cls: s
     settings_class = getattr(importlib.import_module(module), attr)
     with pytest.raises(SettingsError, match=rf"\[{section}\] {name} must be a finite number .*<= 3\.15\d*e\+08"):
         build(settings_class, section, {section: {name: 1e30}}, {})
+
+
+@pytest.mark.parametrize("url", ["redis://h:1/0?socket_timeout=60", "rediss://h:1?ssl_check_hostname=false",
+                                 "redis://h:1/?decode_responses=true", "redis://h:1?db=3",
+                                 "unix:///tmp/r.sock?db=1&socket_timeout=9", "redis://h:1?password=x"])
+def test_a_redis_url_with_query_parameters_is_refused_as_they_would_override_the_clients_settings(url: str) -> None:
+    """redis-py hands a url's query parameters to the client over what streamrec sets: a url's ``?socket_timeout=60``
+    replaced serving's embedding_store_timeout_s, ``?ssl_check_hostname=false`` turned a rediss:// url's host check
+    off, ``?decode_responses=true`` failed every binary read, each in silence. Only a unix:// url's ``?db=N`` (its
+    only way to name a database) is taken; no parameter value (a password) is shown."""
+    with pytest.raises(ConfigError, match=r"^\[redis\] url: query parameters are not taken") as refused:
+        RedisSettings(url=url)
+    assert "=x" not in str(refused.value) and "false" not in str(refused.value)
+    assert RedisSettings(url="unix:///tmp/r.sock?db=2").url.endswith("?db=2")
+    with pytest.raises(ConfigError, match=r"\?db= of .* is not a database number"):
+        RedisSettings(url="unix:///tmp/r.sock?db=two")
