@@ -332,12 +332,9 @@ def test_a_sigterm_mid_replay_delivers_what_was_sent_says_how_many_and_exits_143
     assert f"acknowledged per topic {counts}" in err, err
 
 
-def test_a_second_sigterm_cuts_the_stop_flush_short_and_still_logs_the_acknowledged_counts_and_exits_143(
-        kafka: KafkaSettings, tmp_path: Path) -> None:
-    """The first SIGTERM flushes what was sent for up to 30 s; a second one (a process manager that stops again, or
-    an operator who will not wait) was raised out of that flush: the counts were never logged. Here the replay's own
-    broker is frozen (SIGSTOP) before the first SIGTERM, so the flush waits; the second SIGTERM, sent once the replay
-    says it is waiting, ends it with the per-topic line (a lower bound) and a SIGTERM's status."""
+def _stopped_while_its_flush_waits(kafka: KafkaSettings, tmp_path: Path, second: signal.Signals) -> tuple[int, str]:
+    """A paced replay against a broker of its own, frozen (SIGSTOP) once events went out, then stopped by SIGTERM,
+    and by ``second`` once it says its stop's flush waits: its exit status and stderr."""
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     broker = Service([str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
@@ -363,16 +360,25 @@ def test_a_second_sigterm_cuts_the_stop_flush_short_and_still_logs_the_acknowled
         for line in proc.stderr:  # until it says it waits
             lines.append(line)
             if "stopping (Terminated): waiting up to" in line:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(second)
                 break
         rc = proc.wait(timeout=60)
-        err = "".join(lines) + proc.stderr.read()
+        return rc, "".join(lines) + proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
         if broker.proc is not None:
             broker.proc.send_signal(signal.SIGCONT)
         broker.stop()
+
+
+def test_a_second_sigterm_cuts_the_stop_flush_short_and_still_logs_the_acknowledged_counts_and_exits_143(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """The first SIGTERM flushes what was sent for up to 30 s; a second one (a process manager that stops again, or
+    an operator who will not wait) was raised out of that flush: the counts were never logged. Here the replay's own
+    broker is frozen (SIGSTOP) before the first SIGTERM, so the flush waits; the second SIGTERM, sent once the replay
+    says it is waiting, ends it with the per-topic line (a lower bound) and a SIGTERM's status."""
+    rc, err = _stopped_while_its_flush_waits(kafka, tmp_path, signal.SIGTERM)
     assert rc == 128 + signal.SIGTERM, (rc, err)
     assert "Traceback" not in err, err
     assert re.search(r"\[replay\] stopped \(Terminated\) after sending part of its \d+ events: acknowledged per "
@@ -387,41 +393,7 @@ def test_a_ctrl_c_during_the_stop_flush_cuts_it_short_and_still_logs_the_acknowl
     was never logged and the first stop's status was lost (exit 130). Now a Ctrl-C cuts the wait short as a second
     SIGTERM does: the line is logged (a lower bound) and the first stop's status goes on (143). The replay's own
     broker is frozen (SIGSTOP) so that the flush waits."""
-    port = free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    broker = Service([str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
-                      "--storage-engine", "memory://tansu/"], port)
-    broker.start()
-    own = dataclasses.replace(kafka, bootstrap_servers=f"127.0.0.1:{port}")
-    metrics_port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "replay", "--config", str(_replay_config(
-        tmp_path, own)), "--dataset", "synthetic", "--syn-impressions", "2000", "--rate", "100", "--metrics-port",
-        str(metrics_port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    series = f'streamrec_events_total{{stage="replay",topic="{own.impressions_topic}"}}'
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + 60
-        while proc.poll() is None and time.monotonic() < deadline:  # until some events went out
-            if (metric(scrape(f"http://127.0.0.1:{metrics_port}/metrics"), series) or 0) > 0:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the replay ended before it was stopped"
-        assert broker.proc is not None and proc.stderr is not None
-        broker.proc.send_signal(signal.SIGSTOP)  # nothing sent from now on is acknowledged: the stop's flush waits
-        proc.send_signal(signal.SIGTERM)
-        for line in proc.stderr:  # until it says it waits
-            lines.append(line)
-            if "stopping (Terminated): waiting up to" in line:
-                proc.send_signal(signal.SIGINT)
-                break
-        rc = proc.wait(timeout=60)
-        err = "".join(lines) + proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if broker.proc is not None:
-            broker.proc.send_signal(signal.SIGCONT)
-        broker.stop()
+    rc, err = _stopped_while_its_flush_waits(kafka, tmp_path, signal.SIGINT)
     assert "Traceback" not in err, err
     assert re.search(r"\[replay\] stopped \(Terminated\) after sending part of its \d+ events: acknowledged per "
                      r"topic \{.*\}; \d+ events not sent or not acknowledged \(its flush cut short by a Ctrl-C\)",
