@@ -60,7 +60,7 @@ class DelayedFeedbackWeights:
         self.max_p = max_p  # the prediction in the weights is capped here (module docstring)
         self.positives = 0  # positives seen among OBSERVED and DELAYED_POSITIVE rows ...
         self.delayed = 0  # ... and how many of them came as DELAYED_POSITIVE
-        self.elapsed_ms: int | None = None  # the longest wait of an OBSERVED 0 seen (its label_delay_ms); None: none
+        self.elapsed_ms: int | None = None  # the wait of the OBSERVED 0s (their label_delay_ms) of late; None: none
 
     @property
     def late_share(self) -> float:
@@ -72,14 +72,19 @@ class DelayedFeedbackWeights:
 
     def observe(self, kinds: np.ndarray, labels: np.ndarray, label_delay_ms: np.ndarray | None = None) -> None:
         """Count the positives of a batch (before its weights are computed: the estimate is causal), and the elapsed
-        time of its ``OBSERVED`` 0s (shapes ``(B,)``; ``label_delay_ms`` None: not read, the share is counted)."""
-        corrected = kinds != FINAL
-        self.positives += int((labels[corrected] > 0.5).sum())
-        self.delayed += int((kinds == DELAYED_POSITIVE).sum())
+        time of its ``OBSERVED`` 0s (shapes ``(B,)``; ``label_delay_ms`` None: not read, the share is counted). An
+        elapsed time other than the last one starts the counts again (the prior takes over)."""
         waited = (kinds == OBSERVED) & (labels <= 0.5)
         if label_delay_ms is not None and waited.any():
             longest = int(np.asarray(label_delay_ms, np.int64)[waited].max())
-            self.elapsed_ms = longest if self.elapsed_ms is None else max(self.elapsed_ms, longest)
+            if self.elapsed_ms is not None and longest != self.elapsed_ms:
+                # Another elapsed time (a restart under another policy or elapsed_s): the share counted was of the
+                # old one. Kept, a run restored from es_dfm weighed fake_negative's clicks by its S = 0.25, not 1.
+                self.positives = self.delayed = 0
+            self.elapsed_ms = longest
+        corrected = kinds != FINAL
+        self.positives += int((labels[corrected] > 0.5).sum())
+        self.delayed += int((kinds == DELAYED_POSITIVE).sum())
 
     def weights(self, kinds: np.ndarray, labels: torch.Tensor, probs: torch.Tensor) -> torch.Tensor | None:
         """``(B,)`` float32 weights, or None when every row is FINAL (no correction: plain mean loss)."""

@@ -418,3 +418,22 @@ def test_under_es_dfm_the_late_share_is_still_counted_and_the_elapsed_time_survi
     merged = DelayedFeedbackWeights.merged([w.state_dict(), fake.state_dict(), {"positives": 3, "delayed": 1}])
     assert merged == {"positives": 6, "delayed": 3, "elapsed_ms": 60_000}  # the longest wait seen: not FNW
     assert DelayedFeedbackWeights.share([fake.state_dict()] * 2, 1, 3)["elapsed_ms"] == 0  # not split
+
+
+def test_a_restart_under_another_elapsed_time_weighs_by_the_new_policy_not_the_checkpoints_counts() -> None:
+    """A learner restored from an es_dfm run (observed 0s after 60 s, a quarter of the clicks late) and then fed
+    fake_negative's samples (observed 0s at once): every click is late, S = 1 (FNW) from the first batch; and the
+    reverse, a fake_negative run's counts (every click late) do not hold an es_dfm stream's share at ~1."""
+    es_dfm = DelayedFeedbackWeights()
+    kinds = np.array([OBSERVED] * 4 + [DELAYED_POSITIVE], np.int8)
+    for _ in range(1000):
+        es_dfm.observe(kinds, np.array([1, 1, 1, 0, 1], np.float32), np.array([9000] * 3 + [60_000, 90_000]))
+    assert es_dfm.late_share == pytest.approx(0.25, abs=0.01)
+    fake = DelayedFeedbackWeights()
+    fake.load_state_dict(es_dfm.state_dict())
+    fake.observe(np.array([OBSERVED, DELAYED_POSITIVE], np.int8), np.array([0, 1], np.float32), np.array([0, 5000]))
+    assert fake.late_share == 1.0
+    again = DelayedFeedbackWeights(prior_late_share=0.5, prior_weight=20)
+    again.load_state_dict(fake.state_dict())
+    again.observe(kinds, np.array([1, 1, 1, 0, 1], np.float32), np.array([9000] * 3 + [60_000, 90_000]))
+    assert again.late_share == pytest.approx((1 + 0.5 * 20) / (4 + 20))  # this stream's counts and the prior
