@@ -40,6 +40,7 @@ from learner.artifact import (
     open_artifact,
     read_id_maps,
 )
+from learner.calibration import identity
 from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
 from learner.scorer import (
@@ -571,6 +572,10 @@ class ScoringModel:
             # An artifact from before calibration (learner/calibration.py) serves raw logits: the learner's new
             # weights apply, its (a, b) waits for the next artifact (a rolling upgrade keeps its deltas).
             del new["calibration"]
+        elif "calibration" in current and "calibration" not in new:
+            # A learner from before calibration (a rolling upgrade, serving first) serves raw logits: the identity,
+            # not a refusal of each of its deltas (the scorer kept the old weights until the next artifact).
+            new["calibration"] = identity().to(self.device)
         missing, unknown = set(current) - set(new), set(new) - set(current)
         if missing or unknown:
             raise ValueError(f"apply_delta: dense_state does not match the scorer (missing {sorted(missing)}, "

@@ -334,3 +334,18 @@ def test_a_checkpoint_whose_dense_weights_do_not_match_its_model_settings_is_ref
     with pytest.raises(ArtifactError, match=f"dense weights do not match.*{want}"):
         A.check_checkpoint(bad)
     A.check_checkpoint(ckpt)  # the intact one passes
+
+
+def test_a_calibrated_scorer_takes_the_dense_weights_of_a_learner_from_before_calibration(tmp_path: Path,
+                                                                                          ckpt: dict) -> None:
+    """A rolling upgrade, serving first: the learner from before calibration sends no ``calibration`` (it serves raw
+    logits); the scorer takes its dense weights and serves them raw (the identity), not refusing every delta."""
+    model = ScoringModel.load(build_artifact(ckpt, tmp_path, np.zeros(0), format="eager"))
+    with torch.no_grad():
+        model._live.scorer.get_buffer("calibration").copy_(torch.tensor([0.5, 1.0]))  # what a newer learner had set
+    dense = {k: v.clone() for k, v in ckpt["model"].items() if not k.startswith(("sparse.", "calibration"))}
+    dense["bias"] = torch.full((1,), 1.5)
+    model.apply_delta(torch.zeros(0, dtype=torch.int64), torch.zeros(0, CFG.embedding_dim + 1), dense, seq=1)
+    assert model.delta_seq == 1
+    state = model._live.scorer.state_dict()
+    assert float(state["bias"]) == 1.5 and state["calibration"].tolist() == [1.0, 0.0]
