@@ -32,8 +32,9 @@ class Driver(Choice):
 
 class EmissionPolicy(Choice):
     """When the joiner emits samples (``stream/joiner/engine.py``; the learner's correction in
-    ``learner/delayed.py``). Changing it under an existing app id's state is not supported: use a new
-    ``app_id`` (the restored impressions would be taken as emitted under the new policy)."""
+    ``learner/delayed.py``). Changing it under an existing app id's state with impressions pending is refused at the
+    restore (the claim records the policy: ``pipeline.JoinPipeline.restore``): drain it first or use a new ``app_id``
+    (the restored impressions would be taken as emitted under the new policy)."""
 
     WAIT = "wait"  # a positive at its click, a negative at window close
     WINDOW = "window"  # everything at window close

@@ -529,11 +529,20 @@ class JoinPipeline:
                 for part in numbers:
                     self.producer.send(self.state_topic, None, chunk_key(partition, seq, part), partition=partition)
             eng = PartitionJoin.restore(partition, self.cfg, chunks)
+            if eng.pending and plog.policy not in (None, self.cfg.policy):
+                # its pending impressions were emitted (or not) under the other policy: restored under this one, a
+                # wait impression was taken as already emitted by fake_negative (no sample), a fake_negative one
+                # emitted again by wait (two)
+                raise ConfigError(
+                    f"partition {partition}'s join state ({self.state_topic}) was written under [joiner] emission = "
+                    f"{plog.policy!r}, and this joiner runs {self.cfg.policy!r}: its pending impressions would be "
+                    "labelled wrong or lost. Run it with the policy it was written under, or change policy under a new "
+                    "app_id (--app-id) and let the old one drain (`streamrec join --exit-when-idle N --drain`)")
             self._follow_topics(eng, now, plog.followed)
             # This owner's claim, durable before its first chunk (the flush below): the seqs a stale owner would
             # write next are fenced off, and this one's chunks start past them (state_log.py, "Fencing")
             if start is None:
-                claim, start = next_claim(plog, (now[0], now[1]))
+                claim, start = next_claim(plog, (now[0], now[1]), self.cfg.policy)
                 self.producer.send(self.state_topic, claim, claim_key(partition), partition=partition)
             eng.continue_at(start)
             restored[partition] = eng

@@ -100,10 +100,12 @@ def claim_key(partition: int) -> bytes:
     return f"{partition}:claim".encode()
 
 
-def encode_claim(fenced: Fenced, topics: tuple[str | None, str | None] = (None, None)) -> bytes:
-    """``topics``: the input topic ids the claiming owner reads (``PartitionLog.followed``); left out when unknown."""
+def encode_claim(fenced: Fenced, topics: tuple[str | None, str | None] = (None, None),
+                 policy: str | None = None) -> bytes:
+    """``topics``: the input topic ids the claiming owner reads (``PartitionLog.followed``); left out when unknown.
+    ``policy``: the ``[joiner] emission`` its chunks are written under (``PartitionLog.policy``)."""
     ids = {"topics": list(topics)} if any(topics) else {}
-    return orjson.dumps({"fenced": [[lo, hi] for lo, hi in fenced], **ids})
+    return orjson.dumps({"fenced": [[lo, hi] for lo, hi in fenced], **ids, **({"policy": policy} if policy else {})})
 
 
 def _decode_claim(value: bytes) -> Fenced:
@@ -121,18 +123,26 @@ def _claim_topics(value: bytes) -> tuple[str | None, str | None]:
     return topics[0], topics[1]
 
 
+def _claim_policy(value: bytes) -> str | None:
+    policy = orjson.loads(value).get("policy")
+    if policy is not None and type(policy) is not str:
+        raise ValueError(f"policy must be an emission policy's name, got {clip(repr(policy), 200)}")
+    return policy
+
+
 def claimed_top(log: PartitionLog) -> int:
     """The highest seq ``log``'s partition has used or fenced off: an owner's next chunk comes past it, or another
     owner has restored the partition since (``pipeline.JoinPipeline.restore``, a reload)."""
     return max([log.top, *(hi for _, hi in log.fenced)])
 
 
-def next_claim(log: PartitionLog, topics: tuple[str | None, str | None] = (None, None)) -> tuple[bytes, int]:
-    """The claim a new owner of ``log``'s partition writes (reading the input topics of ids ``topics``), and the seq
-    its first chunk takes (module docstring, "Fencing")."""
+def next_claim(log: PartitionLog, topics: tuple[str | None, str | None] = (None, None),
+               policy: str | None = None) -> tuple[bytes, int]:
+    """The claim a new owner of ``log``'s partition writes (reading the input topics of ids ``topics``, emitting
+    under ``policy``), and the seq its first chunk takes (module docstring, "Fencing")."""
     top = claimed_top(log)
     start = top + FENCE_SPAN + 1
-    return encode_claim([*log.fenced, (top + 1, start - 1)][-FENCED_KEEP:], topics), start
+    return encode_claim([*log.fenced, (top + 1, start - 1)][-FENCED_KEEP:], topics, policy), start
 
 
 _LISTS = ("joined", "waiting", "evicted", "unwaited")  # the chunk's lists in the header, in item order (then added)
@@ -346,6 +356,8 @@ class PartitionLog(NamedTuple):
     # The input topic ids the claim's owner read: a change to them was followed, the strikes of the topic before
     # dropped (``pipeline.JoinPipeline._follow_topics``); (None, None) without a claim or from a joiner before them
     followed: tuple[str | None, str | None] = (None, None)
+    # The emission policy the claim's owner wrote its chunks under; None without a claim or from a joiner before it
+    policy: str | None = None
 
 
 def _whole(parts: dict[int, tuple[dict[str, Any], bytes]]
@@ -388,11 +400,12 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
         where: dict[int, int] = {}  # seq -> offset of a record of it, for an error about the chunk
         fenced: Fenced = []
         followed: tuple[str | None, str | None] = (None, None)
+        policy: str | None = None
         raw_parts: dict[int, list[tuple[int, bytes, int]]] = {}  # seq -> (part, value, offset): read after the claim
         for key, (offset, value) in records.items():
             try:
                 if key == claim_key(p):
-                    fenced, followed = _decode_claim(value), _claim_topics(value)
+                    fenced, followed, policy = _decode_claim(value), _claim_topics(value), _claim_policy(value)
                     continue
                 _, seq_text, part_text = key.decode().split(":")
                 seq, part = int(seq_text), int(part_text)
@@ -431,7 +444,7 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
                             "chunk being written was not committed and its batch is read again; one being retired "
                             "no longer mattered)", topic, p, seq, why)
         out[p] = plog = PartitionLog(chunks, {seq: max(parts) + 1 for seq, parts in by_seq.items()}, incomplete,
-                                     fenced, fenced_out, max(raw_parts, default=-1), followed)
+                                     fenced, fenced_out, max(raw_parts, default=-1), followed, policy)
         if (top := claimed_top(plog)) > _SEQ_MAX - FENCE_SPAN - 1:  # a new owner's first chunk would be past int64
             key = claim_key(p) if top > plog.top else chunk_key(p, top)
             raise _unreadable(topic, p, key, records[key][0] if key in records else where[top], ValueError(

@@ -262,7 +262,8 @@ class FaustJoinWorker:
         except Exception as exc:
             if isinstance(exc, ConfigError) or not is_infrastructure(exc):  # (a ConfigError: a message over a topic's
                 self._close_pipeline()  # limit; exits 2 as the CLI's)
-                self._die("a batch failed", 2 if isinstance(exc, ConfigError) else 1)
+                setting = isinstance(exc, ConfigError)
+                self._die("a batch failed", 2 if setting else 1, trace=not setting)
             self._recover(exc)
             return {}
         except BaseException:
@@ -321,9 +322,13 @@ class FaustJoinWorker:
                         clip(str(exc)))
 
     @staticmethod
-    def _die(what: str, status: int = 1) -> NoReturn:
-        """Stop the process now, before faust can acknowledge the batch in hand (module docstring)."""
-        log.exception("%s; exiting without acknowledging it (status %d)", what, status)
+    def _die(what: str, status: int = 1, trace: bool = True) -> NoReturn:
+        """Stop the process now, before faust can acknowledge the batch in hand (module docstring). ``trace=False``
+        (a ConfigError: a setting to fix, as the CLI says it): the error's one line, no traceback."""
+        if trace:
+            log.exception("%s; exiting without acknowledging it (status %d)", what, status)
+        else:
+            log.error("%s: %s; exiting without acknowledging it (status %d)", what, sys.exc_info()[1], status)
         for h in logging.getLogger().handlers:
             h.flush()
         sys.stderr.flush()

@@ -860,3 +860,19 @@ def test_strikes_of_the_new_topic_given_before_its_first_chunk_survive_a_restart
     restarted.restore({0})
     assert restarted.engines[0].offsets[0] < 0  # the change is still found (the chunks hold the old id)
     assert restarted.strikes.counts.get((t, 0, 0), (0, ""))[0] == 1
+
+
+def test_a_restart_under_another_emission_policy_with_impressions_pending_is_refused_naming_both(
+        kafka: KafkaSettings, make) -> None:
+    """A partition's pending impressions were emitted (or not) under the policy their state was written under;
+    restored under another, a `wait` impression was taken as already emitted by fake_negative (it never got a
+    sample) and a fake_negative one would be emitted again by `wait`. The claim records the policy; a restore under
+    another is a ConfigError naming both (the same policy restores as before)."""
+    first = make()  # emission = "wait" (the fixture's)
+    first.process([imp(kafka, 0, 0, "a", T0)])
+    with pytest.raises(ConfigError, match=r"partition 0's join state .* was written under \[joiner\] emission = "
+                                          r"'wait', and this joiner runs 'fake_negative'"):
+        make(emission="fake_negative").restore({0})
+    again = make()
+    again.restore({0})
+    assert set(again.engines[0].pending) == {"a"}

@@ -373,3 +373,22 @@ def test_a_join_state_topic_compacted_and_deleted_by_retention_is_made_compacted
     ensure_compacted(kafka, topic)
     configs = next(iter(admin.describe_configs([ConfigResource(ResourceType.TOPIC, topic)]).values())).result()
     assert configs["cleanup.policy"].value == "compact"
+
+
+@pytest.mark.parametrize("driver", ["kafka", "faust"])
+def test_a_joiner_restarted_under_another_emission_policy_stops_naming_both_rather_than_mislabel_its_pending(
+        kafka: KafkaSettings, stack, group_id: str, driver: str) -> None:
+    """A joiner run under `wait` leaves impressions pending (a bounded run without --drain); restarted under
+    fake_negative it took them as emitted already, and they never got a sample (a `wait` restart of fake_negative
+    state would emit them twice). It now stops at the restore: exit 2, one line naming both policies and the fix."""
+    publish(build_synthetic(dataclasses.replace(SYN, impressions=300, malformed_share=0.0), ClickDelay(median_s=60.0),
+                            seed=12), kafka, "synthetic")
+    env = join_env(kafka, stack.redis_url, group_id)  # emission = "wait"
+    cmd = [c for c in join_cmd(group_id, driver, idle_s=2.0) if c != "--drain"]  # impressions left in their window
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = subprocess.run(cmd, env={**env, "STREAMREC_JOINER_EMISSION": "fake_negative"}, capture_output=True,
+                           text=True, timeout=240)
+    assert again.returncode == 2, (again.returncode, again.stderr[-3000:])
+    assert "was written under [joiner] emission = 'wait', and this joiner runs 'fake_negative'" in again.stderr
+    assert "Traceback" not in again.stderr, again.stderr[-3000:]
