@@ -138,7 +138,7 @@ from redis.crc import key_slot
 from redis.exceptions import NoPermissionError
 
 from stream.errors import clip
-from stream.redis_client import Client, ClusterUnavailable, is_cluster, run_script
+from stream.redis_client import Client, ClusterUnavailable, is_cluster, run_script, unavailable
 
 KINDS = ("item", "user")
 EVENTS = ("impression", "click", "lookup")
@@ -811,9 +811,30 @@ class DailyCounts:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
                 pipe.hmget(key, missing)
-            for values in pipe.execute():  # in key order: the first name found for a member stays
+            for values in self._names_read(keys, pipe.execute(raise_on_error=False)):  # in key order: first name stays
                 for member, value in zip(missing, values, strict=True):
                     if value is not None and member not in found:
                         found[member] = _text(value)
             missing = [m for m in missing if m not in found]
         return found
+
+    @staticmethod
+    def _names_read(keys: list[str], replies: list[Any]) -> list[list[Any]]:
+        """The HMGET ``replies`` of the names ``keys``, less those of a key holding another type than a hash (any
+        client can write one under the prefix), with a warning naming them: such a key holds no names. Before, one
+        day's failed the whole read with WRONGTYPE: every day's names lost (the hot set's top ids all shown by hash,
+        ``streamrec counts top`` failed). Any other error is raised, as ``execute`` raises it."""
+        def wrong_type(reply: Any) -> bool:
+            return isinstance(reply, redis.ResponseError) and "WRONGTYPE" in str(reply)
+
+        for reply in replies:
+            if isinstance(reply, Exception) and not wrong_type(reply):
+                err = unavailable(reply)
+                if err is reply:
+                    raise reply
+                raise err from reply
+        wrong = [k for k, r in zip(keys, replies, strict=True) if wrong_type(r)]
+        if wrong:
+            log.warning("day names: %s %s not a hash (WRONGTYPE: written by another client?); left out of the names "
+                        "read", clip(", ".join(wrong)), "is" if len(wrong) == 1 else "are")
+        return [r for r in replies if not wrong_type(r)]

@@ -159,3 +159,16 @@ def test_counts_whose_sum_passes_float_max_cover_their_exact_sum_in_strict_json(
     hs = _hot_items(redis_client, prefix)
     assert hs.stats["item_count_covered"] == 2 * int(1e308)
     json.dumps(hs.stats, allow_nan=False)
+
+
+def test_a_names_key_of_the_wrong_type_on_one_day_leaves_the_other_days_names_readable(
+        redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A list at the day before's names key failed the whole names read with WRONGTYPE: every top id of every day
+    shown by hash in the hot set, and ``streamrec counts top`` failed. That key alone is left out, with a warning."""
+    counts = _items(redis_client, prefix, {"456": 3, "789": 2})
+    redis_client.hset(counts.names_key("item", DAY), "456", "alice-item")
+    redis_client.hset(counts.names_key("item", "20030226"), "789", "bob-item")
+    redis_client.rpush(counts.names_key("item", "20030227"), "not a hash")
+    with caplog.at_level(logging.WARNING, logger="streamrec.counts"):
+        assert counts.names("item", ["456", "789"], day=DAY, days=3) == {"456": "alice-item", "789": "bob-item"}
+    assert counts.names_key("item", "20030227") in caplog.text and "not a hash" in caplog.text

@@ -73,7 +73,7 @@ class EmptyRedis:
     def hmget(self, key: str, fields: list[str]) -> None:
         self.queued.append([None] * len(fields))
 
-    def execute(self) -> list[Any]:
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
         out, self.queued = self.queued, []
         return out
 
