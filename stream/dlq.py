@@ -9,7 +9,8 @@ it. Headers:
 ``dlq.kind``                  machine-readable class (``bad_json``, ``invalid_field``, ...)
 ``dlq.source.topic``          topic the message came from (or was meant for)
 ``dlq.source.partition``      its partition, ``-1`` when it never reached the broker
-``dlq.source.offset``         its offset, ``-1`` when it never reached the broker
+``dlq.source.offset``         its offset, ``-1`` when it never reached the broker (then no
+                              coordinates to de-duplicate on: :attr:`DeadLetter.source_coordinates`)
 ``dlq.value_truncated_from``  only where the value was too large to send whole: its size
                               (the record then holds its first ``TRUNCATED_BYTES``, or as many as
                               the dead-letter topic's limit leaves room for)
@@ -103,6 +104,17 @@ class DeadLetter:
     headers_dropped: int = 0  # how many source headers did not fit (then original_headers is empty)
     value_truncated_from: int | None = None
     key_truncated_from: int | None = None
+
+    @property
+    def source_coordinates(self) -> tuple[str, int, int] | None:
+        """What a DLQ reader de-duplicates on (dead letters are at least once: module docstring): the source record's
+        topic, partition and offset, the same in every dead letter of one consumed record. None where the offset is
+        -1: the message never reached a topic (a replay's row; a sample or late click the joiner could not write, its
+        partition known), so it has no coordinates, and two such dead letters of one topic are two messages, never
+        one (the topic/partition/offset rule dropped all but one of them as repeats)."""
+        if self.source_offset < 0:
+            return None
+        return self.source_topic, self.source_partition, self.source_offset
 
     @classmethod
     def from_headers(cls, headers: OriginalHeaders | None) -> DeadLetter:

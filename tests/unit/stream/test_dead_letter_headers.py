@@ -70,3 +70,26 @@ def test_headers_a_dead_letter_was_written_with_read_back_to_it(original: list[t
     letter = DeadLetter.from_headers(_written(original))
     assert (letter.reason, letter.kind, letter.source_partition, letter.source_offset) == ("not JSON", "bad_json", 3, 7)
     assert list(letter.original_headers) == original
+
+
+def test_dead_letters_that_never_reached_their_topic_are_not_duplicates_by_coordinates() -> None:
+    """The README's rule, a DLQ reader de-duplicates on ``dlq.source.topic``/``partition``/``offset``, took every
+    dead letter with offset -1 for one record: a replay's rows (partition -1) and the joiner's too-large samples of
+    one partition (partition p) share their coordinates, and all but one were dropped as repeats. Only a consumed
+    record's coordinates (offset >= 0) name it; a dead letter with offset -1 has none to match."""
+    dl, producer, kafka = _dead_letters()
+    replay_rows = [(b"{bad", -1, -1), (b"{worse", -1, -1)]  # stream/replay/publisher.py: never reached the topic
+    too_large = [(b"sample-a", 0, -1), (b"sample-b", 0, -1)]  # the joiner's _too_large: partition known, no offset
+    consumed = [(b"{x", 2, 9), (b"{x", 2, 9)]  # one consumed record dead-lettered twice (a restart, a rebalance)
+    for value, partition, offset in replay_rows + too_large + consumed:
+        dl.send(kafka.impressions_topic, b"k", value, BadMessage("bad", kind="bad_json"), partition, offset)
+    letters = [(value, DeadLetter.from_headers(headers)) for _, value, _, headers in producer.sent]
+    seen: set[tuple[str, int, int]] = set()
+    kept = []
+    for value, letter in letters:
+        key = letter.source_coordinates
+        if key is None or key not in seen:
+            kept.append(value)
+        if key is not None:
+            seen.add(key)
+    assert kept == [b"{bad", b"{worse", b"sample-a", b"sample-b", b"{x"]
