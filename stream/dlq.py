@@ -28,8 +28,9 @@ ids) come first, unchanged and in their order, and ours follow them, as Kafka Co
 :attr:`DeadLetter.original_headers`) with the key and value to the source topic sends the message that was sent. A
 source header may bear one of our names (a producer's ``dlq.reason``): :meth:`DeadLetter.from_headers` reads ours only
 after the first ``n``, never a source one. The source headers are kept whole or dropped whole: kept where the record
-fits with them, our headers and the whole key and value under the topic's limit (each header sized with its name,
-value and 10 bytes of length framing); otherwise dropped, counted in ``dlq.headers_dropped``, and the key and value
+fits with them, our headers and as much of the key and value as without them under the topic's limit (each header
+sized with its name, value and 10 bytes of length framing: beside a value cut to ``TRUNCATED_BYTES`` either way they
+stay); otherwise dropped, counted in ``dlq.headers_dropped``, and the key and value
 sized as if there had been none (the event's bytes matter more to whoever fixes it than the headers).
 
 Size: a dead-letter topic's limit is learned like the joiner's other topics' (``stream.kafka.message_limits``: the
@@ -82,6 +83,27 @@ def _bounded(text: str, n: int) -> bytes:
     if len(raw) <= n:
         return raw
     return raw[:n - 3].decode("utf-8", "ignore").encode() + b"..."
+
+
+def _cut(key: bytes | None, value: bytes | None,
+         room: int) -> tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]:
+    """``key`` and ``value`` cut to ``room`` bytes, with the headers that say so (module docstring): the key alone
+    where the value (the event itself) then fits whole; else the value, to at most ``TRUNCATED_BYTES``, and the key
+    too where it alone is over (``MIN_DLQ_BYTES`` leaves room > 0 after every header)."""
+    key_cut = ("dlq.key_truncated_from", str(len(key or b"")).encode())
+    if len(key or b"") + len(value or b"") <= room:
+        return key, value, []
+    if len(value or b"") <= room - sum(map(len, key_cut)):
+        return (key or b"")[:room - sum(map(len, key_cut)) - len(value or b"")], value, [key_cut]
+    # Keep what fits and say how much there was: the reason and the source offset still point to it.
+    value_cut = ("dlq.value_truncated_from", str(len(value or b"")).encode())
+    cuts = [value_cut]
+    room -= sum(map(len, value_cut))
+    if key is not None and len(key) > room:
+        cuts.append(key_cut)
+        room -= sum(map(len, key_cut))
+        key = key[:max(0, room)]
+    return key, (value or b"")[:max(0, min(TRUNCATED_BYTES, room - len(key or b"")))], cuts
 
 
 def check_room(topic: str, limit: MessageLimit) -> None:
@@ -200,28 +222,21 @@ class DeadLetters:
         count = ("dlq.original_headers", str(len(original)).encode())
         original_bytes = sum(len(k.encode("utf-8", "surrogatepass")) + len(v or b"") + _HEADER_FRAMING
                              for k, v in original)
-        if original and original_bytes + len(count[0]) + len(count[1]) + len(raw_key or b"") + len(value or b"") > room:
-            ours.append(("dlq.headers_dropped", count[1]))
-            room -= len(ours[-1][0]) + len(ours[-1][1])
-            count, original, original_bytes = ("dlq.original_headers", b"0"), [], 0
-        room -= len(count[0]) + len(count[1]) + original_bytes
-        key_cut = ("dlq.key_truncated_from", str(len(raw_key or b"")).encode())
-        if len(raw_key or b"") + len(value or b"") > room and len(value or b"") <= room - sum(map(len, key_cut)):
-            # The value (the event itself) fits once the key is cut: keep it whole, cut only the key.
-            ours.append(key_cut)
-            raw_key = (raw_key or b"")[:room - sum(map(len, key_cut)) - len(value or b"")]
-        elif len(raw_key or b"") + len(value or b"") > room:
-            # Keep what fits and say how much there was: the reason and the source offset still point to it.
-            cut = ("dlq.value_truncated_from", str(len(value or b"")).encode())
-            ours.append(cut)
-            room -= len(cut[0]) + len(cut[1])
-            if raw_key is not None and len(raw_key) > room:  # (MIN_DLQ_BYTES leaves room > 0 after every header)
-                cut = ("dlq.key_truncated_from", str(len(raw_key)).encode())
-                ours.append(cut)
-                room -= len(cut[0]) + len(cut[1])
-                raw_key = raw_key[:room]
-            value = (value or b"")[:max(0, min(TRUNCATED_BYTES, room - len(raw_key or b"")))]
-        self._producer.send(dlq_topic, value, raw_key, headers=[*original, *ours, count])
+        if not original:
+            sent = _cut(raw_key, value, room - len(count[0]) - len(count[1]))
+        else:
+            dropped = ("dlq.headers_dropped", count[1])
+            sent = _cut(raw_key, value, room - sum(map(len, dropped)) - len(count[0]) - 1)  # (then a count of "0")
+            kept_room = room - original_bytes - len(count[0]) - len(count[1])
+            # Dropped only where they cost key or value bytes: beside a value cut to TRUNCATED_BYTES either way,
+            # a source message's tracing id went for no byte of the event.
+            if kept_room >= 0 and (kept := _cut(raw_key, value, kept_room))[:2] == sent[:2]:
+                sent = kept
+            else:
+                ours.append(dropped)
+                count, original = ("dlq.original_headers", b"0"), []
+        raw_key, value, cuts = sent
+        self._producer.send(dlq_topic, value, raw_key, headers=[*original, *ours, *cuts, count])
         self.counts[(topic, error.kind)] += 1
         DLQ_MESSAGES.labels(topic, error.kind).inc()
 

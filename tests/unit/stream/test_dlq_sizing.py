@@ -113,3 +113,39 @@ def test_a_dead_letter_of_many_tiny_original_headers_counts_their_framing() -> N
     [(_, sent_value, sent_key, headers)] = producer.sent
     assert DeadLetter.from_headers(headers).headers_dropped == 700
     assert _record_bytes(sent_key, sent_value, headers) <= usable_bytes(LIMIT)
+
+
+def test_original_headers_are_kept_beside_a_value_cut_anyway_when_dropping_them_saves_none_of_its_bytes() -> None:
+    """A poison message near its topic's max.message.bytes (1 MB) with a tracing header, to a dead-letter topic of
+    the same limit: the value is over the room and cut to ``TRUNCATED_BYTES`` whether the header stays or not, yet
+    the header was dropped (``dlq.headers_dropped: 1``), lost for no byte of the event."""
+    from stream.dlq import TRUNCATED_BYTES, DeadLetter
+
+    kafka = KafkaSettings()
+    producer = RecordingProducer()
+    limit = 1_048_588
+    dlq = DeadLetters(kafka, producer, {kafka.dlq_topic(kafka.impressions_topic):  # type: ignore[arg-type]
+                                       MessageLimit(limit, "topic max.message.bytes")})
+    value = b"v" * (limit - 100)
+    dlq.send(kafka.impressions_topic, b"k", value, BadMessage("too large", kind="too_large"), 0, 9,
+             headers=[("trace-id", b"abc")])
+    [(_, sent_value, sent_key, headers)] = producer.sent
+    letter = DeadLetter.from_headers(headers)
+    assert sent_value == value[:TRUNCATED_BYTES] and letter.value_truncated_from == len(value)
+    assert letter.original_headers == (("trace-id", b"abc"),) and letter.headers_dropped == 0
+    assert _record_bytes(sent_key, sent_value, headers) + 61 <= limit  # (61: the record batch's header)
+
+
+def test_original_headers_are_dropped_where_keeping_them_would_cut_more_of_a_truncated_value() -> None:
+    """Under an 8000-byte topic a value over the room is cut to what is left: there the headers cost event bytes,
+    so they still go (the rule the test above narrows, not reverses)."""
+    from stream.dlq import DeadLetter
+
+    dlq, producer, kafka = _dead_letters()
+    value = b"v" * 50_000
+    dlq.send(kafka.impressions_topic, b"k", value, BadMessage("r", kind="too_large"), 0, 9,
+             headers=[("h", b"x" * 500)])
+    [(_, sent_value, sent_key, headers)] = producer.sent
+    letter = DeadLetter.from_headers(headers)
+    assert letter.headers_dropped == 1 and value.startswith(sent_value) and len(sent_value) > 1000
+    assert _record_bytes(sent_key, sent_value, headers) + 61 <= LIMIT  # (61: the record batch's header)
