@@ -262,8 +262,7 @@ class FaustJoinWorker:
         except Exception as exc:
             if isinstance(exc, ConfigError) or not is_infrastructure(exc):  # (a ConfigError: a message over a topic's
                 self._close_pipeline()  # limit; exits 2 as the CLI's)
-                setting = isinstance(exc, ConfigError)
-                self._die("a batch failed", 2 if setting else 1, trace=not setting)
+                self._die("a batch failed", 2 if isinstance(exc, ConfigError) else 1)
             self._recover(exc)
             return {}
         except BaseException:
@@ -322,13 +321,13 @@ class FaustJoinWorker:
                         clip(str(exc)))
 
     @staticmethod
-    def _die(what: str, status: int = 1, trace: bool = True) -> NoReturn:
-        """Stop the process now, before faust can acknowledge the batch in hand (module docstring). ``trace=False``
-        (a ConfigError: a setting to fix, as the CLI says it): the error's one line, no traceback."""
-        if trace:
-            log.exception("%s; exiting without acknowledging it (status %d)", what, status)
+    def _die(what: str, status: int = 1) -> NoReturn:
+        """Stop the process now, before faust can acknowledge the batch in hand (module docstring). A ConfigError (a
+        setting to fix) is said in its one line, as the CLI says it; anything else with its traceback."""
+        if isinstance(error := sys.exc_info()[1], ConfigError):
+            log.error("%s: %s; exiting without acknowledging it (status %d)", what, error, status)
         else:
-            log.error("%s: %s; exiting without acknowledging it (status %d)", what, sys.exc_info()[1], status)
+            log.exception("%s; exiting without acknowledging it (status %d)", what, status)
         for h in logging.getLogger().handlers:
             h.flush()
         sys.stderr.flush()
@@ -337,8 +336,8 @@ class FaustJoinWorker:
     async def _on_assigned(self, sender: Any, assigned: set, **kwargs: Any) -> None:
         try:  # partitions added to the inputs: the topics must still agree (stream/joiner/partitions.py)
             self.pipeline.layout.assigned(tp.partition for tp in assigned)
-        except ConfigError as exc:
-            self._die(f"the topics' partitions no longer agree: {exc}", 2)  # exits 2 as the CLI's ConfigError
+        except ConfigError:  # (said by _die in its one line)
+            self._die("the topics' partitions no longer agree", 2)  # exits 2 as the CLI's ConfigError
         except Exception as exc:  # the broker could not say (its metadata request timed out), or a bug: no retry here
             self._die(f"the partition layout of assigned partitions could not be checked ({type(exc).__name__}: "
                       f"{clip(str(exc))}); restart to check it again", 1)  # (module docstring)
