@@ -387,6 +387,10 @@ def test_a_joiner_restarted_under_another_emission_policy_stops_naming_both_rath
     cmd = [c for c in join_cmd(group_id, driver, idle_s=2.0) if c != "--drain"]  # impressions left in their window
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert first.returncode == 0, first.stderr[-3000:]
+    # more input: the faust driver restores a partition's state with its first batch (with none, nothing is restored
+    # and nothing labelled: it ends idle), the kafka driver at the assignment
+    publish(build_synthetic(dataclasses.replace(SYN, impressions=50, malformed_share=0.0), ClickDelay(median_s=60.0),
+                            seed=13), kafka, "synthetic")
     again = subprocess.run(cmd, env={**env, "STREAMREC_JOINER_EMISSION": "fake_negative"}, capture_output=True,
                            text=True, timeout=240)
     assert again.returncode == 2, (again.returncode, again.stderr[-3000:])
