@@ -109,25 +109,24 @@ def encode_claim(fenced: Fenced, topics: tuple[str | None, str | None] = (None, 
 
 
 def _decode_claim(value: bytes) -> Fenced:
-    ranges = orjson.loads(value)["fenced"]
-    out = [(int(lo), int(hi)) for lo, hi in ranges]
-    if any(type(v) is not int for pair in ranges for v in pair) or any(lo > hi for lo, hi in out):
+    return _read_claim(value)[0]
+
+
+def _read_claim(value: bytes) -> tuple[Fenced, tuple[str | None, str | None], str | None]:
+    """A claim record's fenced ranges, the input topic ids and the emission policy its owner wrote (the last two
+    None where a joiner before them wrote it), each checked: a ValueError (or the JSON's own) names the damage."""
+    claim = orjson.loads(value)
+    ranges = claim["fenced"]
+    fenced = [(int(lo), int(hi)) for lo, hi in ranges]
+    if any(type(v) is not int for pair in ranges for v in pair) or any(lo > hi for lo, hi in fenced):
         raise ValueError(f"fenced ranges must be [low, high] pairs of integers, got {clip(repr(ranges), 200)}")
-    return out
-
-
-def _claim_topics(value: bytes) -> tuple[str | None, str | None]:
-    topics = orjson.loads(value).get("topics", [None, None])
+    topics = claim.get("topics", [None, None])
     if not _pair(topics, lambda t: t is None or type(t) is str):
         raise ValueError(f"topics must be [impressions, clicks] topic ids or null, got {clip(repr(topics), 200)}")
-    return topics[0], topics[1]
-
-
-def _claim_policy(value: bytes) -> str | None:
-    policy = orjson.loads(value).get("policy")
+    policy = claim.get("policy")
     if policy is not None and type(policy) is not str:
         raise ValueError(f"policy must be an emission policy's name, got {clip(repr(policy), 200)}")
-    return policy
+    return fenced, (topics[0], topics[1]), policy
 
 
 def claimed_top(log: PartitionLog) -> int:
@@ -405,7 +404,7 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
         for key, (offset, value) in records.items():
             try:
                 if key == claim_key(p):
-                    fenced, followed, policy = _decode_claim(value), _claim_topics(value), _claim_policy(value)
+                    fenced, followed, policy = _read_claim(value)
                     continue
                 _, seq_text, part_text = key.decode().split(":")
                 seq, part = int(seq_text), int(part_text)
