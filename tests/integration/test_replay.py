@@ -344,7 +344,9 @@ def _stopped_while_its_flush_waits(kafka: KafkaSettings, tmp_path: Path, second:
     metrics_port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "replay", "--config", str(_replay_config(
         tmp_path, own)), "--dataset", "synthetic", "--syn-impressions", "2000", "--rate", "100", "--metrics-port",
-        str(metrics_port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        str(metrics_port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        # (an ignored SIGINT is inherited, and pytest-xdist's workers ignore it: a Ctrl-C would not reach the replay)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     series = f'streamrec_events_total{{stage="replay",topic="{own.impressions_topic}"}}'
     lines: list[str] = []
     try:
