@@ -413,6 +413,7 @@ def test_an_alert_firing_when_its_rule_is_renamed_or_removed_is_resolved_after_t
     for _ in range(21):
         mon.step()
         clocks.tick(15)
+    assert mon.sink.wait_idle(10)  # (the queued sink delivers on its own thread)
     [fired] = sink.got
     mon.close(5)
     clocks.tick(30)
@@ -439,6 +440,7 @@ def test_an_absence_alert_firing_when_its_rules_absent_for_s_is_removed_is_resol
     for _ in range(6):  # no lag for 75 s: learner_lag's absence alert fires
         mon.step()
         clocks.tick(15)
+    assert mon.sink.wait_idle(10)  # (the queued sink delivers on its own thread)
     [fired] = sink.got
     assert (fired.rule, fired.kind.value) == ("learner_lag", "absent")
     mon.close(5)
