@@ -33,8 +33,11 @@ data: setup
 demo: data
 	SR=$(SR) PY=$(PY) bash streamrec/demo.sh
 
+# Unit and contract tests are CPU-bound: two processes for the two cores. The integration tests mostly wait on
+# brokers, Redis and subprocesses: four processes (README, "Tests and benchmarks").
 test: data
-	$(VENV)/bin/pytest -q -m "not slow" -n 2 --dist worksteal --durations=30
+	$(VENV)/bin/pytest -q -m "not slow" -n 2 --dist worksteal --durations=10 tests/unit tests/contracts
+	$(VENV)/bin/pytest -q -m "not slow" -n 4 --dist worksteal --durations=30 tests/integration
 
 test-all: data
 	$(VENV)/bin/pytest -q
