@@ -139,7 +139,7 @@ from learner.sharded_model import ShardedDeepFM, feature_names, fused_state, sha
 from learner.sharded_trainer import ShardedTrainer
 from learner.worker_counters import count_worker_counters
 from stream.config import KafkaSettings, RedisSettings
-from stream.errors import ConfigError
+from stream.errors import ConfigError, shown
 from stream.files import NotDurable, describe_os_error, write_atomic
 from stream.joiner.partitions import ensure_samples
 from stream.kafka import new_consumer, topic_identity
@@ -219,6 +219,39 @@ def check_same_settings(kafka: KafkaSettings, ls: LearnerSettings, rank: int,
         raise ConfigError("checkpoint_dir must be one directory every rank sees (rank 0 writes each checkpoint's "
                           f"metadata, every rank its shards): rank 0 writes {dirs[0][1]} but " + ", ".join(
                               f"rank {r}'s {d}" for r, d in elsewhere) + " is not that directory")
+
+
+def check_same_cluster(bootstrap_servers: str, identity: dict[str, str]) -> None:
+    """Collective, every rank before it reads: the same ConfigError on EVERY rank unless all read one Kafka cluster's
+    samples topic. ``identity``: this rank's ``stream.kafka.topic_identity``, asked of its own ``bootstrap_servers``.
+    The offsets a checkpoint restores (and rank 0's topic-id check of them, ``_partitions``) are of rank 0's cluster;
+    a rank started against another cluster (its host's config file or environment) read its partitions there from
+    offsets that mean nothing in it: records below them skipped, others trained twice, all without a word."""
+    if (why := cluster_mismatch(all_gather_objects((bootstrap_servers, identity)))) is not None:
+        raise ConfigError(why)
+
+
+def cluster_mismatch(seen: list[tuple[str, dict[str, str]]]) -> str | None:
+    """Why the ranks' ``(bootstrap_servers, topic identity)`` (rank order) are not one cluster, or None. Two ranks
+    whose brokers both name their cluster agree when the cluster ids are equal (another address of it is fine) and
+    the topic ids, where both are given, too; where either gives no id (a broker without them, or one not answering)
+    only equal ``bootstrap_servers`` tell they read the same cluster."""
+    servers0, ident0 = seen[0]
+
+    def agrees(servers: str, ident: dict[str, str]) -> bool:
+        if not (ident.get("cluster_id") and ident0.get("cluster_id")):
+            return servers == servers0
+        return ident["cluster_id"] == ident0["cluster_id"] and (
+            not (ident.get("topic_id") and ident0.get("topic_id")) or ident["topic_id"] == ident0["topic_id"])
+
+    if all(agrees(*each) for each in seen[1:]):
+        return None
+    return ("[kafka] bootstrap_servers: the ranks read the samples topic from different Kafka clusters (or from "
+            "brokers that do not say they are one): " + ", ".join(
+                f"rank {r} {shown(servers)} (cluster {ident.get('cluster_id', 'unknown')}, topic id "
+                f"{ident.get('topic_id', 'unknown')})" for r, (servers, ident) in enumerate(seen)) +
+            ". The checkpoint's offsets are of one cluster's partitions: give every rank the same "
+            "[kafka] bootstrap_servers (STREAMREC_KAFKA_BOOTSTRAP_SERVERS on each host), that cluster's")
 
 
 def hold_checkpoint_dir(ls: LearnerSettings, rank: int) -> int | None:
@@ -503,16 +536,19 @@ class ShardedLearner:
 
     # -- the loop ----------------------------------------------------------------------------------
     def _partitions(self) -> list[int]:
-        """Collective: the samples topic's partitions as rank 0 lists them at the start. Rank 0 also asks the topic's
-        ids (``stream.kafka.topic_identity``) and whether the checkpoint's offsets are of this topic
+        """Collective: the samples topic's partitions as rank 0 lists them at the start. Every rank asks the topic's
+        ids (``stream.kafka.topic_identity``) of its own broker, and they must name one cluster
+        (:func:`check_same_cluster`); rank 0 also asks whether the checkpoint's offsets are of this topic
         (:func:`checkpoint.same_topic`, said and counted once), and every rank takes its answer: on each, the offsets
         dropped for another topic's (``run``), the ids the next checkpoints record (the broker giving none: the
         checkpoint's kept). Asked once, as the single-process learner does (``Learner._check_topic_ids``)."""
         found = None
         if self.ctx.rank == 0:
             ensure_samples(self.kafka)  # the inputs' partition count (stream/joiner/partitions.py)
+        now = topic_identity(self.kafka, self.kafka.samples_topic)  # every rank its own broker's answer
+        check_same_cluster(self.kafka.bootstrap_servers, now)
+        if self.ctx.rank == 0:
             md = self._group.list_topics(self.kafka.samples_topic, timeout=10).topics[self.kafka.samples_topic]
-            now = topic_identity(self.kafka, self.kafka.samples_topic)
             same = checkpoint.same_topic(self.topic_ids, now, self.kafka.samples_topic)
             if not same:
                 TOPIC_CHANGED.inc()

@@ -418,6 +418,53 @@ def test_ranks_started_with_different_settings_directories_or_on_one_in_use_all_
                 "device)" in got["full"])
 
 
+def test_ranks_whose_brokers_name_different_kafka_clusters_are_refused_naming_bootstrap_servers_and_each_rank() -> None:
+    """The ranks' ``(bootstrap_servers, topic identity)``: another address of rank 0's cluster is fine; another
+    cluster (a host's config pointing elsewhere), or brokers that give no ids at different addresses, are not."""
+    from learner.sharded_daemon import cluster_mismatch
+
+    a = {"cluster_id": "clusterA", "topic_id": "topicA"}
+    assert cluster_mismatch([("kafka-1:9092", a), ("kafka-2:9092", dict(a))]) is None  # two brokers of one cluster
+    assert cluster_mismatch([("kafka-1:9092", a), ("kafka-2:9092", {"cluster_id": "clusterA"})]) is None
+    assert cluster_mismatch([("127.0.0.1:19092", {}), ("127.0.0.1:19092", {})]) is None  # no ids, one address
+    why = cluster_mismatch([("kafka-1:9092", a), ("kafka-1:9092", dict(a)),
+                            ("dr-kafka:9092", {"cluster_id": "clusterB", "topic_id": "topicB"})])
+    assert why is not None and why.startswith("[kafka] bootstrap_servers: ")
+    assert "rank 0 'kafka-1:9092' (cluster clusterA, topic id topicA)" in why
+    assert "rank 2 'dr-kafka:9092' (cluster clusterB, topic id topicB)" in why
+    assert "give every rank the same [kafka] bootstrap_servers" in why
+    assert cluster_mismatch([("kafka-1:9092", a), ("kafka-1:9092", {"cluster_id": "clusterA", "topic_id": "B"})])
+    assert cluster_mismatch([("kafka-1:9092", a), ("dr-kafka:9092", {})]) is not None  # cannot tell: refused
+
+
+def test_a_rank_restored_against_another_kafka_cluster_stops_before_reading_its_partitions_at_the_checkpoints_offsets(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 of 2, its host's bootstrap_servers pointing at another cluster than rank 0's: ``_partitions`` (every
+    rank, before the dataset seeks the restored offsets) raises the ConfigError; it used to take rank 0's partition
+    list and read its own cluster's partitions from rank 0's cluster's offsets. The collectives are faked: rank 0's
+    answer is given, and nothing may go on to the partition list's broadcast."""
+    from learner import sharded_daemon
+    from learner.config import LearnerSettings
+    from learner.distributed import RankContext
+    from learner.sharded_daemon import ShardedLearner
+
+    def read_on(_: object) -> object:
+        raise AssertionError("rank 1 went on to read its partitions")
+
+    mine = {"cluster_id": "clusterB", "topic_id": "topicB"}
+    monkeypatch.setattr(sharded_daemon, "topic_identity", lambda kafka, topic: dict(mine))
+    monkeypatch.setattr(sharded_daemon, "all_gather_objects",
+                        lambda obj: [("kafka-1:9092", {"cluster_id": "clusterA", "topic_id": "topicA"}), obj])
+    monkeypatch.setattr(sharded_daemon, "broadcast_object", read_on)
+    learner = ShardedLearner(KafkaSettings(bootstrap_servers="dr-kafka:9092"),
+                             LearnerSettings(checkpoint_dir=tmp_path / "ckpt"), RankContext(rank=1, world_size=2))
+    try:
+        with pytest.raises(ConfigError, match=r"rank 1 'dr-kafka:9092' \(cluster clusterB"):
+            learner._partitions()
+    finally:
+        learner.close()
+
+
 def test_ranks_on_a_directory_of_single_process_checkpoints_refuse_to_start_a_fresh_model_there(
         tmp_path: Path) -> None:
     from learner import checkpoint, sharded_daemon
