@@ -437,3 +437,28 @@ def test_a_restart_under_another_elapsed_time_weighs_by_the_new_policy_not_the_c
     again.load_state_dict(fake.state_dict())
     again.observe(kinds, np.array([1, 1, 1, 0, 1], np.float32), np.array([9000] * 3 + [60_000, 90_000]))
     assert again.late_share == pytest.approx((1 + 0.5 * 20) / (4 + 20))  # this stream's counts and the prior
+
+
+def test_a_restore_under_another_es_dfm_elapsed_s_counts_the_late_share_afresh_in_one_process_and_resharded() -> None:
+    """[joiner] elapsed_s changed across a learner restart (es_dfm at 60 s, then at 30 s). Not refused: the importance
+    weights make the loss the true distribution's under any elapsed time, so the restored model's parameters estimate
+    the same click probability; what was learnt under the old window is the late share ``S`` alone (a shorter wait
+    makes more clicks late), and the first batch whose observed 0s waited 30 s starts its counts again (the prior
+    takes over), whether restored in one process or resharded onto 2 ranks (``share``)."""
+    kinds = np.array([OBSERVED] * 4 + [DELAYED_POSITIVE], np.int8)
+    at_60s = DelayedFeedbackWeights()
+    for _ in range(1000):  # 3 of 4 clicks within 60 s: S ~ 0.25
+        at_60s.observe(kinds, np.array([1, 1, 1, 0, 1], np.float32), np.array([9000] * 3 + [60_000, 90_000]))
+    assert at_60s.late_share == pytest.approx(0.25, abs=0.01)
+    one = DelayedFeedbackWeights(prior_late_share=0.5, prior_weight=20)
+    one.load_state_dict(at_60s.state_dict())
+    ranks = [DelayedFeedbackWeights(prior_late_share=0.5, prior_weight=20) for _ in range(2)]
+    for r, w in enumerate(ranks):
+        w.load_state_dict(DelayedFeedbackWeights.share([at_60s.state_dict()], r, 2))
+    for w in (one, *ranks):
+        assert w.late_share == pytest.approx(0.25, abs=0.01)  # restored: the old window's share until told otherwise
+        # at 30 s: 1 of 3 clicks within it, 2 late
+        late = np.array([OBSERVED, OBSERVED, DELAYED_POSITIVE, DELAYED_POSITIVE], np.int8)
+        w.observe(late, np.array([1, 0, 1, 1], np.float32), np.array([9000, 30_000, 50_000, 70_000]))
+        assert w.elapsed_ms == 30_000
+        assert w.late_share == pytest.approx((2 + 0.5 * 20) / (3 + 20))  # this window's counts and the prior only
