@@ -590,6 +590,10 @@ class DeliveryReport:
 
 
 FLUSH_MARGIN_S = 5.0  # past the delivery timeout: its reports served after it expires the last messages
+# ``flush_answered`` waits this long in silence (most flushes end well within it), then says what it waits for and
+# how long at most, and how many messages are still unanswered every FLUSH_TELL_S while it waits
+FLUSH_QUIET_S = 3.0
+FLUSH_TELL_S = 15.0
 
 
 class AckedProducer:
@@ -756,10 +760,34 @@ class AckedProducer:
         a shorter flush counts as unacknowledged may still be delivered after it (the caller's rerun, told it was not,
         then sends it twice)."""
         timeout_s = self.delivery_timeout_s + FLUSH_MARGIN_S
-        return self.flush(-1 if math.isinf(timeout_s) else timeout_s)  # -1: confluent-kafka's "no timeout"
+        return self._settled(self._wait_told(timeout_s), timeout_s)
+
+    def _wait_told(self, timeout_s: float) -> int:
+        """librdkafka's flush for up to ``timeout_s`` (inf: no limit), saying so where it takes long: with a broker
+        slow or down that is minutes, and a wait in silence looked like a hang. A wait past :data:`FLUSH_QUIET_S` is
+        told in one line (how many messages, how long at most), then every :data:`FLUSH_TELL_S` how many are still
+        unanswered. Returns how many are unanswered at the end. A signal's exception (Ctrl-C, a handler's) leaves
+        librdkafka's flush as it did when it was one call."""
+        deadline = time.monotonic() + timeout_s
+        left = self._producer.flush(min(FLUSH_QUIET_S, timeout_s))
+        if not left or self._fatal is not None:
+            return left
+        most = ("no limit: message.timeout.ms is 0" if math.isinf(timeout_s)
+                else f"up to {timeout_s - FLUSH_QUIET_S:.0f} s more")
+        log.warning("waiting for %d message(s) to be acknowledged by %s (%s: the producer's delivery timeout and a "
+                    "margin); a broker slow or down holds them this long", left, self._bootstrap, most)
+        while left and self._fatal is None and (rest := deadline - time.monotonic()) > 0:
+            left = self._producer.flush(min(FLUSH_TELL_S, rest))
+            if left and self._fatal is None and deadline - time.monotonic() > 0:
+                log.warning("still waiting for %d message(s) to be acknowledged by %s (%s)", left, self._bootstrap,
+                            "no limit" if math.isinf(deadline) else f"up to {deadline - time.monotonic():.0f} s more")
+        return left
 
     def flush(self, timeout_s: float = 60.0) -> DeliveryReport:
-        remaining = self._producer.flush(timeout_s)
+        return self._settled(self._producer.flush(timeout_s), timeout_s)
+
+    def _settled(self, remaining: int, timeout_s: float) -> DeliveryReport:
+        """The report of a flush of up to ``timeout_s`` that left ``remaining`` messages unanswered (:meth:`flush`)."""
         if self._fatal is not None:
             err = self._fatal
             self._renew()  # what it held since the last flush is not claimed; the next send goes to a new producer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import signal
@@ -11,6 +12,8 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +25,12 @@ import pytest
 from confluent_kafka import KafkaError
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from stream import kafka as kafka_module
 from stream.config import KafkaSettings
 from stream.errors import ConfigError
 from stream.event_reader import EventReader
 from stream.events import decode_click, decode_impression
-from stream.kafka import AckedProducer, admin_config
+from stream.kafka import AckedProducer, admin_config, ensure_topics
 from stream.replay import publisher as publisher_module
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.eventlog import ColumnMap, load_eventlog
@@ -332,15 +336,32 @@ def test_a_sigterm_mid_replay_delivers_what_was_sent_says_how_many_and_exits_143
     assert f"acknowledged per topic {counts}" in err, err
 
 
-def _stopped_while_its_flush_waits(kafka: KafkaSettings, tmp_path: Path, second: signal.Signals) -> tuple[int, str]:
-    """A paced replay against a broker of its own, frozen (SIGSTOP) once events went out, then stopped by SIGTERM,
-    and by ``second`` once it says its stop's flush waits: its exit status and stderr."""
+@contextmanager
+def _own_broker(kafka: KafkaSettings) -> Iterator[tuple[Service, KafkaSettings]]:
+    """A Tansu broker of the test's own (one it may freeze or stop), and ``kafka`` pointed at it; thawed and stopped
+    at the end."""
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     broker = Service([str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
                       "--storage-engine", "memory://tansu/"], port)
     broker.start()
-    own = dataclasses.replace(kafka, bootstrap_servers=f"127.0.0.1:{port}")
+    try:
+        yield broker, dataclasses.replace(kafka, bootstrap_servers=f"127.0.0.1:{port}")
+    finally:
+        if broker.proc is not None:
+            broker.proc.send_signal(signal.SIGCONT)
+        broker.stop()
+
+
+def _stopped_while_its_flush_waits(kafka: KafkaSettings, tmp_path: Path, second: signal.Signals) -> tuple[int, str]:
+    """A paced replay against a broker of its own, frozen (SIGSTOP) once events went out, then stopped by SIGTERM,
+    and by ``second`` once it says its stop's flush waits: its exit status and stderr."""
+    with _own_broker(kafka) as (broker, own):
+        return _stopped_on(broker, own, tmp_path, second)
+
+
+def _stopped_on(broker: Service, own: KafkaSettings, tmp_path: Path, second: signal.Signals) -> tuple[int, str]:
+    """:func:`_stopped_while_its_flush_waits` on ``broker``, which ``own`` points at."""
     metrics_port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "replay", "--config", str(_replay_config(
         tmp_path, own)), "--dataset", "synthetic", "--syn-impressions", "2000", "--rate", "100", "--metrics-port",
@@ -369,9 +390,6 @@ def _stopped_while_its_flush_waits(kafka: KafkaSettings, tmp_path: Path, second:
     finally:
         if proc.poll() is None:
             proc.kill()
-        if broker.proc is not None:
-            broker.proc.send_signal(signal.SIGCONT)
-        broker.stop()
 
 
 def test_a_second_sigterm_cuts_the_stop_flush_short_and_still_logs_the_acknowledged_counts_and_exits_143(
@@ -410,17 +428,75 @@ def test_the_replays_last_flush_waits_for_librdkafkas_answer_to_every_message_no
     librdkafka went on to deliver, and the rerun the error advises sent them twice. The last flush now waits for the
     producer's delivery timeout (here ``[kafka.extra] message.timeout.ms`` = 90 s) and a margin."""
     waits: list[float] = []
-    flush = AckedProducer.flush
+    wait = AckedProducer._wait_told  # the last flush's wait (the one that says it waits)
 
-    def recorded(self: AckedProducer, timeout_s: float = 60.0) -> Any:
+    def recorded(self: AckedProducer, timeout_s: float) -> Any:
         waits.append(timeout_s)
-        return flush(self, timeout_s)
+        return wait(self, timeout_s)
 
-    monkeypatch.setattr(AckedProducer, "flush", recorded)
+    monkeypatch.setattr(AckedProducer, "_wait_told", recorded)
     slow = dataclasses.replace(kafka, extra={"message.timeout.ms": "90000"})
     summary = publish(build_synthetic(SyntheticSettings(impressions=200), ClickDelay(), seed=1), slow, "synthetic")
     assert sum(summary.acked.values()) == summary.impressions + summary.clicks > 0
     assert waits and waits[-1] >= 90 + 5, waits
     forever = AckedProducer(dataclasses.replace(kafka, extra={"message.timeout.ms": "0"}))  # 0: librdkafka never
-    assert forever.delivery_timeout_s == float("inf")  # times out, so neither does the flush (-1)
+    assert forever.delivery_timeout_s == float("inf")  # times out, so neither does the flush
     assert AckedProducer(dataclasses.replace(kafka, extra={"delivery.timeout.ms": "120000"})).delivery_timeout_s == 120
+
+
+def _freeze(proc: subprocess.Popen) -> None:
+    """SIGSTOP ``proc`` and return once it is stopped (the signal takes effect when it is next scheduled: a broker
+    still running for a moment acknowledged what was sent right after)."""
+    proc.send_signal(signal.SIGSTOP)
+    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.01)
+
+
+class _OnLine(logging.Handler):
+    """Calls ``then()`` at the first record of its logger whose message holds ``text``."""
+
+    def __init__(self, text: str, then: Any) -> None:
+        super().__init__()
+        self.text, self.then, self.done = text, then, False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.done and self.text in record.getMessage():
+            self.done = True
+            self.then()
+
+
+def test_the_replays_last_flush_says_what_it_waits_for_and_how_many_stay_unanswered_while_it_waits(
+        kafka: KafkaSettings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The replay's last flush (``flush_answered``) waits up to the producer's delivery timeout and a margin (~305 s
+    by default) with a broker slow or down, and said nothing all that time: an operator could not tell a hung replay
+    from a waiting one. Now a wait past a few seconds is told (how many messages, how long at most), then how many
+    are still unanswered every few seconds. Here the broker is frozen (SIGSTOP) with ten messages unanswered, and
+    thawed at the first "still waiting" line: the flush then ends with every message acknowledged. (The quiet
+    and telling intervals are shortened; without the lines the flush would run out its 20 s delivery timeout.)"""
+    monkeypatch.setattr(kafka_module, "FLUSH_QUIET_S", 0.2, raising=False)
+    monkeypatch.setattr(kafka_module, "FLUSH_TELL_S", 0.2, raising=False)
+    with _own_broker(kafka) as (broker, own):
+        topic = own.impressions_topic
+        ensure_topics(own, [topic])
+        producer = AckedProducer(dataclasses.replace(own, extra={"message.timeout.ms": "20000"}))
+        producer.send(topic, b"first", "k")
+        producer.flush(30)  # connected, the topic's leader known
+        assert broker.proc is not None
+        proc = broker.proc
+        thaw = _OnLine("still waiting", lambda: proc.send_signal(signal.SIGCONT))
+        kafka_log = logging.getLogger("streamrec.kafka")
+        kafka_log.addHandler(thaw)
+        try:
+            _freeze(proc)
+            for n in range(10):
+                producer.send(topic, b"waits", str(n))
+            report = producer.flush_answered()
+        finally:
+            kafka_log.removeHandler(thaw)
+    assert report.acked == {topic: 11} and report.failed == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "streamrec.kafka"]
+    assert any(re.match(rf"waiting for 10 message\(s\) to be acknowledged by {own.bootstrap_servers} \(up to \d+ s "
+                        r"more: the producer's delivery timeout and a margin\)", m) for m in said), said
+    assert any(re.match(r"still waiting for \d+ message\(s\) to be acknowledged by .* \(up to \d+ s more\)", m)
+               for m in said), said
+
