@@ -102,15 +102,24 @@ def replay_order(table: EventTable) -> tuple[np.ndarray, np.ndarray]:
     return kind[order], index[order]
 
 
-class Pacer:
-    """Sleeps so that at most ``rate`` events/s go out, or event time advances ``speed`` x wall time."""
+SERVE_S = 1.0  # the longest a paced replay sleeps without serving the producer's callbacks
 
-    def __init__(self, rate: float | None, speed: float | None, first_ts: int) -> None:
+
+class Pacer:
+    """Sleeps so that at most ``rate`` events/s go out, or event time advances ``speed`` x wall time.
+
+    ``serve()`` is called before each sleep, and at least every :data:`SERVE_S` of a long one: the replay serves the
+    producer's callbacks there (``poll(0)``). A poll every 5,000 events alone served them every 500 s at ``--rate
+    10`` (and not at all across a long gap of event time): librdkafka's log lines (a broker gone) and a fatal error
+    came minutes late. Per sleep, not per event: an unpaced replay never sleeps, and adds nothing."""
+
+    def __init__(self, rate: float | None, speed: float | None, first_ts: int,
+                 serve: Callable[[], None] = lambda: None) -> None:
         if rate is not None and speed is not None:
             raise ValueError("give either rate (events/s) or speed (x event time), not both")
         if (rate is not None and rate <= 0) or (speed is not None and speed <= 0):
             raise ValueError("rate and speed must be > 0")
-        self._rate, self._speed, self._t0_event = rate, speed, first_ts
+        self._rate, self._speed, self._t0_event, self._serve = rate, speed, first_ts, serve
         self._t0 = time.monotonic()
 
     @property
@@ -125,8 +134,10 @@ class Pacer:
         else:
             return
         ahead = due - (time.monotonic() - self._t0)
-        if ahead > 0.002:
-            time.sleep(ahead)
+        while ahead > 0.002:
+            self._serve()
+            time.sleep(min(ahead, SERVE_S))
+            ahead = due - (time.monotonic() - self._t0)
 
 
 MAX_PACED_S = 365 * 86_400  # the longest a paced replay may take (wall clock)
@@ -219,7 +230,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     dead = np.zeros(len(kinds), bool)
     dead[is_raw] = np.array([m.error is not None for m in raw], dtype=bool)[indexes[is_raw]]
 
-    pacer = Pacer(rate, speed, origin)  # its clock starts with the first event
+    pacer = Pacer(rate, speed, origin, producer.poll)  # its clock starts with the first event
     counters = {IMPRESSION: EVENTS.labels("replay", imp_topic), CLICK: EVENTS.labels("replay", click_topic)}
     reported = 0
     restore_sigterm = _raise_on_sigterm()

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from stream.errors import ConfigError
 from stream.event_reader import EventReader
 from stream.events import decode_click, decode_impression
 from stream.kafka import AckedProducer, admin_config, ensure_topics
+from stream.metrics import EVENTS
 from stream.replay import publisher as publisher_module
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.eventlog import ColumnMap, load_eventlog
@@ -500,3 +502,42 @@ def test_the_replays_last_flush_says_what_it_waits_for_and_how_many_stay_unanswe
     assert any(re.match(r"still waiting for \d+ message\(s\) to be acknowledged by .* \(up to \d+ s more\)", m)
                for m in said), said
 
+
+def test_a_paced_replay_serves_librdkafkas_reports_while_it_paces_not_every_5000_events(
+        kafka: KafkaSettings) -> None:
+    """A paced replay served the producer's callbacks (a poll) only every 5,000 events: at ``--rate 10`` every 500 s,
+    so librdkafka's reports of a broker gone (its log lines, a fatal error) came minutes late, here only at the last
+    flush. Now it serves them at each paced sleep. A replay of ~240 events at 60/s into a broker of its own, stopped
+    once events went out: librdkafka's first line about it is logged while the replay still sends."""
+    table = build_synthetic(SyntheticSettings(impressions=200), ClickDelay(), seed=1)
+    total = table.n_impressions + table.n_clicks
+    sent_at_first_line: list[float] = []
+
+    def sent() -> float:
+        return sum(EVENTS.labels("replay", t)._value.get() for t in (kafka.impressions_topic, kafka.clicks_topic))
+
+    told = _OnLine("", lambda: sent_at_first_line.append(sent()))
+    rdkafka_log = logging.getLogger("streamrec.kafka.librdkafka")
+    failed: list[BaseException] = []
+    with _own_broker(kafka) as (broker, own):
+        fast_fail = dataclasses.replace(own, extra={"message.timeout.ms": "3000"})  # the last flush gives up soon
+
+        def replay() -> None:
+            try:
+                publish(table, fast_fail, "synthetic", rate=60)
+            except Exception as exc:  # noqa: BLE001 - the broker is gone: the replay fails, as it should
+                failed.append(exc)
+
+        thread = threading.Thread(target=replay)
+        thread.start()
+        try:
+            while sent() < 20 and thread.is_alive():  # until events went out (well within a second)
+                time.sleep(0.02)
+            rdkafka_log.addHandler(told)
+            broker.stop()
+            thread.join()
+        finally:
+            rdkafka_log.removeHandler(told)
+            thread.join()
+    assert failed, "the replay into a stopped broker succeeded"
+    assert sent_at_first_line and sent_at_first_line[0] < total, (sent_at_first_line, total)
