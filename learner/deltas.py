@@ -96,10 +96,11 @@ vectors (R, D + 1) float32, dense weights floating and every value finite. A fil
 :class:`DeltaError`, rejected once (remembered by path, size and mtime), reported through ``on_reject``
 and skipped: the deltas after it still apply. A read that fails for want of a resource of the reading process
 (:data:`TRANSIENT_ERRNOS`, ``MemoryError``) says nothing of the file: it ends the round there and is retried on the
-next (:data:`TRANSIENT_TRIES`). What a skipped delta carried is lost until a later delta
-touches the same rows again (dense weights: the very next delta, since each carries them whole) or the
-next full artifact arrives. Whether a delta fits a particular model (row range, dimensions, dense names
-and shapes) is checked by ``ScoringModel.apply_delta`` before it changes anything.
+next (:data:`TRANSIENT_TRIES`); so is a delta whose application failed so (the caller's word,
+:meth:`DeltaReader.retry_apply`). What a skipped delta carried is lost until a later delta touches the same rows
+again (dense weights: the very next delta, since each carries them whole) or the next full artifact arrives.
+Whether a delta fits a particular model (row range, dimensions, dense names and shapes) is checked by
+``ScoringModel.apply_delta`` before it changes anything.
 """
 
 from __future__ import annotations
@@ -878,6 +879,24 @@ def _fingerprint(path: Path) -> tuple[str, int, int] | None:
     return (str(path), st.st_size, st.st_mtime_ns)
 
 
+_Version = tuple[str, int, int]  # a file version: _fingerprint's (path, size, mtime)
+
+
+@dataclass
+class _Shortages:
+    """One step of using a delta (its read, its application) failing for want of a resource of this process: per file
+    version the consecutive rounds it failed so, and the versions failing so in the current round. Reads and
+    applications keep one each: a read that succeeds says nothing of an application that runs out of memory every
+    round (it reset such a delta's tries, and it was retried for ever)."""
+
+    failing: dict[_Version, int] = dataclasses.field(default_factory=dict)  # version -> consecutive rounds failed
+    now: set[_Version] = dataclasses.field(default_factory=set)  # versions failing so in this round
+
+    def prune(self, live: set[str]) -> None:
+        """Forget the versions of files no longer listed (pruned, replaced)."""
+        self.failing = {fp: n for fp, n in self.failing.items() if fp[0] in live}
+
+
 def transient(exc: BaseException) -> bool:
     """Whether ``exc``, raised reading a delta, is this process short of a resource (not the file at fault)."""
     return isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS)
@@ -889,7 +908,8 @@ class DeltaReader:
     ``on_reject(path, reason)`` hears of every file rejected (once per file version), ``on_skip(path,
     reason)`` of every delta passed over on purpose (another lineage). Rejections of unreadable files are
     remembered for good (a read failing for want of a resource of this process is first retried, :attr:`retries`,
-    up to :data:`TRANSIENT_TRIES` rounds in a row); :meth:`mark_unfit` remembers a delta that did not fit the live
+    up to :data:`TRANSIENT_TRIES` rounds in a row; so is a yielded delta whose application failed so,
+    :meth:`retry_apply`); :meth:`mark_unfit` remembers a delta that did not fit the live
     model only until :meth:`forget_unfit` (called when another artifact is swapped in: it may fit that one). With
     ``key`` (serving's signing key) only deltas signed with it are yielded; the others are rejected.
     """
@@ -909,9 +929,8 @@ class DeltaReader:
         self.on_reject, self.on_skip = on_reject, on_skip
         self._bad: set[tuple[str, int, int]] = set()
         self._unfit: set[tuple[str, int, int]] = set()
-        self.retries = 0  # reads of a delta that failed transiently and were left for the next round
-        self._failing: dict[tuple[str, int, int], int] = {}  # file version -> its consecutive transient failures
-        self._failed_now: set[tuple[str, int, int]] = set()  # versions failing transiently in this round
+        self.retries = 0  # reads or applications of a delta that failed transiently and were left for the next round
+        self._reads, self._applies = _Shortages(), _Shortages()  # (kept apart: _Shortages)
         self.retrying: Path | None = None  # the delta the last round ended at, read again next round (None: none)
         self._lineages: dict[tuple[str, int, int], str | None] = {}  # file version -> the lineage read in it
 
@@ -928,21 +947,40 @@ class DeltaReader:
         else:
             log.error("delta %s rejected, skipped (the deltas after it still apply): %s", path.name, reason)
 
-    def _retry_later(self, fp: tuple[str, int, int], path: Path, exc: BaseException) -> bool:
+    def _retry_later(self, fp: _Version, path: Path, exc: BaseException) -> bool:
         """Whether the read of ``path`` (version ``fp``) that raised ``exc`` is left for the next round: a transient
         failure (``MemoryError``, an errno of :data:`TRANSIENT_ERRNOS`) short of :data:`TRANSIENT_TRIES` rounds in a
-        row. A read again in the same round (:meth:`newer` with ``same_round``) counts no further try."""
-        if fp in self._failed_now and transient(exc):
-            return True
-        tries = self._failing.pop(fp, 0) + 1
-        if not transient(exc) or tries >= TRANSIENT_TRIES:
+        row (:meth:`_again`). Any other failure ends the tries."""
+        if not transient(exc):
+            self._reads.failing.pop(fp, None)
             return False
-        self._failing[fp] = tries
-        self._failed_now.add(fp)
+        return self._again(self._reads, fp, path, f"could not be read ({type(exc).__name__}: {exc})", "retried")
+
+    def retry_apply(self, path: Path, exc: BaseException) -> bool:
+        """Whether delta ``path``, yielded by :meth:`newer`, whose application raised ``exc`` for want of a resource
+        of this process (memory, descriptors: the caller's judgement, not a misfit) is yielded again next round rather
+        than rejected: the rule of a read failing so (:meth:`_again`), with tries of its own. The caller ends the
+        round there (values are absolute: no later delta applies before it). A misfit it is not: rejected as one, its
+        rows were lost until the next artifact while the later deltas stepped past it."""
+        fp = _fingerprint(path) or (str(path), -1, 0)  # (gone meanwhile: the next round finds it missing)
+        return self._again(self._applies, fp, path, f"could not be applied ({type(exc).__name__}: {exc})",
+                           "applied again")
+
+    def _again(self, shortages: _Shortages, fp: _Version, path: Path, failure: str, again: str) -> bool:
+        """The one rule for a delta (version ``fp`` of ``path``) one of whose steps just failed for want of a resource
+        of this process: tried again next round, counted in :attr:`retries` and logged, up to :data:`TRANSIENT_TRIES`
+        rounds in a row, then given up on (False: the caller rejects it). A second failure in one round (:meth:`newer`
+        with ``same_round``) counts no further try: the tries are rounds of freshness, not attempts."""
+        if fp in shortages.now:
+            return True
+        tries = shortages.failing.pop(fp, 0) + 1
+        if tries >= TRANSIENT_TRIES:
+            return False
+        shortages.failing[fp] = tries
+        shortages.now.add(fp)
         self.retries += 1
-        log.warning("delta %s could not be read (%s: %s), this process is short of a resource; no later delta applies "
-                    "before it, it is retried next round (try %d of %d)", path.name, type(exc).__name__, exc, tries,
-                    TRANSIENT_TRIES)
+        log.warning("delta %s %s, this process is short of a resource; no later delta applies before it, it is %s "
+                    "next round (try %d of %d)", path.name, failure, again, tries, TRANSIENT_TRIES)
         return True
 
     def mark_unfit(self, path: Path) -> None:
@@ -1019,14 +1057,17 @@ class DeltaReader:
 
         ``same_round``: this call is part of the previous one's round (serving reads the deltas for a new artifact,
         then for the live model, in one check): a delta whose read failed transiently in that round and fails so again
-        counts no second try of its :data:`TRANSIENT_TRIES`, which are rounds."""
+        counts no second try of its :data:`TRANSIENT_TRIES`, which are rounds (nor does one whose application failed
+        so again, :meth:`retry_apply`). A delta the caller goes on past (asks for the next one: applied, or rejected)
+        starts its application's tries afresh."""
         self.retrying = None
         if not same_round:
-            self._failed_now = set()
+            self._reads.now, self._applies.now = set(), set()
         found = list_deltas(self.directory)
         live = {str(p) for _, _, p in found}
         self._bad = {fp for fp in self._bad if fp[0] in live}  # forget files that are gone
-        self._failing = {fp: n for fp, n in self._failing.items() if fp[0] in live}
+        self._reads.prune(live)
+        self._applies.prune(live)
         self._lineages = {fp: lin for fp, lin in self._lineages.items() if fp[0] in live}
         dead = read_abandoned(self.directory, lineage) if found else []  # the ranges a restart of lineage abandoned
         if dead:  # a dead branch a restart could not remove is never read
@@ -1090,7 +1131,7 @@ class DeltaReader:
                 self.mark_bad(path, (str(exc) if isinstance(exc, (DeltaError, OSError)) else f"{type(exc).__name__}: "
                                      f"{exc}") + (f" ({TRANSIENT_TRIES} reads in a row)" if transient(exc) else ""))
                 continue
-            self._failing.pop(fp, None)
+            self._reads.failing.pop(fp, None)  # (not its application's tries: they are rounds of their own)
             self._lineages[fp] = d.lineage
             if lineage is not None and d.lineage is not None and d.lineage != lineage:
                 self._unfit.add(fp)
@@ -1099,3 +1140,4 @@ class DeltaReader:
                     self.on_skip(path, f"lineage {d.lineage} is not the live artifact's {lineage}")
                 continue
             yield d
+            self._applies.failing.pop(fp, None)  # gone on past: applied, or rejected as a misfit

@@ -64,7 +64,7 @@ from typing import Any
 import redis
 
 from learner.artifact import CURRENT, PIN, VERSIONS, ArtifactError, current_version, read_pin, version_path
-from learner.deltas import TRANSIENT_TRIES, DeltaReader, transient
+from learner.deltas import DeltaReader, transient
 from learner.tensorpack import SigningKey
 from serving.embedding_store import VersionNotStored
 from serving.features import FeatureEncoder
@@ -174,8 +174,6 @@ class ModelUpdater:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._read_deltas = False  # whether this check_now read the deltas already (one round of their retries)
-        # delta file version -> consecutive rounds its application ran this process short (MemoryError)
-        self._apply_failing: dict[tuple[Any, ...], int] = {}
         self._lock = threading.Lock()  # check_now may be called from tests while the thread runs
         self._threads: list[threading.Thread] = []
         self.last_error: str | None = None
@@ -420,13 +418,13 @@ class ModelUpdater:
                 m.apply_delta(d.rows, d.vectors, d.dense_state, d.seq, id_maps=d.id_maps,
                               samples_trained=d.samples_trained, created=d.created)
             except Exception as exc:  # noqa: BLE001 - ValueError for a misfit; whatever else, never block
-                if _short_of_resources(exc) and self._apply_again(d.path, same_round):
+                # (short of memory: applied again next round, counted in delta_retries, as a read that fails so)
+                if _short_of_resources(exc) and self.deltas.retry_apply(d.path, exc):
                     held = d.path  # (nothing later applies before it: values are absolute, in seq order)
                     break
                 self.deltas.mark_unfit(d.path)
                 self._delta_rejected(d.path, f"does not fit model {m.version}: {type(exc).__name__}: {exc}")
                 continue
-            self._apply_failing.pop((str(d.path), *_stat_key(d.path)), None)
             self.metrics.deltas_applied.inc()
         if self.deltas.gaps > gaps:
             self.metrics.delta_gaps.inc(self.deltas.gaps - gaps)
@@ -435,23 +433,6 @@ class ModelUpdater:
         if self.deltas.retries > retries:
             self.metrics.delta_retries.inc(self.deltas.retries - retries)
         return held or self.deltas.retrying
-
-    def _apply_again(self, path: Path, same_round: bool) -> bool:
-        """Whether delta ``path``, whose application just ran this process short of memory, is applied again next
-        round (not rejected): up to ``learner.deltas.TRANSIENT_TRIES`` rounds in a row, as a read that fails so
-        (counted in ``delta_retries``; a second application in one check counts no second try). A misfit it is not:
-        rejected as one, its rows were lost until the next artifact while the later deltas stepped past it."""
-        key = (str(path), *_stat_key(path))
-        if same_round and key in self._apply_failing:
-            return True
-        tries = self._apply_failing.pop(key, 0) + 1
-        if tries >= TRANSIENT_TRIES:
-            return False
-        self._apply_failing[key] = tries
-        self.metrics.delta_retries.inc()
-        log.warning("delta %s could not be applied: this process ran short of memory; no later delta applies before "
-                    "it, it is applied again next round (try %d of %d)", path.name, tries, TRANSIENT_TRIES)
-        return True
 
     def status(self) -> dict[str, Any]:
         m = self.holder.model()

@@ -121,3 +121,30 @@ def test_a_check_that_reads_a_failing_delta_for_the_new_artifact_and_the_live_mo
     assert u.metrics.delta_retries._value.get() == 2  # one per round
     u.check_now()
     assert holder.live.model is loaded[-1] and loaded[-1].applied == [1, 2, 3]
+
+
+def test_a_check_that_applies_a_delta_short_of_memory_to_the_new_artifact_and_the_live_model_spends_one_try(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As for a read above, for an application (DeltaReader.retry_apply): delta 2 runs serving out of memory in every
+    # application of the first two checks, twice per check (v2, then the live model). One try per check: it applies
+    # in the third, and the new artifact goes live caught up.
+    applications: list[int] = []
+    real = Model.apply_delta
+
+    def apply_delta(self: Model, rows: Any, vectors: Any, dense: Any, seq: int, **kw: Any) -> None:
+        if seq == 2:
+            applications.append(seq)
+            if len(applications) <= 4:
+                raise MemoryError()
+        real(self, rows, vectors, dense, seq, **kw)
+
+    monkeypatch.setattr(Model, "apply_delta", apply_delta)
+    u, holder, old, loaded = _updater_with_v2_waiting(tmp_path, monkeypatch, 1, lambda name: None)
+    assert TRANSIENT_TRIES == 3
+    for _ in range(2):
+        u.check_now()
+        assert holder.live.model is old and old.applied == []  # nothing past delta 2 applies before it
+    assert len(applications) == 4 and u.metrics.rejected.labels("delta")._value.get() == 0
+    assert u.metrics.delta_retries._value.get() == 2  # one per round
+    u.check_now()
+    assert holder.live.model is loaded[-1] and loaded[-1].applied == [1, 2, 3]
