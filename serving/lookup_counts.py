@@ -139,8 +139,8 @@ class LookupCounts:
             try:
                 return self._write(pending, writes)
             finally:
-                with self._lock:
-                    self._held_n = 0
+                with self._lock:  # the flush ends: what it held is written, dropped, or kept (_failed) in one step
+                    self._kept_n, self._held_n = sum(w.lookups for w in self._kept), 0
 
     def _write(self, pending: dict[tuple[int, str], list[np.ndarray]], writes: list[LookupWrite]) -> int:
         """:meth:`flush`'s writes: ``writes`` (kept from the last flush), then ``pending``'s lookups by day and kind."""
@@ -179,8 +179,9 @@ class LookupCounts:
         return members[start:], counts[start:]
 
     def _failed(self, exc: Exception, unwritten: list[LookupWrite]) -> None:
-        """A flush failed with ``exc`` before writing ``unwritten``: each is kept for the next flush, unless this was
-        its last try; counted and logged (once per outage)."""
+        """A flush failed with ``exc`` before writing ``unwritten``: each is kept for the next flush (counted against
+        ``max_pending`` when the flush ends, :meth:`flush`), unless this was its last try; counted and logged (once per
+        outage)."""
         keep, lost = [], 0
         closed = self._closed  # stop()'s last flush: none comes after it
         for write in unwritten:
@@ -190,8 +191,7 @@ class LookupCounts:
             else:
                 lost += write.lookups
         with self._lock:
-            self._kept, self._kept_n = keep, sum(w.lookups for w in keep)
-            self._held_n = 0  # now in _kept_n
+            self._kept = keep
             self._failed_at = time.monotonic()
         if lost:
             self._drop("redis", lost)
@@ -199,7 +199,7 @@ class LookupCounts:
         if not self._failing:
             log.warning("lookup counts: a flush to Redis failed (%s: %s); %d lookups kept for the next flush, %d not "
                         "counted, and further failures are counted in streamrec_serving_lookup_counts_dropped_total "
-                        "until one succeeds", type(exc).__name__, exc, self._kept_n, lost)
+                        "until one succeeds", type(exc).__name__, exc, sum(w.lookups for w in keep), lost)
         self._failing = True
 
     def _flushed(self, n: int) -> None:
