@@ -22,8 +22,9 @@
     streamrec_serving_rejected_total{kind}                  artifact | delta versions rejected, each ONCE
                                                             (remembered until its files change)
     streamrec_serving_deltas_applied_total / _delta_gaps_total / _delta_rewinds_total / _delta_errors_total
-    streamrec_serving_delta_retries_total                   delta reads short of a resource of this process,
-                                                            read again next round (up to 3 rounds in a row)
+    streamrec_serving_delta_retries_total                   delta reads (or applications) short of a resource of
+                                                            this process, tried again next round (up to 3 rounds
+                                                            in a row)
     streamrec_serving_deltas_skipped_total{reason}          deltas passed over on purpose (lineage: another
                                                             learner's training than the live artifact's)
     streamrec_serving_deltas_paused                         1 while the live artifact is a pinned rollback
@@ -219,9 +220,9 @@ class ServingMetrics:
         self.delta_rewinds = Counter("streamrec_serving_delta_rewinds", "Times the learner's delta numbering went "
                                      "back behind the live model's (its deltas directory emptied or replaced); "
                                      "serving re-based on samples_trained.", registry=r)
-        self.delta_retries = Counter("streamrec_serving_delta_retries", "Learner delta reads that failed for want of "
-                                     "a resource of this process (descriptors, memory) and were left for the next "
-                                     "round; no later delta applied meanwhile.", registry=r)
+        self.delta_retries = Counter("streamrec_serving_delta_retries", "Learner delta reads or applications that "
+                                     "failed for want of a resource of this process (descriptors, memory) and were "
+                                     "left for the next round; no later delta applied meanwhile.", registry=r)
         self.delta_errors = Counter("streamrec_serving_delta_errors", "Learner deltas that could not be applied.",
                                     registry=r)
         self.nonfinite_scores = Counter("streamrec_serving_nonfinite_scores", "Calls answered 503 because the live "
