@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -63,6 +62,7 @@ from stream.config import RedisSettings
 from stream.errors import ConfigError, StreamError, clip
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.secrets import Secret, redact, secret_text
+from stream.startup import wait_ready
 from stream.tls import client_context
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Client", "ClusterUnavailable", "LazyClient", "RedisAuthError", "RedisFailure",
@@ -429,19 +429,18 @@ def verify(client: Any, settings: RedisSettings, *, reachable: bool = True) -> b
     return True
 
 
-def wait_until_up(client: Any, timeout_s: float) -> bool:
+def wait_until_up(client: Any, timeout_s: float, running: Callable[[], bool] = lambda: True) -> bool:
     """Whether ``client``'s Redis answers PING within ``timeout_s``: a redis-server just started (by the local stack,
-    a test, a benchmark) is polled every 50 ms until it listens."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    a test, a benchmark) is polled every 50 ms until it listens, or until ``running`` says it has exited
+    (:func:`stream.startup.wait_ready`)."""
+
+    def pings() -> bool:
         try:
-            if client.ping():
-                return True
+            return bool(client.ping())
         except redis.RedisError:  # not listening yet
-            pass
-        if time.monotonic() >= deadline:
             return False
-        time.sleep(0.05)
+
+    return wait_ready(pings, timeout_s, running)
 
 
 def _text(v: Any) -> str:

@@ -22,12 +22,14 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stream.config import check_counts, check_durations, check_ports
 from stream.errors import StreamrecError
-from stream.files import open_append_regular, process_identity, process_matches, read_regular, read_tail, write_atomic
+from stream.files import open_append_regular, process_identity, process_matches, read_regular, write_atomic
+from stream.startup import not_started, wait_ready
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,6 @@ class StackSettings:
 log = logging.getLogger("streamrec.stack")
 
 _MAX_PID_FILE_BYTES = 64 << 10  # a pid file holds a pid, a port and a command line
-_LOG_TAIL_BYTES = 2000  # of a service's log, shown when it did not start
 
 
 class StackError(StreamrecError, RuntimeError):
@@ -200,7 +201,8 @@ class LocalStack:
         info = self._read_pid(name)
         if info is not None:
             if process_matches(info["pid"], binary.name, info.get("started")):  # ours: never dropped while it runs
-                if info["port"] == port and ready(self.s.start_timeout_s):  # (still starting: a concurrent up)
+                if info["port"] == port and ready(self.s.start_timeout_s, lambda: process_matches(
+                        info["pid"], binary.name, info.get("started"))):  # (still starting: a concurrent up)
                     return  # already running: up is idempotent
                 raise StackError(f"{name} of this stack (pid {info['pid']}, port {info['port']}) does not answer on "
                                  f"port {port}: `streamrec stack down` stops it, then `streamrec stack up` again")
@@ -229,18 +231,12 @@ class LocalStack:
         except BaseException:
             self._terminate(name, proc.pid, binary.name)
             raise
-        if not ready(self.s.start_timeout_s):
-            code = proc.poll()
-            try:  # the log grows over every run: its end only
-                tail = read_tail(self._log_file(name), _LOG_TAIL_BYTES)
-            except OSError as exc:
-                tail = f"(cannot read it: {exc})"
+        if not ready(self.s.start_timeout_s, lambda: proc.poll() is None):  # one that dies at start: at once
+            why = not_started(name, f"{self.s.host}:{port}", proc.poll(), self.s.start_timeout_s,
+                              self._log_file(name), "run `streamrec stack up` again")
             self._terminate(name, proc.pid, binary.name)
             self._pid_file(name).unlink(missing_ok=True)
-            raise StackError(
-                f"{name} did not become ready on {self.s.host}:{port} within {self.s.start_timeout_s}s "
-                f"(exit code {code}); log {self._log_file(name)}:\n{tail}"
-            )
+            raise StackError(why)
 
     def _terminate(self, name: str, pid: int, binary: str) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -262,29 +258,28 @@ class LocalStack:
             if proc.returncode is not None:
                 self._children.pop(name, None)
 
-    def _kafka_ready(self, timeout_s: float) -> bool:
+    def _kafka_ready(self, timeout_s: float, running: Callable[[], bool]) -> bool:
         from confluent_kafka.admin import AdminClient
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if _port_open(self.s.host, self.s.kafka_port):
-                admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
-                try:
-                    admin.list_topics(timeout=max(0.5, deadline - time.monotonic()))
-                    return True
-                except Exception:  # noqa: BLE001 - not ready yet, keep waiting
-                    pass
-            time.sleep(0.05)
-        return False
+        def probe() -> bool:  # within 2 s: the broker's process is looked at between probes
+            if not _port_open(self.s.host, self.s.kafka_port):
+                return False
+            try:
+                AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0}).list_topics(timeout=2.0)
+                return True
+            except Exception:  # noqa: BLE001 - not ready yet, keep waiting
+                return False
 
-    def _redis_ready(self, timeout_s: float) -> bool:
+        return wait_ready(probe, timeout_s, running)
+
+    def _redis_ready(self, timeout_s: float, running: Callable[[], bool]) -> bool:
         import redis
 
         from stream.redis_client import wait_until_up
 
         client = redis.Redis.from_url(self.redis_url, socket_timeout=0.5)
         try:
-            return wait_until_up(client, timeout_s)
+            return wait_until_up(client, timeout_s, running)
         finally:
             client.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 import redis
 
 from stream.files import process_matches
+from streamrec import stack as stack_module
 from streamrec.cli import main
 from streamrec.stack import (
     LocalStack,
@@ -168,3 +170,62 @@ def test_a_pid_file_that_cannot_be_written_stops_the_service_it_was_for(tmp_path
     with pytest.raises(StackError, match=r"the file system is full \(.*kafka\.pid\.json\)"):
         st.up()
     assert [p.poll() is not None for p in started] == [True]  # the broker, stopped
+
+
+def _dies_at_start(tmp_path: Path, body: str) -> Path:
+    """A broker 'binary' that dies as soon as it starts (a bad flag, a port taken since the stack's check)."""
+    script = tmp_path / "tansu"
+    script.write_text(f"#!/bin/sh\necho 'earlier lines' >&2\n{body}\n")
+    script.chmod(0o755)
+    return script
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    ("echo \"error: unexpected argument '--bogus' found\" >&2; exit 2", "exit status 2"),
+    ("echo \"error: unexpected argument '--bogus' found\" >&2; kill -9 $$", r"killed by signal 9 \(SIGKILL\)"),
+], ids=["exit-status", "killed"])
+def test_a_service_that_dies_at_start_fails_at_once_naming_its_status_and_last_log_lines(
+        tmp_path: Path, reaper: Reaper, monkeypatch: pytest.MonkeyPatch, body: str, status: str) -> None:
+    """The start wait probed the port until ``start_timeout_s`` (20 s by default) ran out although the broker had
+    exited at once, then said it "did not become ready". The wait now polls the process between probes: a probe
+    after the process was seen gone fails the test here (not after the timeout), so the old wait fails at once."""
+    started: list[subprocess.Popen[bytes]] = []
+    probes_after_exit = 0
+
+    def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        started.append(reaper.add(real_popen(*args, **kwargs)))
+        return started[-1]
+
+    def port_open(host: str, port: int) -> bool:
+        nonlocal probes_after_exit
+        probes_after_exit += bool(started) and started[0].poll() is not None
+        assert probes_after_exit <= 1, "the start wait went on probing a broker that had exited"
+        return real_port_open(host, port)
+
+    real_popen, real_port_open = subprocess.Popen, stack_module._port_open
+    monkeypatch.setattr("streamrec.stack.subprocess.Popen", popen)
+    monkeypatch.setattr("streamrec.stack._port_open", port_open)
+    monkeypatch.setattr("streamrec.stack.tansu_binary", lambda: _dies_at_start(tmp_path, body))
+    st = _stack(tmp_path)
+    with pytest.raises(StackError) as err:
+        st.up()
+    first, *rest = str(err.value).splitlines()
+    assert re.fullmatch(rf"kafka exited at start \({status}\) before answering on 127\.0\.0\.1:{st.s.kafka_port}: "
+                        r".*then run `streamrec stack up` again; the last lines of .*kafka\.log:", first)
+    assert rest == ["  earlier lines", "  error: unexpected argument '--bogus' found"]
+    assert not (st.state_dir / "kafka.pid.json").exists() and st.down() == []
+
+
+def test_redis_refusing_a_flag_fails_naming_redis_its_exit_status_and_its_complaint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real redis-server given a directive it does not know exits at once with status 1 (after the broker came
+    up): ``up`` says so with the lines redis printed, instead of "did not become ready" 20 s later."""
+    monkeypatch.setattr("streamrec.stack.redis_server_args", lambda host, port: [
+        *redis_server_args(host, port), "--no-such-directive", "x"])
+    st = _stack(tmp_path)
+    try:
+        with pytest.raises(StackError, match=rf"redis exited at start \(exit status 1\) before answering on "
+                                             rf"127\.0\.0\.1:{st.s.redis_port}: (?s:.*)Bad directive"):
+            st.up()
+    finally:
+        assert st.down() == ["kafka"]  # the broker started before it, stopped as ever by `down`
