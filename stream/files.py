@@ -269,17 +269,17 @@ def read_regular_stat(path: Path | str, limit: int, what: str = "a settings or s
     raise FileTooLarge(f"{path} holds more than {limit} bytes: too large for {what} (is it the right file?)")
 
 
-def read_tail(path: Path, limit: int) -> str:
-    """The last ``limit`` bytes of the regular file ``path`` (from the start of a line when cut), as text: a log or a
-    summary that grows over every run is not read whole. A FIFO or a device is refused unread (:func:`open_regular`,
-    :class:`NotRegularFile`)."""
+def read_tail(path: Path, limit: int, since: int = 0) -> str:
+    """The last ``limit`` bytes of the regular file ``path`` after its first ``since`` (from the start of a line when
+    cut), as text: a log or a summary that grows over every run is not read whole, and a log's earlier runs are
+    left out. A FIFO or a device is refused unread (:func:`open_regular`, :class:`NotRegularFile`)."""
     with open_regular(path) as (fh, st):
-        start = max(0, st.st_size - limit)
+        start = max(since, st.st_size - limit)
         fh.seek(start)
         data = b""
         while len(data) < limit and (chunk := fh.read(limit - len(data))):
             data += chunk
-    if start:
+    if start > since:
         data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
     return data.decode("utf-8", errors="replace")
 

@@ -45,24 +45,25 @@ def exit_status(code: int) -> str:
         return f"killed by signal {-code}"
 
 
-def log_tail(log: Path) -> str:
-    """The last lines of ``log`` that say something (it grows over every start: its end only), indented under the error
-    that shows them; a log that cannot be read says why instead."""
+def log_tail(log: Path, since: int = 0) -> str:
+    """The last lines of ``log`` after its first ``since`` bytes (its size when this start began: it grows over every
+    start) that say something, indented under the error that shows them; a log that cannot be read says why."""
     try:
-        lines = [line for line in read_tail(log, LOG_TAIL_BYTES).splitlines() if line.strip()][-LOG_TAIL_LINES:]
+        lines = [line for line in read_tail(log, LOG_TAIL_BYTES, since).splitlines() if line.strip()][-LOG_TAIL_LINES:]
     except OSError as exc:
         return f"  (cannot read it: {exc})"
-    return "\n".join(f"  {line}" for line in lines) or "  (nothing: it wrote no line)"
+    return "\n".join(f"  {line}" for line in lines) or "  (nothing: this start wrote no line)"
 
 
-def not_started(name: str, address: str, code: int | None, timeout_s: float, log: Path, again: str) -> str:
+def not_started(name: str, address: str, code: int | None, timeout_s: float, log: Path, since: int, again: str) -> str:
     """Why the service ``name`` started for ``address`` is not there: exited with ``code`` (a Popen return code), or
     still running but not ready within ``timeout_s`` (``code`` None; the caller stops it). One line saying so and
-    what to do (``again``: the command that starts it again), then the last lines of its ``log``."""
+    what to do (``again``: the command that starts it again), then the last lines this start wrote to its ``log``
+    (past ``since``, its size before)."""
     if code is None:
         head = (f"{name} did not become ready on {address} within {timeout_s}s (still running: stopped): see its log, "
                 f"then {again}")
     else:
         head = (f"{name} exited at start ({exit_status(code)}) before answering on {address}: fix what its log says "
                 f"(a bad flag? its port taken by another process since the check?), then {again}")
-    return f"{head}; the last lines of {log}:\n{log_tail(log)}"
+    return f"{head}; the last lines of {log}:\n{log_tail(log, since)}"

@@ -216,6 +216,7 @@ class LocalStack:
         cmd = [str(binary), *args]
         try:  # a FIFO or a device named like the log hung the start: refused
             out = open_append_regular(self._log_file(name))
+            since = os.fstat(out.fileno()).st_size  # what earlier starts wrote to it: not this one's to show
         except OSError as exc:
             raise StackError(f"{name}: cannot open its log for appending ({exc}); remove or move "
                              f"{self._log_file(name)}") from None
@@ -233,7 +234,7 @@ class LocalStack:
             raise
         if not ready(self.s.start_timeout_s, lambda: proc.poll() is None):  # one that dies at start: at once
             why = not_started(name, f"{self.s.host}:{port}", proc.poll(), self.s.start_timeout_s,
-                              self._log_file(name), "run `streamrec stack up` again")
+                              self._log_file(name), since, "run `streamrec stack up` again")
             self._terminate(name, proc.pid, binary.name)
             self._pid_file(name).unlink(missing_ok=True)
             raise StackError(why)

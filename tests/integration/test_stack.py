@@ -229,3 +229,19 @@ def test_redis_refusing_a_flag_fails_naming_redis_its_exit_status_and_its_compla
             st.up()
     finally:
         assert st.down() == ["kafka"]  # the broker started before it, stopped as ever by `down`
+
+
+def test_a_service_that_dies_silently_shows_no_line_of_an_earlier_start(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log grows over every start: a broker that exited without a word was shown with the last lines of the one
+    started before it, as if they were its own."""
+    silent = tmp_path / "tansu"
+    silent.write_text("#!/bin/sh\nexit 4\n")
+    silent.chmod(0o755)
+    monkeypatch.setattr("streamrec.stack.tansu_binary", lambda: silent)
+    st = _stack(tmp_path)
+    st.state_dir.mkdir()
+    (st.state_dir / "kafka.log").write_text("an earlier start's last words\n")
+    with pytest.raises(StackError) as err:
+        st.up()
+    assert str(err.value).splitlines()[1:] == ["  (nothing: this start wrote no line)"]

@@ -37,7 +37,7 @@ def test_the_log_tail_is_its_last_lines_that_say_something_indented(tmp_path: Pa
     log.write_text("".join(f"line {i}\n\n" for i in range(30)))
     assert log_tail(log).splitlines() == [f"  line {i}" for i in range(20, 30)]
     log.write_text("")
-    assert log_tail(log) == "  (nothing: it wrote no line)"
+    assert log_tail(log) == "  (nothing: this start wrote no line)"
     os.mkfifo(tmp_path / "fifo.log")
     assert log_tail(tmp_path / "fifo.log").startswith("  (cannot read it: ") and "not a regular file" in log_tail(
         tmp_path / "fifo.log")
@@ -46,8 +46,21 @@ def test_the_log_tail_is_its_last_lines_that_say_something_indented(tmp_path: Pa
 def test_not_started_tells_an_exit_from_a_slow_start(tmp_path: Path) -> None:
     log = tmp_path / "redis.log"
     log.write_text("Bad directive\n")
-    died = not_started("redis", "127.0.0.1:1", 1, 20.0, log, "run it again").splitlines()
+    died = not_started("redis", "127.0.0.1:1", 1, 20.0, log, 0, "run it again").splitlines()
     assert died[0].startswith("redis exited at start (exit status 1) before answering on 127.0.0.1:1: ")
     assert died[0].endswith(f"then run it again; the last lines of {log}:") and died[1:] == ["  Bad directive"]
-    slow = not_started("redis", "127.0.0.1:1", None, 20.0, log, "run it again").splitlines()[0]
+    slow = not_started("redis", "127.0.0.1:1", None, 20.0, log, 0, "run it again").splitlines()[0]
     assert slow.startswith("redis did not become ready on 127.0.0.1:1 within 20.0s (still running: stopped)")
+
+
+def test_the_log_tail_leaves_out_what_earlier_starts_wrote_and_keeps_this_starts_first_line(tmp_path: Path) -> None:
+    log = tmp_path / "x.log"
+    log.write_text("earlier start\n")
+    since = log.stat().st_size
+    with log.open("a") as fh:
+        fh.write("this start's first line\nits last\n")
+    assert log_tail(log, since).splitlines() == ["  this start's first line", "  its last"]
+    with log.open("a") as fh:
+        fh.write("x" * 3000 + "\nthe end\n")  # more than the tail reads: cut inside a line, that line left out
+    assert log_tail(log, since).splitlines() == ["  the end"]
+    assert log_tail(log, log.stat().st_size) == "  (nothing: this start wrote no line)"
