@@ -22,7 +22,7 @@ LOG_TAIL_LINES = 10  # ... and the last lines of that shown
 
 def wait_ready(probe: Callable[[], bool], timeout_s: float, running: Callable[[], bool] = lambda: True) -> bool:
     """Whether ``probe`` says ready within ``timeout_s`` (tried at least once) while ``running`` says the process
-    lives: False at the deadline, or as soon as the process is gone. ``probe`` should return within a second: the
+    lives: False at the deadline, or as soon as the process is gone. ``probe`` should return within seconds: the
     process is looked at between probes. A probe answered after the process died (whoever took its port) is no
     answer from it."""
     deadline = time.monotonic() + timeout_s
