@@ -34,10 +34,8 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import signal
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -78,6 +76,7 @@ from stream.joiner.partitions import ensure_samples
 from stream.kafka import headers_of, new_consumer, topic_identity
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.samples import CTX_PREFIX, DELAYED_POSITIVE, DENSE_PREFIX, SampleBatch
+from stream.stop_signals import put_back_signals, take_stop_signals
 from stream.strikes import FileStrikes, Strikes, settle_strikes
 
 log = logging.getLogger("streamrec.train")
@@ -277,21 +276,6 @@ def infer_fields(batches: list[SampleBatch], min_share: float, max_fields: int,
 
 PROBE_S = 5.0  # one probe for the first samples (infer_feature_config) waits this long; a fresh learner probes again
 PROBE_POLL_S = 0.5
-
-
-def take_stop_signals(handlers: dict[int, Any], on_signal: Callable[[int, Any], None]) -> None:
-    """SIGTERM and SIGINT to ``on_signal``; ``handlers`` keeps the ones replaced (the first: a second run keeps them),
-    for :func:`put_back_signals` at the daemon's close."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        handlers.setdefault(sig, signal.signal(sig, on_signal))
-
-
-def put_back_signals(handlers: dict[int, Any]) -> None:
-    """The handlers :func:`take_stop_signals` replaced, put back (and forgotten). Left installed, the bound method kept
-    the closed learner (its model, its tables) alive and a later SIGTERM went to it, not to the process's own."""
-    for sig, handler in handlers.items():
-        signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
-    handlers.clear()
 
 
 def first_samples_clock() -> IdleClock:

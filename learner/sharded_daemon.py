@@ -100,8 +100,6 @@ from learner.daemon import (
     observe_grad_norms,
     publish_coverage,
     publish_memory,
-    put_back_signals,
-    take_stop_signals,
 )
 from learner.delayed import BaseRateBias, DelayedFeedbackWeights
 from learner.distributed import (
@@ -145,6 +143,7 @@ from stream.joiner.partitions import ensure_samples
 from stream.kafka import new_consumer, topic_identity
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.samples import DELAYED_POSITIVE
+from stream.stop_signals import put_back_signals, take_stop_signals
 from stream.strikes import PartitionFileStrikes, Strikes, settle_strikes
 
 log = logging.getLogger("streamrec.train")

@@ -37,7 +37,6 @@ broker answers or the worker is told to stop (``_start_positions``; counted in `
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from collections.abc import Callable
 from operator import attrgetter
@@ -62,6 +61,7 @@ from stream.kafka import (
     resume_offsets,
 )
 from stream.retention import Gaps
+from stream.stop_signals import put_back_signals, take_stop_signals
 from stream.strikes import RECOVERY_BACKOFF_S, is_infrastructure
 
 log = logging.getLogger("streamrec.join")
@@ -238,13 +238,13 @@ class KafkaJoinWorker:
             backoff = min(RECOVERY_BACKOFF_S[1], backoff * 2)
 
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
-        self.consumer.subscribe([self.kafka.impressions_topic, self.kafka.clicks_topic],
-                                on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
-        self._idle.reset()
+        handlers: dict[int, Any] = {}  # the process's own SIGTERM/SIGINT dispositions, put back when the run ends
+        take_stop_signals(handlers, self._on_signal)
         limit = self.js.exit_when_idle_s
         try:
+            self.consumer.subscribe([self.kafka.impressions_topic, self.kafka.clicks_topic],
+                                    on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
+            self._idle.reset()
             while not self._stop:
                 t0 = time.monotonic()
                 msgs = self._fetch()
@@ -283,6 +283,7 @@ class KafkaJoinWorker:
             self._commit()
         finally:
             self.consumer.close()
+            put_back_signals(handlers)
         return 0
 
     def _fetch(self) -> list[Any]:

@@ -21,7 +21,7 @@ from stream.errors import ConfigError
 def fresh_learner(monkeypatch: pytest.MonkeyPatch, ckpt: Path) -> daemon.Learner:
     """A learner whose run finds no samples (ends at once) and installs no signal handlers."""
     monkeypatch.setattr(daemon, "infer_feature_config", lambda *a, **k: None)
-    monkeypatch.setattr(daemon.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(daemon, "take_stop_signals", lambda *a: None)
     return daemon.Learner(KafkaSettings(bootstrap_servers="127.0.0.1:9"),
                           LearnerSettings(checkpoint_dir=ckpt, exit_when_idle_s=0.01))
 

@@ -93,7 +93,7 @@ def test_a_learner_stopped_by_a_signal_before_its_first_samples_says_signal_not_
         return None
 
     monkeypatch.setattr(daemon, "infer_feature_config", stopped_in_the_probe)
-    monkeypatch.setattr(daemon.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(daemon, "take_stop_signals", lambda *a: None)
     try:
         assert learner.run()["reason"] == "signal"
     finally:

@@ -123,12 +123,25 @@ def run_kafka_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, stall_s: flo
     monkeypatch.setattr(w, "_behind", behind)
     w._assigned = {0}
     monkeypatch.setattr(w, "_commit", lambda: None)
-    try:
-        assert w.run() == 0
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert w.run() == 0
     return drained
+
+
+def test_the_kafka_drivers_run_puts_back_the_signal_dispositions_it_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its SIGTERM/SIGINT handlers stayed installed after the run: a later SIGTERM went to the finished worker, and
+    pytest-xdist's ignored SIGINT was handled from then on, so a child started by a later test on that worker no
+    longer inherited it ignored (the Ctrl-C replay test passed or failed by what ran before it)."""
+    def ours(signum: int, frame: object) -> None:
+        pass
+
+    found = {signal.SIGTERM: signal.signal(signal.SIGTERM, ours), signal.SIGINT: signal.signal(signal.SIGINT,
+                                                                                              signal.SIG_IGN)}
+    try:
+        run_kafka_worker(monkeypatch, Clock(), stall_s=0.0)
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == (ours, signal.SIG_IGN)
+    finally:
+        for sig, handler in found.items():
+            signal.signal(sig, handler)
 
 
 def test_the_kafka_driver_does_not_take_a_stall_for_idleness(monkeypatch: pytest.MonkeyPatch) -> None:
