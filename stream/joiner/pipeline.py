@@ -415,7 +415,6 @@ class JoinPipeline:
                                                                                       1_000_000)})
         self.engines: dict[int, PartitionJoin] = {}
         self.totals = JoinTotals()
-        self.gc = GcPacing(js.gc_every_s)
         self.state_topic = state_topic(js.app_id)
         self._parts: dict[tuple[int, int], int] = {}  # (partition, seq) -> records of that chunk
         # (partition, input) -> (topic id in the state log, id now): a change _follow_topics said (once per change)
@@ -474,6 +473,9 @@ class JoinPipeline:
         self.state_bytes = min(MAX_RECORD_BYTES, usable_bytes(self.message_limits[self.state_topic].bytes))
         self.late_click_bytes = usable_bytes(self.message_limits[js.late_clicks_topic].bytes)
         self.dead_letters = DeadLetters(kafka, self.producer, {t: self.message_limits[t] for t in dlq_topics})
+        # Last: it changes the process's collector, which only close() gives back; taken before a check above that
+        # raised, it stayed paced (no automatic full collection) for the rest of the process (a test worker's too)
+        self.gc = GcPacing(js.gc_every_s)
 
     def close(self) -> None:
         """The last flush of the day counts, then Redis and the writer closed. A write in flight that failed on an

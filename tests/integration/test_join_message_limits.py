@@ -12,6 +12,7 @@ enforce it (a 50 kB record goes into a topic of 10 kB): the tests that need a re
 from __future__ import annotations
 
 import dataclasses
+import gc
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -230,6 +231,17 @@ def test_a_limit_too_small_to_write_the_join_state_under_stops_the_joiner_at_sta
     with pytest.raises(ConfigError, match=r"takes records of at most 5000 bytes \(\[kafka\.extra\] message\.max\.bytes"
                                           r"\); the joiner needs at least \d+: raise \[kafka\.extra\] message\.max"):
         make(dataclasses.replace(kafka, extra={"message.max.bytes": "5000"}))
+
+
+def test_a_joiner_refused_at_start_leaves_the_processs_garbage_collector_as_it_found_it(
+        kafka: KafkaSettings, make) -> None:
+    """The pipeline paced the collector (gc_every_s) before its start-up checks, and only close() gives it back: one
+    refused at start left automatic full collections off for the rest of the process (every later test of that
+    pytest worker ran without them)."""
+    found = gc.get_threshold()
+    with pytest.raises(ConfigError, match="takes records of at most 5000 bytes"):
+        make(dataclasses.replace(kafka, extra={"message.max.bytes": "5000"}))
+    assert gc.get_threshold() == found
 
 
 def record_bytes(rec) -> int:  # noqa: ANN001 - a tests.kafka_io record
