@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+from unittest import mock
 
 import pytest
 import redis
@@ -74,6 +75,15 @@ def kafka(stack: LocalStack) -> KafkaSettings:
         samples_topic=f"samples-{tag}",
         client_id=f"test-{tag}",
     )
+
+
+@pytest.fixture
+def environ_restored() -> Iterator[None]:
+    """``os.environ`` put back whole after the test: for a command run in process that sets variables for its children
+    (``streamrec train`` sets MALLOC_*; monkeypatch.delenv of a variable not set records nothing to undo, so they
+    stayed set for every later test, and its children, on that pytest worker)."""
+    with mock.patch.dict(os.environ):
+        yield
 
 
 @pytest.fixture

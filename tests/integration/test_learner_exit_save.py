@@ -59,6 +59,7 @@ def test_a_full_disk_at_the_exit_checkpoint_stops_with_its_error_commits_nothing
     assert {int(p): n for p, n in summary["partition_rows"].items()} == produced
 
 
+@pytest.mark.usefixtures("environ_restored")  # the command sets MALLOC_* for its children
 def test_a_full_disk_at_the_exit_checkpoint_is_one_line_naming_the_path_and_errno_from_streamrec_train(
         kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
         ) -> None:

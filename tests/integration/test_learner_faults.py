@@ -148,6 +148,7 @@ def test_a_full_disk_while_suspects_train_after_all_stops_nothing_but_the_poison
     assert not json.loads((ckpt / "strikes.json").read_text())
 
 
+@pytest.mark.usefixtures("environ_restored")  # the command sets MALLOC_* for its children
 def test_streamrec_train_dead_letters_impression_ids_over_the_limits_setting_and_trains_the_rest(
         kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -166,8 +167,6 @@ def test_streamrec_train_dead_letters_impression_ids_over_the_limits_setting_and
     for name, value in {**env_for(kafka), "STREAMREC_LIMITS_MAX_STR_LEN": "64"}.items():
         if name.startswith("STREAMREC_"):
             monkeypatch.setenv(name, value)
-    for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):  # the command sets them: gone after the test
-        monkeypatch.delenv(name, raising=False)
     assert main(["train", "--checkpoint-dir", str(tmp_path / "ckpt"), "--exit-when-idle", "1", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["samples_trained"] == 150 and summary["offsets"] == {"0": 4}
