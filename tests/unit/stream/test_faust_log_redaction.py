@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import signal
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -39,6 +40,20 @@ def cli_root_logger(capfd: pytest.CaptureFixture[str]) -> Iterator[None]:
         root.setLevel(level)
 
 
+@pytest.fixture
+def signals_put_back() -> Iterator[None]:
+    """The process's dispositions of the signals mode's worker takes at its start (``install_signal_handlers``: on its
+    event loop), put back: the loop's close resets them to Python's defaults, not to what they were, so a pytest worker
+    that ignored SIGINT handled it from then on and children started by later tests no longer inherited it ignored."""
+    found = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        yield
+    finally:
+        for sig, handler in found.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: one set in C
+
+
+@pytest.mark.usefixtures("signals_put_back")
 def test_a_secret_logged_after_the_faust_worker_started_is_scrubbed(cli_root_logger: None,
                                                                      capfd: pytest.CaptureFixture[str]) -> None:
     w = FaustJoinWorker(SimpleNamespace(), KafkaSettings(bootstrap_servers="127.0.0.1:9"),  # type: ignore[arg-type]
