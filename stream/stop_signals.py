@@ -19,7 +19,8 @@ def take_stop_signals(handlers: dict[int, Any], on_signal: Callable[[int, Any], 
 def put_back_signals(handlers: dict[int, Any]) -> None:
     """The handlers :func:`take_stop_signals` replaced, put back (and forgotten). Left installed, the bound method kept
     the finished loop (a learner's model and tables, a joiner's consumer) alive, a later SIGTERM went to it, not to
-    the process's own, and an ignored SIGINT (pytest-xdist's workers ignore it) was no longer ignored."""
+    the process's own, and an ignored SIGINT (a job a shell starts in the background ignores it) was no longer
+    ignored."""
     for sig, handler in handlers.items():
         signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
     handlers.clear()

@@ -368,7 +368,7 @@ def _stopped_on(broker: Service, own: KafkaSettings, tmp_path: Path, second: sig
     proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "replay", "--config", str(_replay_config(
         tmp_path, own)), "--dataset", "synthetic", "--syn-impressions", "2000", "--rate", "100", "--metrics-port",
         str(metrics_port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        # (an ignored SIGINT is inherited, and pytest-xdist's workers ignore it: a Ctrl-C would not reach the replay)
+        # (an ignored SIGINT is inherited: a test run started in the background ignores it, and so would the replay)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     series = f'streamrec_events_total{{stage="replay",topic="{own.impressions_topic}"}}'
     lines: list[str] = []
