@@ -250,8 +250,8 @@ def cluster_mismatch(seen: list[tuple[str, dict[str, str]]]) -> str | None:
                 f"rank {r} {shown(servers)} (cluster {ident.get('cluster_id', 'unknown')}, topic id "
                 f"{ident.get('topic_id', 'unknown')})" for r, (servers, ident) in enumerate(seen)) +
             ". The checkpoint's offsets are of one cluster's partitions: give every rank the same [kafka] "
-            "bootstrap_servers (STREAMREC_KAFKA_BOOTSTRAP_SERVERS on each host): the cluster the checkpoint was trained "
-            "from")
+            "bootstrap_servers (STREAMREC_KAFKA_BOOTSTRAP_SERVERS on each host): the cluster the checkpoint was "
+            "trained from")
 
 
 def hold_checkpoint_dir(ls: LearnerSettings, rank: int) -> int | None:
