@@ -192,6 +192,7 @@ class FaustJoinWorker:
         self._records_in_hand = 0
         self._stopping = False
         self._assigned: set[int] = set()  # the partitions assigned now (both topics: co-partitioned)
+        self._settled = False  # an assignment (perhaps empty) came and no rebalance started since (_idle_check)
         # The gate's waiting-click rule only; event time is the hold's (module docstring), as in the kafka driver.
         self.gate = InputGate(js.max_waiting_per_partition, enabled=js.backpressure, headroom=js.batch_max,
                               max_drift_ms=None)
@@ -342,7 +343,8 @@ class FaustJoinWorker:
             self._die(f"the partition layout of assigned partitions could not be checked ({type(exc).__name__}: "
                       f"{clip(str(exc))}); restart to check it again", 1)  # (module docstring)
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))  # as the kafka driver says it
-        self._idle.reset()  # idleness counts from when there is something to read
+        self._idle.reset()  # idleness counts from when there is something to read, or nothing at all is assigned
+        self._settled = True
         self._assigned = {tp.partition for tp in assigned if tp.topic == self.kafka.impressions_topic}
         self.unfetched.forget(tp.partition for tp in assigned)
         self.pauses.resize(len(self._assigned))
@@ -352,6 +354,7 @@ class FaustJoinWorker:
         # noticed it ~25 s after a SIGKILL on the local broker), and a survivor that exited idle meanwhile left
         # them unread; idleness counts again from the assignment (_on_assigned)
         self._idle.reset()
+        self._settled = False
         gone = {tp.partition for tp in revoked if tp.topic == self.kafka.impressions_topic}
         self.pipeline.forget(gone)  # their held records too: unacknowledged, the next owner reads them
         cast(BatchConsumer, self.app.consumer).forget_kept({TP(tp.topic, tp.partition) for tp in revoked})
@@ -389,6 +392,12 @@ class FaustJoinWorker:
         if resume:
             self.app.consumer.resume_partitions({TP(self._topic(k), p) for k, p in resume})
 
+    def _rebalancing(self) -> bool:
+        """Whether a rebalance is under way: none of this member's assignment came yet, a revocation came since it, or
+        faust's own flag (set as soon as aiokafka's listener hears of it, cleared once the flow resumed) says so. A
+        member without partitions exits idle only outside of one: the partitions of a member that died come with it."""
+        return not self._settled or self.app.rebalancing
+
     async def _idle_check(self) -> None:
         """Every ``_IDLE_TICK_S``: end the run once nothing came for ``exit_when_idle_s`` (draining first with
         ``drain_at_exit``). A gap between two ticks longer than ``_STALL_S`` is a stall (the process stopped, a long GC
@@ -397,9 +406,12 @@ class FaustJoinWorker:
         stall past its session had lost its partitions, which faust tells it only a heartbeat later: taken for idle
         at once, it drained its stale joins, their pending impressions out as samples labelled 0 whose clicks the
         partitions' new owner had joined already (the frozen-joiner fault test). With a limit under a heartbeat it
-        still did (idleness restarted at 0). Idleness counts only while the worker holds partitions and has read each
-        assigned input to its end (``backpressure.unread``): it ran during a rebalance and before the clicks' first
-        fetch, and a slow group join or fetch ended the run with the clicks unread, their impressions drained as 0s."""
+        still did (idleness restarted at 0). Idleness counts only outside a rebalance (:meth:`_rebalancing`) and once
+        each assigned input is read to its end (``backpressure.unread``): it ran during a rebalance and before the
+        clicks' first fetch, and a slow group join or fetch ended the run with the clicks unread, their impressions
+        drained as 0s.
+        A member assigned no partition (more workers than partitions) counts idleness once its empty assignment came:
+        taken for a rebalance under way, it never exited and its bounded run never ended."""
         idle_s = self._idle.tick()  # below 0 for two heartbeats after a stall
         self.pipeline.awake.tick()  # a round ran: a quiet click input's time counts (a stall's does not)
         limit = self.js.exit_when_idle_s
@@ -408,7 +420,7 @@ class FaustJoinWorker:
             return
         if limit is None or self._stopping or self._busy or self._records_in_hand:
             return
-        if not self._assigned or unread(self._assigned, self._behind, self.pauses.paused):
+        if self._rebalancing() or unread(self._assigned, self._behind, self.pauses.paused):
             self._idle.reset()  # a rebalance under way, input not read yet: no idleness (backpressure.unread)
             return
         if idle_s < limit:

@@ -39,13 +39,14 @@ def idle_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, drained: list[flo
         return None
 
     monkeypatch.setattr(FaustJoinWorker, "_build_app", lambda _self: SimpleNamespace(
-        consumer=SimpleNamespace(commit=commit, fetched_more=lambda _tp: False)))  # every input read to its end
+        consumer=SimpleNamespace(commit=commit, fetched_more=lambda _tp: False),  # every input read to its end
+        rebalancing=False))
     pipeline = SimpleNamespace(held_counts={}, restore=lambda _p: None, drain=lambda: drained.append(clock.t),
                                awake=IdleClock(1.0, 0.0))
     w = FaustJoinWorker(pipeline, KafkaSettings(), JoinerSettings(exit_when_idle_s=limit,  # type: ignore[arg-type]
                                                                   drain_at_exit=True))
     shutil.rmtree(w._datadir)
-    w._assigned = {0}
+    w._assigned, w._settled = {0}, True  # partition 0 assigned, no rebalance since
     return w
 
 

@@ -26,17 +26,43 @@ def clicks_unread_until(clock: Clock, end: float, before: bool | None) -> object
     return fetched_more
 
 
-def test_the_faust_driver_does_not_exit_idle_while_it_holds_no_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_faust_driver_does_not_exit_idle_during_a_rebalance(monkeypatch: pytest.MonkeyPatch) -> None:
     clock, drained = Clock(), list[float]()
     monkeypatch.setattr("time.monotonic", clock)
     w = idle_worker(monkeypatch, clock, drained)
     w.app.consumer.fetched_more = clicks_unread_until(clock, 0.0, None)
-    w._assigned = set()  # a rebalance under way: revoked, not assigned again yet
+    w._assigned, w._settled = set(), False  # a rebalance under way: revoked, not assigned again yet
     tick_until(w, clock, 30.0)
     assert drained == [] and not w._stopping
-    w._assigned = {0}  # assigned at 30 s, everything read already
+    w._assigned, w._settled = {0}, True  # assigned at 30 s, everything read already
     tick_until(w, clock, 60.0)
     assert w._stopping and drained == [pytest.approx(30.0 + LIMIT_S, abs=0.3)]
+
+
+def test_the_faust_driver_does_not_exit_idle_once_faust_says_a_rebalance_started(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """faust's flag comes first (aiokafka's listener sets it), the revocation signal only after faust's own work."""
+    clock, drained = Clock(), list[float]()
+    monkeypatch.setattr("time.monotonic", clock)
+    w = idle_worker(monkeypatch, clock, drained)
+    w.app.rebalancing = True
+    tick_until(w, clock, 30.0)
+    assert drained == [] and not w._stopping
+    w.app.rebalancing = False  # the flow resumed at 30 s
+    tick_until(w, clock, 60.0)
+    assert w._stopping and drained == [pytest.approx(30.0 + LIMIT_S, abs=0.3)]
+
+
+def test_a_faust_member_assigned_no_partition_exits_idle_once_its_empty_assignment_came(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """More workers than partitions: a member assigned nothing took that for a rebalance under way for good, and its
+    bounded run never ended."""
+    clock, drained = Clock(), list[float]()
+    monkeypatch.setattr("time.monotonic", clock)
+    w = idle_worker(monkeypatch, clock, drained)
+    w._assigned = set()  # the group's generation gave it nothing
+    tick_until(w, clock, 30.0)
+    assert w._stopping and drained == [pytest.approx(LIMIT_S, abs=0.3)]
 
 
 @pytest.mark.parametrize("before, ends_at", [(True, 25.0 + LIMIT_S), (None, UNFETCHED_GRACE_S + LIMIT_S)],
