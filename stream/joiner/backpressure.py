@@ -33,6 +33,7 @@ only once nothing more can come to take them.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -43,6 +44,8 @@ from prometheus_client import Gauge
 
 from stream.alignment import lead
 from stream.config import KafkaSettings
+
+log = logging.getLogger("streamrec.join")
 
 IMPRESSIONS, CLICKS = "impressions", "clicks"
 
@@ -81,23 +84,45 @@ class Unfetched:
     whole: a fresh worker on a backlog sent out every impression of its first batches as an observed 0 minutes (of
     event time) ahead of the delayed positives of the clicks still on their way, what :func:`hold_limits` exists to
     prevent. Counted as "more" for good, an input whose fetch keeps failing would hold the other back for ever; so it
-    counts as more only for ``grace_s``, time enough for a first fetch, and stalls nothing past it."""
+    counts as more only for ``grace_s``, time enough for a first fetch, and stalls nothing past it. Nor is it read:
+    :meth:`overdue` names it, for an idle exit to fail on instead of ending the run as if its input were joined."""
 
     grace_s: float = UNFETCHED_GRACE_S
     clock: Callable[[], float] = time.monotonic
     since: dict[Key, float] = field(default_factory=dict)  # when each input was first found unknown
+    unknown: set[Key] = field(default_factory=set)  # the inputs whose end was unknown when last asked
 
     def behind(self, key: Key, more: bool | None) -> bool:
         """Whether input ``key`` has more to read, given what its fetcher says (``more``; None: unknown)."""
         if more is not None:
+            self.unknown.discard(key)
             return more
+        self.unknown.add(key)
         now = self.clock()
         return now - self.since.setdefault(key, now) < self.grace_s
+
+    def overdue(self) -> list[Key]:
+        """The inputs whose end is still unknown past their grace: never fetched since their assignment (a fetch that
+        keeps failing), so not read to their end, whatever :meth:`behind` says of them to the hold."""
+        now = self.clock()
+        return sorted(k for k in self.unknown if now - self.since[k] >= self.grace_s)
 
     def forget(self, partitions: Iterable[int]) -> None:
         """Start the grace afresh for the inputs of ``partitions`` (assigned or revoked)."""
         gone = set(partitions)
         self.since = {k: t for k, t in self.since.items() if k[1] not in gone}
+        self.unknown = {k for k in self.unknown if k[1] not in gone}
+
+
+def never_fetched(inputs: list[Key], waited_s: float) -> int:
+    """The exit status of a bounded run idle with ``inputs`` never fetched since their assignment
+    (``Unfetched.overdue``: every fetch of them failing, the consumer logging each error): 1, said, and the run is not
+    drained: their input is unread, the run not complete. Both drivers ended such a run as idle (status 0,
+    ``--drain`` sending their impressions out as 0s) once the inputs' grace had passed."""
+    log.error("inputs %s were never fetched in %.0f s (their fetches keep failing: see the consumer's errors above); "
+              "their input is unread, so this bounded run ends with status 1 without draining: fix the broker or the "
+              "topics' access and run it again", inputs, waited_s)
+    return 1
 
 
 def unread(partitions: Iterable[int], behind: Behind, paused: set[Key]) -> list[Key]:

@@ -23,7 +23,8 @@ the other's by the drift, is not used here: the hold already bounds what is join
 paused and resumed inputs with nearly every batch of a replay (~25 of ~70 s of a replayed ML-1M went to re-fetching).
 Clicks near ``max_waiting_per_partition`` are still paused by the gate (``backpressure.py``) until their impressions
 catch up; the gate is asked after every batch, and a run never ends idle with an input paused or records held, nor
-before every assigned input is read to its end (``backpressure.unread``; idleness counts from then).
+before every assigned input is read to its end (``backpressure.unread``; idleness counts from then), nor with status 0
+while an input was never fetched (``backpressure.never_fetched``: every fetch of it failing).
 
 A failure of the infrastructure (the broker or Redis unreachable, a delivery not acknowledged) is
 not the batch's fault: the worker recovers in-process instead. It forgets its in-memory state, seeks
@@ -47,7 +48,16 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, Kafka
 from stream.config import KafkaSettings
 from stream.errors import BadMessage, clip
 from stream.idle_clock import IdleClock
-from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Key, Unfetched, topic_of, unread
+from stream.joiner.backpressure import (
+    CLICKS,
+    InputGate,
+    InputPauses,
+    Key,
+    Unfetched,
+    never_fetched,
+    topic_of,
+    unread,
+)
 from stream.joiner.config import JoinerSettings
 from stream.joiner.metrics import ASSIGN_RETRIES
 from stream.joiner.pipeline import JoinPipeline, Record, records_of
@@ -241,6 +251,7 @@ class KafkaJoinWorker:
         handlers: dict[int, Any] = {}  # the process's own SIGTERM/SIGINT dispositions, put back when the run ends
         take_stop_signals(handlers, self._on_signal)
         limit = self.js.exit_when_idle_s
+        status = 0
         try:
             self.consumer.subscribe([self.kafka.impressions_topic, self.kafka.clicks_topic],
                                     on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
@@ -274,9 +285,12 @@ class KafkaJoinWorker:
                         self.gate.release()
                         self._sync_pauses()
                         self._idle.reset()
+                    elif overdue := self.unfetched.overdue():  # nor as idle with an input never fetched
+                        status = never_fetched(overdue, self.unfetched.grace_s + limit)
+                        break
                     elif self.consumer.assignment():
                         break
-            if self.js.drain_at_exit and not self._stop:  # input complete, not a signal
+            if self.js.drain_at_exit and not self._stop and not status:  # input complete, not a signal
                 # every assigned partition, those that brought no record since their assignment too (not restored)
                 self.pipeline.restore(self._assigned)
                 self.pipeline.drain()
@@ -284,7 +298,7 @@ class KafkaJoinWorker:
         finally:
             self.consumer.close()
             put_back_signals(handlers)
-        return 0
+        return status
 
     def _fetch(self) -> list[Any]:
         """The next batch: up to ``batch_max`` messages within ``batch_within_s``, but no longer than it takes the

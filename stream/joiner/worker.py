@@ -90,7 +90,7 @@ from faust.types import TP
 from stream.config import MAX_POLL_INTERVAL_MS, KafkaSettings, SaslMechanism, SecurityProtocol
 from stream.errors import ConfigError, clip
 from stream.idle_clock import IdleClock
-from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Unfetched, topic_of, unread
+from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Unfetched, never_fetched, topic_of, unread
 from stream.joiner.config import JoinerSettings
 from stream.joiner.faust_delivery import BatchConsumer, BatchDelivery, Processed, install
 from stream.joiner.pipeline import JoinPipeline, Record
@@ -435,8 +435,10 @@ class FaustJoinWorker:
             self._idle.reset()
             return
         self._stopping = True
+        if overdue := self.unfetched.overdue():  # nor as idle with an input never fetched: not complete, status 1
+            self.exit_code = never_fetched(overdue, self.unfetched.grace_s + limit)
         try:
-            if self.js.drain_at_exit:
+            if self.js.drain_at_exit and not self.exit_code:
                 # every assigned partition, those that brought no record since their assignment too (not restored)
                 self.pipeline.restore(self._assigned)
                 self.pipeline.drain()

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from stream.idle_clock import IdleClock
+from stream.joiner.backpressure import Unfetched
 from stream.joiner.worker import FaustJoinWorker
 
 HEARTBEAT_S = 1.0  # the default 6 s session's heartbeat interval (stream.kafka.heartbeat_interval_s)
@@ -104,10 +105,12 @@ class StalledConsumer:
 
 def run_kafka_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, stall_s: float,
                      gate: Callable[[], set[object]] = set, limit: float = 10.0,
-                     behind: Callable[[str, int], bool] = lambda _kind, _p: False) -> list[float]:
+                     behind: Callable[[str, int], bool] | None = lambda _kind, _p: False,
+                     status: int = 0) -> list[float]:
     """``KafkaJoinWorker.run`` with ``--exit-when-idle LIMIT --drain`` over a :class:`StalledConsumer` (its first poll
     returns after ``stall_s``, partition 0 assigned), ``gate`` as its gate and ``behind`` saying which inputs have more
-    to read (none: read to their end); the clock times at which it drained."""
+    to read (none: read to their end; None: the worker's own, over ``fetched_more`` as the test patched it), ending with
+    ``status``; the clock times at which it drained."""
     from stream.config import KafkaSettings
     from stream.joiner import kafka_driver
     from stream.joiner.config import JoinerSettings
@@ -121,10 +124,12 @@ def run_kafka_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, stall_s: flo
     w.pipeline = SimpleNamespace(totals=SimpleNamespace(stage_s={"fetch": 0.0}), awake=IdleClock(1.0, 0.0),  # type: ignore[assignment]
                                  restore=lambda _p: None, drain=lambda: drained.append(clock.t))
     monkeypatch.setattr(w, "_apply_gate", gate)
-    monkeypatch.setattr(w, "_behind", behind)
+    if behind is not None:
+        monkeypatch.setattr(w, "_behind", behind)
+    w.unfetched = Unfetched(clock=clock)
     w._assigned = {0}
     monkeypatch.setattr(w, "_commit", lambda: None)
-    assert w.run() == 0
+    assert w.run() == status
     return drained
 
 

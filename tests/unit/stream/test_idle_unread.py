@@ -3,9 +3,10 @@ the worker held no partition (a rebalance: revoked, the group's next generation 
 than the limit under load) and while an assigned input had not been fetched yet, or had more to read than its
 batches had brought: ``--exit-when-idle 4 --drain`` could end the run there, its pending impressions drained as 0s
 with their clicks unread (seen once: the fake_negative policy's faust run in tests/integration/test_join_policies.py
-with no delayed positive). Both drivers now count idleness only once they hold partitions and every assigned input is
+with no delayed positive). Both drivers now count idleness only outside a rebalance and once every assigned input is
 read to its end, by the high watermark its fetcher saw (``backpressure.unread``; an input never fetched counts as
-unread for ``Unfetched``'s grace, so a partition whose fetch keeps failing cannot keep a run from ending)."""
+unread for ``Unfetched``'s grace, so a partition whose fetch keeps failing cannot keep a run from ending, and a run
+that ends idle with one ends with status 1, undrained: ``backpressure.never_fetched``)."""
 
 from __future__ import annotations
 
@@ -65,19 +66,31 @@ def test_a_faust_member_assigned_no_partition_exits_idle_once_its_empty_assignme
     assert w._stopping and drained == [pytest.approx(LIMIT_S, abs=0.3)]
 
 
-@pytest.mark.parametrize("before, ends_at", [(True, 25.0 + LIMIT_S), (None, UNFETCHED_GRACE_S + LIMIT_S)],
-                         ids=["more-to-read", "not-fetched"])
 def test_the_faust_driver_does_not_exit_idle_before_every_assigned_input_is_read_to_its_end(
-        monkeypatch: pytest.MonkeyPatch, before: bool | None, ends_at: float) -> None:
-    """Clicks with more to read until 25 s: idleness counts from 25 s. Clicks never fetched: from when their grace
-    (from the first idle check) has passed; a partition whose fetch keeps failing does not keep the run from ending."""
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clicks with more to read until 25 s: idleness counts from 25 s."""
     clock, drained = Clock(), list[float]()
     monkeypatch.setattr("time.monotonic", clock)
     w = idle_worker(monkeypatch, clock, drained)
     w.unfetched = Unfetched(clock=clock)
-    w.app.consumer.fetched_more = clicks_unread_until(clock, 25.0 if before else float("inf"), before)
+    w.app.consumer.fetched_more = clicks_unread_until(clock, 25.0, True)
     tick_until(w, clock, 60.0)
-    assert w._stopping and drained == [pytest.approx(ends_at, abs=0.3)]
+    assert w._stopping and w.exit_code == 0 and drained == [pytest.approx(25.0 + LIMIT_S, abs=0.3)]
+
+
+def test_the_faust_driver_ends_a_bounded_run_with_status_1_undrained_when_an_input_is_never_fetched(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Clicks never fetched (every fetch fails): the run ends once their grace (from the first idle check) and the
+    limit have passed, so a partition whose fetch keeps failing does not keep it from ending; but it ended idle,
+    status 0, and drained their impressions as 0s over clicks never read."""
+    clock, drained = Clock(), list[float]()
+    monkeypatch.setattr("time.monotonic", clock)
+    w = idle_worker(monkeypatch, clock, drained)
+    w.unfetched = Unfetched(clock=clock)
+    w.app.consumer.fetched_more = clicks_unread_until(clock, float("inf"), None)
+    tick_until(w, clock, 60.0)
+    assert w._stopping and clock.t == pytest.approx(UNFETCHED_GRACE_S + LIMIT_S, abs=0.3)
+    assert w.exit_code == 1 and drained == [] and "[('clicks', 0)] were never fetched" in caplog.text
 
 
 def test_the_kafka_driver_does_not_exit_idle_before_every_assigned_input_is_read_to_its_end(
@@ -89,3 +102,17 @@ def test_the_kafka_driver_does_not_exit_idle_before_every_assigned_input_is_read
                                behind=lambda kind, _p: kind == CLICKS and clock.t < 25.0)
     round_s = JoinerSettings().batch_within_s  # idleness counts from the last round that found them unread
     assert drained and drained[0] >= 25.0 - round_s + LIMIT_S
+
+
+def test_the_kafka_driver_ends_a_bounded_run_with_status_1_undrained_when_an_input_is_never_fetched(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Every fetch of the clicks fails (their end never known): past their grace they stopped counting as unread and
+    the run ended idle, status 0, its impressions drained as 0s over clicks never read."""
+    from stream.joiner import kafka_driver
+
+    clock = Clock()
+    monkeypatch.setattr(kafka_driver, "fetched_more",
+                        lambda _c, topic, _p, _start: None if topic == "clicks" else False)
+    drained = run_kafka_worker(monkeypatch, clock, stall_s=0.0, behind=None, status=1)
+    assert drained == []
+    assert "[('clicks', 0)] were never fetched" in caplog.text
