@@ -27,7 +27,8 @@ def _worker(monkeypatch: pytest.MonkeyPatch, fail: list[BaseException]) -> tuple
     from stream.config import KafkaSettings
     from stream.joiner.config import JoinerSettings
 
-    monkeypatch.setattr(FaustJoinWorker, "_build_app", lambda _self: SimpleNamespace(consumer=SimpleNamespace()))
+    monkeypatch.setattr(FaustJoinWorker, "_build_app", lambda _self: SimpleNamespace(consumer=SimpleNamespace(),
+                                                                                 rebalancing=False))
     monkeypatch.setattr(FaustJoinWorker, "_die", staticmethod(lambda what, status=1: (_ for _ in ()).throw(
         _Died(status))))
     calls: dict[str, list] = {"forget": [], "drop_held": [], "close": []}
@@ -44,7 +45,7 @@ def _worker(monkeypatch: pytest.MonkeyPatch, fail: list[BaseException]) -> tuple
         close=lambda: calls["close"].append(True))
     w = FaustJoinWorker(pipeline, KafkaSettings(), JoinerSettings())  # type: ignore[arg-type]
     shutil.rmtree(w._datadir)
-    w._assigned = {0, 1}
+    w._assigned, w._settled = {0, 1}, True  # partitions 0 and 1 assigned, no rebalance since
     w._behind = lambda kind, partition: False  # type: ignore[method-assign]
     return w, SimpleNamespace(**calls)
 
