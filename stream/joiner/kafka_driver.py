@@ -24,7 +24,8 @@ paused and resumed inputs with nearly every batch of a replay (~25 of ~70 s of a
 Clicks near ``max_waiting_per_partition`` are still paused by the gate (``backpressure.py``) until their impressions
 catch up; the gate is asked after every batch, and a run never ends idle with an input paused or records held, nor
 before every assigned input is read to its end (``backpressure.unread``; idleness counts from then), nor with status 0
-while an input was never fetched (``backpressure.never_fetched``: every fetch of it failing).
+while an input was never fetched (``backpressure.never_fetched``: every fetch of it failing). A member assigned no
+partition ends its run idle too, once that empty assignment came (not during a rebalance: ``_settled``).
 
 A failure of the infrastructure (the broker or Redis unreachable, a delivery not acknowledged) is
 not the batch's fault: the worker recovers in-process instead. It forgets its in-memory state, seeks
@@ -140,6 +141,9 @@ class KafkaJoinWorker:
         self._held = 0  # records fetched past the event-time frontier, held by the pipeline, not processed yet
         self._hold = js.backpressure and js.max_input_drift_s is not None
         self._assigned: set[int] = set()  # the partitions assigned now (of both topics: co-partitioned)
+        # an assignment came (perhaps empty: more members than partitions) and no revocation since: a member may end
+        # its run idle only then, outside a rebalance (librdkafka calls on_assign and on_revoke with empty lists too)
+        self._settled = False
         self._revoked: set[tuple[str, int]] = set()  # revoked by the poll in progress (_fetch)
         # ``exit_when_idle_s``'s clock, one tick a round (run()); a round longer than batch_within_s by _STALL_S was a
         # stall, which restarts idleness after a wait of two heartbeats (stream.idle_clock)
@@ -185,6 +189,7 @@ class KafkaJoinWorker:
         local broker over the new owner's assignment and moved the group's offsets to where the dropped member got."""
         revoked = {(tp.topic, tp.partition) for tp in partitions}
         self._revoked |= revoked
+        self._settled = False
         for tp in revoked:  # not committed now: never later, by a member that no longer owns them
             self._offsets.pop(tp, None)
         self._assigned -= {tp.partition for tp in partitions}
@@ -212,6 +217,7 @@ class KafkaJoinWorker:
         self.unfetched.forget(tp.partition for tp in partitions)
         self.pauses.resize(len(self._assigned))
         self._idle.reset()
+        self._settled = True
 
     def _start_positions(self, consumer: Consumer, partitions: list[TopicPartition]) -> list[TopicPartition] | None:
         """``resume_offsets`` of the assigned ``partitions``, asked again (1 s, doubling up to 30 s) while the broker
@@ -288,7 +294,7 @@ class KafkaJoinWorker:
                     elif overdue := self.unfetched.overdue():  # nor as idle with an input never fetched
                         status = never_fetched(overdue, self.unfetched.grace_s + limit)
                         break
-                    elif self.consumer.assignment():
+                    elif self._settled:  # (a member assigned nothing too: it waited for partitions for good)
                         break
             if self.js.drain_at_exit and not self._stop and not status:  # input complete, not a signal
                 # every assigned partition, those that brought no record since their assignment too (not restored)

@@ -1,7 +1,8 @@
 """Bounded runs (``--exit-when-idle``) end once the input is joined, whatever the group's shape, against the real
-broker and Redis. A member of the group assigned no partition (more workers than partitions) counted no idleness: the
-faust driver took its empty assignment for a rebalance under way, so a bounded worker beside a long-running one on
-single-partition topics never ended (it did once the other left and handed it the partition)."""
+broker and Redis. A member of the group assigned no partition (more workers than partitions) never ended its run idle:
+the faust driver took its empty assignment for a rebalance under way, the kafka driver left its loop only while it held
+an assignment, so a bounded worker beside a long-running one on single-partition topics never ended (it did once the
+other left and handed it the partition)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ SYN = SyntheticSettings(impressions=600, users=400, items=100, impressions_per_s
 UNBOUNDED_S = 86_400.0  # an --exit-when-idle no test run reaches: the long-running worker
 
 
-@pytest.mark.parametrize("driver", ["faust"])
+@pytest.mark.parametrize("driver", ["faust", "kafka"])
 def test_a_bounded_worker_left_without_a_partition_exits_beside_a_long_running_one(
         kafka: KafkaSettings, stack, group_id: str, reaper: Reaper, driver: str) -> None:
     kafka = dataclasses.replace(kafka, partitions=1)

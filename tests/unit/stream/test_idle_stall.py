@@ -18,6 +18,7 @@ from stream.idle_clock import IdleClock
 from stream.joiner.backpressure import Unfetched
 from stream.joiner.worker import FaustJoinWorker
 
+SIGTERM_AT_S = 600.0  # run_kafka_worker's clock time at which a run still going is told to stop
 HEARTBEAT_S = 1.0  # the default 6 s session's heartbeat interval (stream.kafka.heartbeat_interval_s)
 
 
@@ -85,8 +86,10 @@ class StalledConsumer:
     """librdkafka's consumer as a member woken from a stall sees it: the first poll returns after the stall, with
     nothing, and the assignment still looks held; every later poll waits out its timeout."""
 
-    def __init__(self, clock: Clock, stall_s: float) -> None:
+    def __init__(self, clock: Clock, stall_s: float, sigterm_at: float = float("inf"),
+                 on_sigterm: Callable[[], None] = lambda: None) -> None:
         self.clock, self.stall_s = clock, stall_s
+        self.sigterm_at, self.on_sigterm = sigterm_at, on_sigterm  # a run still going then is told to stop
 
     def subscribe(self, topics: list[str], **_: object) -> None:
         pass
@@ -94,6 +97,8 @@ class StalledConsumer:
     def consume(self, n: int, timeout: float) -> list[object]:
         self.clock.t += self.stall_s or timeout
         self.stall_s = 0.0
+        if self.clock.t >= self.sigterm_at:
+            self.on_sigterm()
         return []
 
     def assignment(self) -> list[object]:
@@ -106,11 +111,11 @@ class StalledConsumer:
 def run_kafka_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, stall_s: float,
                      gate: Callable[[], set[object]] = set, limit: float = 10.0,
                      behind: Callable[[str, int], bool] | None = lambda _kind, _p: False,
-                     status: int = 0) -> list[float]:
+                     status: int = 0, assigned: frozenset[int] = frozenset({0})) -> list[float]:
     """``KafkaJoinWorker.run`` with ``--exit-when-idle LIMIT --drain`` over a :class:`StalledConsumer` (its first poll
-    returns after ``stall_s``, partition 0 assigned), ``gate`` as its gate and ``behind`` saying which inputs have more
-    to read (none: read to their end; None: the worker's own, over ``fetched_more`` as the test patched it), ending with
-    ``status``; the clock times at which it drained."""
+    returns after ``stall_s``, ``assigned`` the group's settled assignment), ``gate`` as its gate and ``behind`` saying
+    which inputs have more to read (none: read to their end; None: the worker's own, over ``fetched_more`` as the test
+    patched it), ending with ``status``; the clock times at which it drained."""
     from stream.config import KafkaSettings
     from stream.joiner import kafka_driver
     from stream.joiner.config import JoinerSettings
@@ -120,14 +125,18 @@ def run_kafka_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, stall_s: flo
     w = kafka_driver.KafkaJoinWorker(None, KafkaSettings(bootstrap_servers="127.0.0.1:9"),  # type: ignore[arg-type]
                                      JoinerSettings(exit_when_idle_s=limit, drain_at_exit=True))
     w.consumer.close()
-    w.consumer = StalledConsumer(clock, stall_s=stall_s)  # type: ignore[assignment]
+    # a run not ended by the clock's SIGTERM_AT_S ends as SIGTERM ends it (no drain): a test of an exit fails, not hangs
+    w.consumer = StalledConsumer(clock, stall_s=stall_s, sigterm_at=SIGTERM_AT_S,  # type: ignore[assignment]
+                                 on_sigterm=lambda: w._on_signal(signal.SIGTERM, None))
     w.pipeline = SimpleNamespace(totals=SimpleNamespace(stage_s={"fetch": 0.0}), awake=IdleClock(1.0, 0.0),  # type: ignore[assignment]
                                  restore=lambda _p: None, drain=lambda: drained.append(clock.t))
     monkeypatch.setattr(w, "_apply_gate", gate)
     if behind is not None:
         monkeypatch.setattr(w, "_behind", behind)
     w.unfetched = Unfetched(clock=clock)
-    w._assigned = {0}
+    w._assigned, w._settled = set(assigned), True
+    if not assigned:
+        monkeypatch.setattr(w.consumer, "assignment", list)
     monkeypatch.setattr(w, "_commit", lambda: None)
     assert w.run() == status
     return drained

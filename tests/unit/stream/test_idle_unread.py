@@ -116,3 +116,12 @@ def test_the_kafka_driver_ends_a_bounded_run_with_status_1_undrained_when_an_inp
     drained = run_kafka_worker(monkeypatch, clock, stall_s=0.0, behind=None, status=1)
     assert drained == []
     assert "[('clicks', 0)] were never fetched" in caplog.text
+
+
+def test_a_kafka_member_assigned_no_partition_exits_idle_once_its_empty_assignment_came(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """More workers than partitions: it left its loop only while it held an assignment, so its bounded run never ended
+    beside a member that kept running (tests/integration/test_idle_exit.py against the real broker)."""
+    clock = Clock()
+    drained = run_kafka_worker(monkeypatch, clock, stall_s=0.0, assigned=frozenset())
+    assert drained and drained[0] == pytest.approx(LIMIT_S, abs=JoinerSettings().batch_within_s)
