@@ -23,6 +23,7 @@ keys cannot repeat a key; the rest (a string value holding a colon) take the per
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from itertools import chain, compress, repeat
 from operator import eq, is_, itemgetter, or_
@@ -41,6 +42,7 @@ from stream.events import (
     _reject_duplicate_keys,
     decode_click,
     decode_impression,
+    ts_bound_ms,
 )
 from stream.limits import DEFAULT_LIMITS, DENSE_BOUND, EventLimits
 
@@ -222,7 +224,7 @@ def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], keys:
     _check(set(map(type, ts)) == {int})
     _ints_in(ts, 0, MAX_TS_MS)
     _keys_match(keys, ids)
-    known = [b if b is not None and b > 0 else MAX_TS_MS for b in broker_ts]  # None / <= 0: no bound
+    known = list(map(ts_bound_ms, broker_ts, repeat(int(time.time() * 1000))))  # capped at the wall clock
     _check(bool(np.all(np.array(ts, np.int64) <= np.array(known, np.int64) + limits.future_ts_ms)))
     n_keys: Any = list(map(len, objs))  # each object's JSON keys (with its context's and dense's below)
     if clicks:

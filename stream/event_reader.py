@@ -114,7 +114,7 @@ class EventReader:
             headers: Headers | None = None  # read once: a header key that is not UTF-8 is bad_header, as in the joiner
             try:
                 headers = headers_of(msg)
-                event = self._decoders[topic](msg.value(), broker_ts_ms=ts if kind != TIMESTAMP_NOT_AVAILABLE else None,
+                event = self._decoders[topic](msg.value(), broker_ts_ms=ts if kind != TIMESTAMP_NOT_AVAILABLE else -1,
                                               key=msg.key())
             except BadMessage as exc:
                 self._dlq.send(topic, msg.key(), msg.value(), exc, partition, offset, headers)

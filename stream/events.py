@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,14 +228,32 @@ def _impression_id(value: Any, limits: EventLimits = DEFAULT_LIMITS) -> str:
     return value
 
 
+def ts_bound_ms(broker_ts_ms: int | None, now_ms: int) -> int:
+    """The time an event's ``ts`` may lead by at most ``future_ts_s``: its message's broker timestamp, never later
+    than this machine's wall clock ``now_ms``. A CreateTime is the producer's own (the broker keeps it unless the
+    topic uses LogAppendTime, and Kafka before 4.0 accepts any by default): a producer whose clock was years ahead
+    stamped message and ``ts`` alike and passed the bound, and a quorum of its events moved the partition's event
+    time there for good (every later impression a negative at once, every click late). A message is read after it
+    was written, so a timestamp ahead of the reader's clock is a wrong clock's. A message without one (<= 0: -1 is
+    NOT_AVAILABLE, as the drivers pass it) is bounded by the wall clock alone, where it was not bounded at all;
+    ``None`` is no message (an event decoded on its own): no bound."""
+    if broker_ts_ms is None:
+        return MAX_TS_MS
+    return now_ms if broker_ts_ms <= 0 else min(broker_ts_ms, now_ms)
+
+
 def _ts(value: Any, broker_ts_ms: int | None, limits: EventLimits) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TS_MS:
         raise ValidationError("ts", value, f"an integer of milliseconds since the epoch in [0, {MAX_TS_MS}]")
-    if broker_ts_ms is not None and broker_ts_ms > 0 and value > broker_ts_ms + limits.future_ts_ms:
+    bound = ts_bound_ms(broker_ts_ms, int(time.time() * 1000))
+    if value > bound + limits.future_ts_ms:
+        # the clock's lead is not stated: it changes by the millisecond, and a reason must not (the batch decoder's)
+        lead = (f"{value - bound} ms ahead of the message's broker timestamp {broker_ts_ms}" if bound == broker_ts_ms
+                else f"ahead of this machine's clock (which bounds it: the message's broker timestamp {broker_ts_ms} "
+                "is later or none)")
         raise BadMessage(
-            f"field 'ts': {value} is {value - broker_ts_ms} ms ahead of the message's broker timestamp "
-            f"{broker_ts_ms}; at most {limits.future_ts_ms} ms ({limits.future_ts_s:g} s) is allowed ([limits] "
-            "future_ts_s): the producer's clock or time unit is wrong", kind="future_ts")
+            f"field 'ts': {value} is {lead}; at most {limits.future_ts_ms} ms ({limits.future_ts_s:g} s) is allowed "
+            "([limits] future_ts_s): the producer's clock or time unit is wrong", kind="future_ts")
     return value
 
 
@@ -382,7 +401,8 @@ def _click(obj: dict[str, Any], exact: bool, limits: EventLimits, broker_ts_ms: 
 def decode_impression(raw: bytes | None, limits: EventLimits = DEFAULT_LIMITS,
                       broker_ts_ms: int | None = None, key: bytes | None = None) -> Impression:
     """One ``impressions`` message. ``broker_ts_ms``: the message's timestamp, which bounds how far in the
-    future ``ts`` may be (``limits.future_ts_s``); ``None`` skips that check. ``key``: the message's key, checked
+    future ``ts`` may be (``limits.future_ts_s``; capped at the wall clock, which alone bounds it where the message
+    has none, -1; ``None``, no message, skips the check: :func:`ts_bound_ms`). ``key``: the message's key, checked
     last (:func:`check_key`)."""
     imp: Impression = exactly(raw, obj := _load(raw, limits), _impression, limits, broker_ts_ms)
     _reject_duplicate_keys(raw, obj)  # type: ignore[arg-type]

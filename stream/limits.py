@@ -14,9 +14,10 @@ setting                       default  bounds
 ``max_str_len``               256      characters of a string id or context value
 ``max_list_len``              1024     elements of a context list
 ``future_ts_s``               3600     how far ``ts`` may be ahead of the message's broker
-                                       timestamp (no bound where there is none: a message
-                                       format before timestamps; every client since Kafka
-                                       0.10 stamps each message, librdkafka with its clock)
+                                       timestamp, capped at the reader's wall clock (a
+                                       producer's CreateTime is its own clock), or of that
+                                       clock alone where the message has none
+                                       (``stream.events.ts_bound_ms``)
 ============================  =======  ===========================================================
 
 Dense values must be finite *as float32* (the learner's dtype): ``1e39`` is finite in JSON and inf in
@@ -55,8 +56,8 @@ class EventLimits:
     max_key_len: int = 64
     max_str_len: int = 256
     max_list_len: int = 1024
-    # An event more than this far ahead of its message's broker timestamp is dead-lettered (future_ts):
-    # one client with a wrong clock must not move event time (and with it every window) for everyone.
+    # An event more than this far ahead of its message's broker timestamp (at most the wall clock) is dead-lettered
+    # (future_ts): one client with a wrong clock must not move event time (and with it every window) for everyone.
     future_ts_s: float = 3600.0
 
     def __post_init__(self) -> None:

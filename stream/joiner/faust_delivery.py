@@ -459,9 +459,9 @@ class BatchConsumer(faust_aiokafka.Consumer):
             if expected is not None:
                 self._jumps.extend((key, start, end) for start, end in _jumps(expected, recs))
             topic, partition = tp
+            stamps = [-1 if r.timestamp is None else r.timestamp for r in recs]  # -1: none, the clock bounds ts
             out.extend(records_of(repeat(topic, len(recs)), repeat(partition, len(recs)), map(_OFFSET, recs),
-                                  map(_KEY, recs), map(_VALUE, recs), [r.timestamp or None for r in recs],
-                                  _headers(recs)))
+                                  map(_KEY, recs), map(_VALUE, recs), stamps, _headers(recs)))
             if self.app.topics.acks_enabled_for(topic):
                 for start, end in _gaps(read, recs[0].offset, recs[-1].offset, len(recs), recs):
                     self._add_gap_now(tp, start, end)

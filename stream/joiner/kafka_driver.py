@@ -98,7 +98,8 @@ def _records(msgs: list[Message], gaps: Gaps | None = None) -> list[Record]:
             if err is not None and err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer: %s", err)
         msgs = [m for m, e in zip(msgs, errors, strict=True) if e is None]
-    stamps = [ts if kind != TIMESTAMP_NOT_AVAILABLE else None for kind, ts in map(Message.timestamp, msgs)]
+    # -1 where a message has no timestamp: the wall clock bounds its ts (stream.events.ts_bound_ms)
+    stamps = [ts if kind != TIMESTAMP_NOT_AVAILABLE else -1 for kind, ts in map(Message.timestamp, msgs)]
     # a consumed record always has its topic, partition and offset (the stubs say Optional)
     topics, partitions, offsets = list(map(Message.topic, msgs)), list(map(Message.partition, msgs)), list(
         map(Message.offset, msgs))

@@ -214,7 +214,7 @@ class Record(NamedTuple):
     offset: int
     key: bytes | None
     value: bytes | None
-    timestamp: int | None = None  # the message's broker timestamp (ms), which bounds how far ahead ts may be
+    timestamp: int | None = None  # the message's broker timestamp (ms; -1: none), which bounds how far ahead ts may be
     # the message's Kafka headers, which its dead letter keeps (stream/dlq.py), or why they could not be read
     # (``stream.kafka.headers_of``: a header key that is not UTF-8): the record is dead-lettered with that, without them
     headers: Headers | BadMessage | None = None

@@ -194,6 +194,39 @@ def test_malformed_records_are_dead_lettered_with_reasons_and_the_rest_of_the_ba
     assert (s["dead_lettered"], s["impressions"], s["clicks"], s["events"]) == (4, 1, 1, 6)
 
 
+def test_a_producer_clock_years_ahead_stamping_create_time_and_ts_alike_is_future_ts_and_moves_no_event_time(
+        kafka: KafkaSettings, make) -> None:
+    """The broker keeps a producer's CreateTime (the topic's default timestamp type), so a producer whose clock is ten
+    years ahead stamps its message as far ahead as its ``ts``: bounded by that timestamp alone, the event passed and
+    (one event is this test's quorum) moved the partition's event time ten years on: ``a`` closed at once as a
+    negative and its click was late. The bound is capped at the joiner's wall clock."""
+    from confluent_kafka import TIMESTAMP_CREATE_TIME, Message, Producer
+
+    from stream.kafka import ensure_topics, producer_config, read_to_end
+
+    ahead = int(time.time() * 1000) + 10 * 365 * 86_400_000
+    ensure_topics(kafka, [kafka.impressions_topic])
+    producer = Producer(producer_config(kafka))
+    producer.produce(kafka.impressions_topic, Impression("s", ahead, "u", "i").encode(), b"s", partition=0,
+                     timestamp=ahead)
+    assert producer.flush(30) == 0
+    got: list[Message] = []
+    read_to_end(kafka, kafka.impressions_topic, got.append)
+    assert [m.timestamp() for m in got] == [(TIMESTAMP_CREATE_TIME, ahead)]  # the broker kept the producer's clock
+    steered = Record(kafka.impressions_topic, 0, got[0].offset(), got[0].key(), got[0].value(),
+                     timestamp=got[0].timestamp()[1])
+    p = make()
+    p.process([imp(kafka, 0, 1, "a", T0), steered])
+    p.process([click(kafka, 0, 0, "a", T0 + 100)])
+    p.drain()
+    letters = [(r.key, DeadLetter.from_headers(r.headers)) for r in read_topic(kafka, kafka.dlq_topic(
+        kafka.impressions_topic))]
+    assert [(key, dl.kind) for key, dl in letters] == [(b"s", "future_ts")]
+    assert "ahead of this machine's clock" in letters[0][1].reason
+    assert [(r.impression_id, r.label) for r in sample_rows(kafka)] == [("a", 1)]
+    assert p.totals.summary()["late_clicks"] == 0
+
+
 def test_forget_drops_a_partition_and_the_next_batch_restores_it_from_the_state_log(
         kafka: KafkaSettings, make, settings: JoinerSettings) -> None:
     from stream.joiner.state_log import FENCE_SPAN, chunk_key, claim_key, state_topic

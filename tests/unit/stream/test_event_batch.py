@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import orjson
 import pytest
@@ -130,3 +131,17 @@ def test_the_broker_timestamp_bounds_each_row_on_its_own() -> None:
     got = decode_events(values, brokers, False, limits)
     assert isinstance(got[20], BadMessage) and got[20].kind == "future_ts"
     same(got, one_by_one(values, brokers, False, limits))
+
+
+@pytest.mark.parametrize("broker", ["same", -1, 0])
+def test_a_ts_years_ahead_of_the_wall_clock_is_future_ts_whatever_the_broker_timestamp_says(broker: object) -> None:
+    """A producer's CreateTime is the producer's clock: stamped as far ahead as its ``ts`` ("same") the bound was the
+    message's own, and with no timestamp (-1: NOT_AVAILABLE as the drivers pass it; 0) there was none: either let a
+    ten-years-ahead event through."""
+    ahead = int(time.time() * 1000) + 10 * 365 * 86_400_000
+    values = [imp(i) for i in range(20)] + [Impression("far", ahead, 1, 2).encode()]
+    brokers = [10**12] * 20 + [ahead if broker == "same" else broker]
+    got = decode_events(values, brokers, False, DEFAULT_LIMITS)
+    assert isinstance(got[20], BadMessage) and got[20].kind == "future_ts"
+    assert "ahead of this machine's clock" in str(got[20])
+    same(got, one_by_one(values, brokers, False, DEFAULT_LIMITS))
