@@ -103,9 +103,10 @@ writes nothing: it reads each key it writes before its first write (the counts w
 was found a string, without the marker, and its retry counted them twice).
 
 Clocks: an event time more than ``future_s`` (default 1 hour, ``[limits] future_ts_s``) ahead of
-the wall clock is not counted (:attr:`DailyCounts.future_dropped` says how many), and days that
-start beyond that are never "the latest day" (:meth:`days_available`): one client with a wrong
-clock cannot make tomorrow's near-empty key the hot set's source.
+the wall clock is not counted (:attr:`DailyCounts.future_dropped` says how many), and a day that has not
+started on the wall clock is never "the latest day" (:meth:`days_available`): one client with a wrong
+clock cannot make tomorrow's near-empty key the hot set's source (capped at the day of now + ``future_s``, it did
+in the last hour of every day: one event 40 minutes ahead at 23:30 was tomorrow's only count, and the latest day).
 
 Which events of a :meth:`DailyCounts.record` are too far ahead is part of its write: decided once, by the wall clock
 of the write's first attempt, and counted in ``future_dropped`` then (whether or not that attempt succeeds: the
@@ -575,8 +576,8 @@ class DailyCounts:
     # -- reads ------------------------------------------------------------------------------------
     def days_available(self, kind: str, event: str) -> list[str]:
         """The days (``YYYYMMDD``, ascending) that have a sorted-set key for ``kind``/``event`` (SCAN, on a cluster the
-        kind's hash slot listed; then TYPE), up to the day of now + ``future_s``: a key of a later day was written by a
-        wrong clock. One walk of the keyspace
+        kind's hash slot listed; then TYPE), up to today (the wall clock's UTC day): a key of a later day was written
+        by a clock ahead (counted if within ``future_s``), and is listed once its day starts. One walk of the keyspace
         (:meth:`all_days_available`): a reader of several kinds or events asks that once instead."""
         _check_kind_event(kind, event)
         return self.all_days_available().get((kind, event), [])
@@ -592,7 +593,7 @@ class DailyCounts:
         primary not walked yet to one walked already (days missing, the latest too: a hot set a day old)."""
         base = f"{self.prefix}:counts:"
         legacy = self._legacy()
-        last = day_of(int((time.time() + self.future_s) * 1000))
+        last = day_of(int(time.time() * 1000))  # a day not started yet is no latest day (module docstring, "Clocks")
         found: dict[str, tuple[tuple[str, str], str]] = {}  # key -> ((kind, event), day)
         listed = self._cluster_keys() if is_cluster(self.client) else None
         keys = listed if listed is not None else self.client.scan_iter(match=_glob_escape(base) + "*", count=1000)

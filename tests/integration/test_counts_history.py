@@ -7,6 +7,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -332,6 +333,22 @@ def test_a_wrong_clock_neither_counts_nor_becomes_the_latest_day(redis_client: r
     redis_client.zincrby(counts.key("item", "impression", day_of(now_ms + 400 * DAY_S * 1000)), 1, "9")
     assert counts.days_available("item", "impression")[-1] in (day_of(now_ms), day_of(now_ms + 3_600_000))
     assert counts.top("item", "impression", k=3) == [("2", 1.0)]  # today: id 2 only, never the future 3 or 9
+
+
+def test_in_the_last_hour_of_a_day_tomorrow_is_not_the_latest_day_before_it_starts(
+        redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 23:30 one event 40 minutes ahead (inside ``future_s``, so counted) writes tomorrow's key. The latest day was
+    capped at the day of now + ``future_s``, tomorrow: its one id became the hot set's source (a 7-day window ending
+    there dropped the oldest full day for a near-empty one) for the last hour of every day."""
+    today = int(time.time()) // DAY_S * DAY_S
+    monkeypatch.setattr("stream.counts.time", SimpleNamespace(time=lambda: today + DAY_S - 1800.0,  # 23:30 UTC
+                                                              sleep=time.sleep))
+    counts = DailyCounts(redis_client, prefix=prefix, future_s=3600)
+    at = (today + DAY_S - 1800) * 1000
+    counts.record("item", "impression", [1, 1, 2, 3], [at - 5000, at - 4000, at - 3000, at + 2_400_000])
+    assert counts.future_dropped == 0  # tomorrow's event is counted, on tomorrow's key
+    assert counts.days_available("item", "impression") == [day_of(at)]
+    assert counts.top("item", "impression", k=3) == [("1", 2.0), ("2", 1.0)]
 
 
 def test_a_malformed_history_entry_is_skipped_not_an_error(redis_client: redis.Redis, prefix: str) -> None:
