@@ -108,13 +108,14 @@ SERVE_S = 1.0  # the longest a paced replay sleeps without serving the producer'
 class Pacer:
     """Sleeps so that at most ``rate`` events/s go out, or event time advances ``speed`` x wall time.
 
-    ``serve()`` is called before each sleep, and at least every :data:`SERVE_S` of a long one: the replay serves the
-    producer's callbacks there (``poll(0)``). A poll every 5,000 events alone served them every 500 s at ``--rate
-    10`` (and not at all across a long gap of event time): librdkafka's log lines (a broker gone) and a fatal error
-    came minutes late. Per sleep, not per event: an unpaced replay never sleeps, and adds nothing."""
+    ``serve(n_sent)`` is called before each sleep, and at least every :data:`SERVE_S` of a long one: the replay serves
+    the producer's callbacks there (``poll(0)``) and moves its progress (:class:`_Progress`). A poll every 5,000
+    events alone served them every 500 s at ``--rate 10`` (and not at all across a long gap of event time):
+    librdkafka's log lines (a broker gone) and a fatal error came minutes late. Per sleep, not per event: an unpaced
+    replay never sleeps, and adds nothing."""
 
     def __init__(self, rate: float | None, speed: float | None, first_ts: int,
-                 serve: Callable[[], None] = lambda: None) -> None:
+                 serve: Callable[[int], None] = lambda _n: None) -> None:
         if rate is not None and speed is not None:
             raise ValueError("give either rate (events/s) or speed (x event time), not both")
         if (rate is not None and rate <= 0) or (speed is not None and speed <= 0):
@@ -135,7 +136,7 @@ class Pacer:
             return
         ahead = due - (time.monotonic() - self._t0)
         while ahead > 0.002:
-            self._serve()
+            self._serve(n_sent)
             time.sleep(min(ahead, SERVE_S))
             ahead = due - (time.monotonic() - self._t0)
 
@@ -168,6 +169,29 @@ def check_pace(rate: float | None, speed: float | None, n_events: int, origin_ts
 
 
 CHUNK = 4096  # events encoded, sent and counted at a time
+PROGRESS_S = 2.0  # the longest a paced replay's progress stands still while it paces
+
+
+class _Progress:
+    """``publish``'s ``progress(n)``, fed the events sent so far and called with the increase. Per chunk alone
+    (every 5,000 events paced), a paced replay's bar moved every 500 s at ``--rate 10``: an operator saw nothing for
+    minutes.
+    The pacer's sleeps now move it too, at most every :data:`PROGRESS_S` (:meth:`due`); unpaced, only per chunk."""
+
+    def __init__(self, progress: Callable[[int], None] | None) -> None:
+        self._progress, self._reported, self._at = progress, 0, time.monotonic()
+
+    def to(self, n_sent: int) -> None:
+        """Report up to ``n_sent`` events (nothing when none are new)."""
+        if self._progress is not None and n_sent > self._reported:
+            self._progress(n_sent - self._reported)
+            self._reported = n_sent
+        self._at = time.monotonic()
+
+    def due(self, n_sent: int) -> None:
+        """From a paced sleep: report once :data:`PROGRESS_S` passed since the last report."""
+        if time.monotonic() - self._at >= PROGRESS_S:
+            self.to(n_sent)
 
 
 def _objects(items: list[Any]) -> np.ndarray:
@@ -182,7 +206,8 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
             progress: Callable[[int], None] | None = None) -> ReplaySummary:
     """Produce every event of ``table``; returns counts once all are acknowledged.
 
-    ``progress(n)`` is called every few thousand events with the number sent since the last call.
+    ``progress(n)`` is called every few thousand events with the number sent since the last call, and in a paced
+    replay at most every :data:`PROGRESS_S` while it paces (:class:`_Progress`).
     Raises ``DeliveryFailed`` if any message was not acknowledged, and :class:`~stream.errors.MessageLimitError` for
     a message over its topic's limit or refused as too large (module docstring, "Message size"), and :class:`Terminated`
     for a SIGTERM in the main thread (what was sent is flushed and counted first).
@@ -230,9 +255,14 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     dead = np.zeros(len(kinds), bool)
     dead[is_raw] = np.array([m.error is not None for m in raw], dtype=bool)[indexes[is_raw]]
 
-    pacer = Pacer(rate, speed, origin, producer.poll)  # its clock starts with the first event
+    tracker = _Progress(progress)
+
+    def serve(n_sent: int) -> None:  # at a paced sleep (Pacer)
+        producer.poll()
+        tracker.due(n_sent)
+
+    pacer = Pacer(rate, speed, origin, serve)  # its clock starts with the first event
     counters = {IMPRESSION: EVENTS.labels("replay", imp_topic), CLICK: EVENTS.labels("replay", click_topic)}
-    reported = 0
     restore_sigterm = _raise_on_sigterm()
     try:
         for start in range(0, len(kinds), CHUNK):
@@ -260,9 +290,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
                         counters[kinds_l[j]].inc()
                     if n % 5000 == 0:
                         producer.poll()
-                        if progress is not None and n:
-                            progress(n - reported)
-                            reported = n
+                        tracker.to(n)
                     pacer.wait(n + 1, ts_l[j])
                 continue
             # Unpaced: runs between dead-lettered raw messages go out in the produce-only loop.
@@ -281,9 +309,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
             summary.dead_lettered += n_dead
             summary.malformed_published += int(np.count_nonzero(is_raw_c)) - n_dead
             producer.poll()
-            if progress is not None:
-                progress(stop - reported)
-                reported = stop
+            tracker.to(stop)
 
         with _refused(limits):  # a broker away for minutes at the end: every message answered, none left unsure
             report = producer.flush_answered()
@@ -294,8 +320,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
         restore_sigterm()
     summary.elapsed_s = time.monotonic() - t0
     total = summary.impressions + summary.clicks + summary.malformed_published + summary.dead_lettered
-    if progress is not None:
-        progress(total - reported)
+    tracker.to(total)
     summary.events_per_s = total / summary.elapsed_s if summary.elapsed_s > 0 else 0.0
     summary.acked = dict(sorted(report.acked.items()))
     return summary

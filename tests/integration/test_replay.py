@@ -541,3 +541,24 @@ def test_a_paced_replay_serves_librdkafkas_reports_while_it_paces_not_every_5000
             thread.join()
     assert failed, "the replay into a stopped broker succeeded"
     assert sent_at_first_line and sent_at_first_line[0] < total, (sent_at_first_line, total)
+
+
+def test_a_paced_replays_progress_moves_while_it_paces_not_every_5000_events(
+        kafka: KafkaSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A paced replay's progress (the bar) moved only every 5,000 events: at ``--rate 10`` every 500 s. Now the
+    pacer's sleeps move it, at most every PROGRESS_S (0.3 s here): a ~200-event replay at 100/s reports part of its
+    events while it still sends, never twice within PROGRESS_S, and all of them by the end."""
+    monkeypatch.setattr(publisher_module, "PROGRESS_S", 0.3)
+    table = build_synthetic(SyntheticSettings(impressions=200, base_ctr=0.0001), ClickDelay(), seed=3)
+    total = table.n_impressions + table.n_clicks + len(table.raw)
+    reports: list[tuple[float, int]] = []  # (when, events reported so far)
+
+    def progress(n: int) -> None:
+        reports.append((time.monotonic(), (reports[-1][1] if reports else 0) + n))
+
+    publish(table, kafka, "synthetic", rate=100, progress=progress)
+    assert reports[-1][1] == total
+    mid_run = [r for r in reports if r[1] < total]
+    assert len(mid_run) >= 2, reports
+    gaps = [b[0] - a[0] for a, b in zip(mid_run, mid_run[1:], strict=False)]
+    assert min(gaps) >= 0.3, gaps
