@@ -32,6 +32,9 @@ than ``RECENT_FAILURE_S`` ago: Redis is not asked again, so a frozen Redis holds
 Failures are counted
 (``streamrec_serving_lookup_count_flushes_total{outcome="error"}``), logged once per outage (not per flush), and
 never reach a client: counts are a ranking signal, and a few seconds of them lost cost nothing a request would notice.
+An unexpected error a flush raises outside its writes' handling (a bug, lookups that are no int64 ids) lost every
+lookup it held uncounted (those kept for a retry too) and ended the flush thread; they are now dropped and counted
+(``reason="error"``), the error is logged with its traceback once until a flush succeeds, and the thread goes on.
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ class LookupCounts:
         self._abandoned: threading.Thread | None = None  # a flush thread stop() gave up waiting for (stuck)
         self._failing = False  # the last flush failed: the next failure is not logged again
         self._failed_at = 0.0  # time.monotonic() when the last failed flush gave up (stop() skips its flush after one)
+        self._settled = 0  # lookups the flush in progress wrote, dropped or kept (the rest of _held_n: unsettled)
+        self._broken = False  # a flush failed unexpectedly (_unexpected) and none succeeded since: not logged again
         self.flushed = 0  # lookups written to Redis
         self.dropped = 0  # lookups not counted (buffer full, flush failed)
 
@@ -136,11 +141,18 @@ class LookupCounts:
                 pending, self._pending = self._pending, {}
                 writes, self._kept = self._kept, []
                 self._held_n, self._n, self._kept_n = self._n + self._kept_n, 0, 0
+            self._settled = 0
             try:
                 return self._write(pending, writes)
+            except Exception as exc:  # noqa: BLE001 - not a Redis failure (_failed takes those): a bug, bad lookups
+                self._unexpected(exc)
+                return 0
             finally:
+                unsettled = self._held_n - self._settled  # 0 unless it raised: neither written, dropped nor kept
                 with self._lock:  # the flush ends: what it held is written, dropped, or kept (_failed) in one step
                     self._kept_n, self._held_n = sum(w.lookups for w in self._kept), 0
+                if unsettled:
+                    self._drop("error", unsettled)
 
     def _write(self, pending: dict[tuple[int, str], list[np.ndarray]], writes: list[LookupWrite]) -> int:
         """:meth:`flush`'s writes: ``writes`` (kept from the last flush), then ``pending``'s lookups by day and kind."""
@@ -163,7 +175,7 @@ class LookupCounts:
             written += write.lookups
         if self._failing:
             log.info("lookup counts: flushing to Redis again")
-        self._failing = False
+        self._failing = self._broken = False
         self._outcome("ok")
         self._flushed(written)
         return written
@@ -176,6 +188,7 @@ class LookupCounts:
         start = int(np.searchsorted(members, 0))
         if start:
             self._drop("invalid", int(counts[:start].sum()))
+            self._settled += int(counts[:start].sum())
         return members[start:], counts[start:]
 
     def _failed(self, exc: Exception, unwritten: list[LookupWrite]) -> None:
@@ -193,6 +206,7 @@ class LookupCounts:
         with self._lock:
             self._kept = keep
             self._failed_at = time.monotonic()
+        self._settled += sum(w.lookups for w in unwritten)
         if lost:
             self._drop("redis", lost)
         self._outcome("error")
@@ -202,7 +216,20 @@ class LookupCounts:
                         "until one succeeds", type(exc).__name__, exc, sum(w.lookups for w in keep), lost)
         self._failing = True
 
+    def _unexpected(self, exc: Exception) -> None:
+        """A flush raised ``exc`` outside its writes' handling: counted, and logged with the traceback once until a
+        flush succeeds (:meth:`flush` drops what it held and did not settle, ``reason="error"``). It is not raised: the
+        flush thread goes on (ended, it left every later lookup uncounted, "full", until serving restarted)."""
+        self._outcome("error")
+        if not self._broken:
+            log.error("lookup counts: a flush failed unexpectedly (%s); the %d lookups it held (not written, dropped "
+                      "or kept) are not counted, nor those of further such failures (streamrec_serving_lookup_counts_"
+                      "dropped_total{reason=\"error\"}) until a flush succeeds", type(exc).__name__,
+                      self._held_n - self._settled, exc_info=exc)
+        self._broken = True
+
     def _flushed(self, n: int) -> None:
+        self._settled += n
         self.flushed += n
         if self.metrics is not None and n:
             self.metrics.lookup_counts_flushed.inc(n)

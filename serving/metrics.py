@@ -55,6 +55,8 @@
     streamrec_serving_lookup_counts_dropped_total{reason}   row lookups not counted: full (too many waiting) |
                                                             redis (the flush holding them failed) | stopped (after
                                                             the counter stopped) | invalid (a negative id: no hash)
+                                                            | error (the flush holding them failed unexpectedly: a
+                                                            bug, logged with its traceback)
 """
 
 from __future__ import annotations
@@ -282,9 +284,10 @@ class ServingMetrics:
                                              "Redis day counts the hot set ranks by.", registry=r)
         self.lookup_counts_dropped = Counter("streamrec_serving_lookup_counts_dropped", "Row lookups not counted: "
                                              "full (too many waiting), redis (their flush failed), stopped "
-                                             "(after stop()) or invalid (a negative id, no hash).", ["reason"],
+                                             "(after stop()), invalid (a negative id, no hash) or error (their "
+                                             "flush failed unexpectedly: a bug, logged).", ["reason"],
                                              registry=r)
-        for reason in ("full", "redis", "stopped", "invalid"):
+        for reason in ("full", "redis", "stopped", "invalid", "error"):
             self.lookup_counts_dropped.labels(reason)
         self.lookups = _LookupCollector(live_model)
         r.register(self.lookups)  # type: ignore[arg-type]

@@ -131,7 +131,7 @@ def test_lookups_a_flush_holds_while_redis_is_slow_count_against_max_pending() -
 
 def test_a_flush_ending_in_an_unexpected_error_no_longer_holds_its_lookups_against_max_pending(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # The flush's end is the one place its hold is released (written, kept or, here, lost to a bug): a hold left
+    # The flush's end is the one place its hold is released (written, kept or, here, dropped for a bug): a hold left
     # behind dropped every later request as "full" until the next flush.
     lc = LookupCounts(FakeCounts(), max_pending=10)  # type: ignore[arg-type]
     lc.add("item", np.arange(8, dtype=np.int64))
@@ -140,10 +140,36 @@ def test_a_flush_ending_in_an_unexpected_error_no_longer_holds_its_lookups_again
         raise RuntimeError("a bug in the flush")
 
     monkeypatch.setattr(lc, "_hashes_only", broken)
-    with pytest.raises(RuntimeError):
-        lc.flush()
+    assert lc.flush() == 0  # counted, not raised (the next test)
     lc.add("item", np.arange(10, dtype=np.int64))  # fits: nothing is held or kept any more
-    assert lc.dropped == 0 and lc._held_n == 0
+    assert lc.dropped == 8 and lc._held_n == 0
+
+
+def test_lookups_a_flush_holds_when_it_fails_unexpectedly_are_dropped_and_counted_as_error_not_lost_silently(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A flush that raised outside its writes' handling (here: lookups that are no int64 ids, which np.unique cannot
+    order) lost every lookup it held uncounted, those kept for a retry of a failed write too, and ended the flush
+    thread. Now they are dropped and counted (reason="error"), it is logged once until a flush succeeds, and the
+    accounting against max_pending is clear for the lookups made since."""
+    fake, metrics = FakeCounts(), ServingMetrics(lambda: None)
+    lc = LookupCounts(fake, metrics, max_pending=10)  # type: ignore[arg-type]
+    fake.down = True
+    lc.add("item", np.array([1, 2], np.int64))
+    assert lc.flush() == 0 and lc._kept_n == 2  # Redis down: kept for one retry
+    fake.down = False
+    lc.add("user", np.array([None, 3], dtype=object))  # a caller's bug: no hashed ids
+    with caplog.at_level(logging.ERROR, logger="streamrec.serve"):
+        assert lc.flush() == 0  # not raised: the flush thread goes on
+        lc.add("user", np.array([None], dtype=object))
+        assert lc.flush() == 0
+    assert metric(metrics, "streamrec_serving_lookup_counts_dropped_total", {"reason": "error"}) == 5
+    assert lc.dropped == 5 and (lc._n, lc._kept_n, lc._held_n) == (0, 0, 0)
+    assert metric(metrics, "streamrec_serving_lookup_count_flushes_total", {"outcome": "error"}) == 3
+    said = [r for r in caplog.records if "failed unexpectedly" in r.getMessage()]
+    assert len(said) == 1 and said[0].exc_info is not None, caplog.text  # once, with the traceback
+    assert "4 lookups" in said[0].getMessage()
+    lc.add("item", np.arange(10, dtype=np.int64))  # fits: nothing held or kept
+    assert lc.flush() == 10 and lc.dropped == 5
 
 
 def test_what_stop_s_last_flush_fails_to_write_is_dropped_and_counted() -> None:
