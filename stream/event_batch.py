@@ -42,7 +42,6 @@ from stream.events import (
     _reject_duplicate_keys,
     decode_click,
     decode_impression,
-    ts_bound_ms,
 )
 from stream.limits import DEFAULT_LIMITS, DENSE_BOUND, EventLimits
 
@@ -224,7 +223,10 @@ def _fast(values: Sequence[bytes | None], broker_ts: Sequence[int | None], keys:
     _check(set(map(type, ts)) == {int})
     _ints_in(ts, 0, MAX_TS_MS)
     _keys_match(keys, ids)
-    known = list(map(ts_bound_ms, broker_ts, repeat(int(time.time() * 1000))))  # capped at the wall clock
+    # each event's bound, capped at the wall clock: stream.events.ts_bound_ms, inline (a call per event cost 0.16 us
+    # of a ~25 us event); the tests hold the two decoders to one answer
+    now = int(time.time() * 1000)
+    known = [MAX_TS_MS if b is None else now if b <= 0 or b > now else b for b in broker_ts]
     _check(bool(np.all(np.array(ts, np.int64) <= np.array(known, np.int64) + limits.future_ts_ms)))
     n_keys: Any = list(map(len, objs))  # each object's JSON keys (with its context's and dense's below)
     if clicks:
