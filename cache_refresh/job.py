@@ -88,7 +88,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -794,7 +794,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         after.step("embedding_store", lambda: _prune_stored(rs, rds, root, previous, progress.saw), None)
     no_warnings: list[tuple[str, str]] = []
     found = after.step("warnings", lambda: _published_warnings(
-        rs, path.name, ckpt, problems, quality, hs.stats.get("items", 0) + hs.stats.get("users", 0)), no_warnings)
+        rs, path.name, ckpt, problems, quality, hs.stats), no_warnings)
     t0 = time.monotonic()
     no_receivers: int | None = None
     receivers = after.step("notify", lambda: notify(rs, rds, path.name, path, sleep, progress.saw), no_receivers)
@@ -1103,12 +1103,14 @@ def _live_model(root: Path, key: SigningKey | None = None) -> tuple[ScoringModel
 
 def _published_warnings(rs: RefreshSettings, version: str, ckpt: ckpt_io.Checkpoint,
                         problems: list[tuple[Path, str]], quality: dict[str, Any],
-                        counted_ids: int) -> list[tuple[str, str]]:
+                        counted: Mapping[str, Any]) -> list[tuple[str, str]]:
     """What a successful publish must not hide, as ``(stage, message)`` for :func:`_warn_degraded`: the quality gate
     could not compare with a live artifact that exists (it does not load with this run's key, or it has another
     feature config) or could not measure a reduced-precision artifact's AUC cost (no samples, one class), newer
-    checkpoints were skipped (torn, refused, diverged), or the hot set is empty (Redis holds no counts: a wrong
-    prefix, or lost on a restart)."""
+    checkpoints were skipped (torn, refused, diverged), or the hot set has no counted id of a kind it has a budget for
+    (``counted``: the hot set's stats, ``items`` / ``users``; Redis holds no counts of that kind: a wrong prefix, or
+    lost on a restart). Per kind, not their sum: on a Redis Cluster each kind's counts live on one node (their hash
+    tag), so a node restarted empty loses one kind's while the other's remain."""
     found: list[tuple[str, str]] = []
     if quality.get("unchecked"):
         found.append(("validate", f"published {version} without the holdout comparison with the live version: "
@@ -1121,10 +1123,14 @@ def _published_warnings(rs: RefreshSettings, version: str, ckpt: ckpt_io.Checkpo
     if problems:
         found.append(("checkpoint", f"published {version} from {Path(ckpt['path']).name}, behind newer checkpoints "
                                     "that were skipped: " + "; ".join(f"{p.name}: {why}" for p, why in problems)))
-    if counted_ids == 0 and (rs.hot_items or rs.hot_users):
-        found.append(("hot_set", f"published {version} with no counted item or user in its hot set: Redis "
-                                 "under this prefix holds no counts for the last days (a wrong [redis] prefix, or "
-                                 "counts lost on a restart); scores are right but row lookups miss the hot cache"))
+    empty = [kind for kind, budget in (("item", rs.hot_items), ("user", rs.hot_users))
+             if budget and not counted.get(f"{kind}s", 0)]
+    if empty:
+        what = " or ".join(empty)
+        found.append(("hot_set", f"published {version} with no counted {what} in its hot set: Redis under this "
+                                 f"prefix holds no {what} counts for the last days (a wrong [redis] prefix, or counts "
+                                 "lost on a restart: on a Redis Cluster, of the node holding that kind's counts); "
+                                 "scores are right but row lookups miss the hot cache"))
     return found
 
 

@@ -334,3 +334,33 @@ def test_days_on_a_cluster_are_only_this_prefixs_not_those_of_another_prefix_of_
     finally:
         for key in cluster.scan_iter(match=f"{other}:*"):
             cluster.delete(key)
+
+
+def test_a_cluster_node_restarted_empty_of_one_kinds_counts_publishes_with_a_warning_naming_that_kind(
+        cluster_nodes: Any, prefix: str) -> None:
+    # each kind's counts live on one node ({item} / {user} hash tags): a node restarted empty (no persistence) loses
+    # one kind's counts while the other's remain, and the hot-set warning summed the kinds' ids: the hot set published
+    # with no item counted and nothing told
+    from cache_refresh import job
+    from cache_refresh.settings import RefreshSettings
+
+    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=5.0)
+    try:
+        counts = DailyCounts(client, prefix=prefix)
+        item_node = cluster_nodes.index_of(counts.key("item", "impression", "20010101"))
+        user_slot = key_slot(counts.key("user", "impression", "20010101").encode())
+        if cluster_nodes.index_of(counts.key("user", "impression", "20010101")) == item_node:
+            cluster_nodes.move(user_slot, item_node, (item_node + 1) % 3)  # the kinds on two nodes
+        now_ms = int(time.time() * 1000)
+        counts.record("item", "impression", [1, 2, 2], [now_ms] * 3)
+        counts.record("user", "impression", [2001, 2002], [now_ms] * 2)
+        cluster_nodes.restart(item_node)  # back empty: the item counts are gone, the user counts are not
+        hs = hot_set.compute(client, prefix, 8, CFG, days=2, hot_items=5, hot_users=3, event="impression",
+                             sleep=lambda s: None)
+    finally:
+        client.close()
+    assert hs.stats["items"] == 0 and hs.stats["users"] == 2
+    rs = RefreshSettings(hot_items=5, hot_users=3)
+    found = job._published_warnings(rs, "v2", {"path": "ckpt-1.pt"}, [], {}, hs.stats)
+    [(stage, message)] = found
+    assert stage == "hot_set" and "no counted item" in message and "user" not in message.split("lost")[0]

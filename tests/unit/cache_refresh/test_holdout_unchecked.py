@@ -19,7 +19,7 @@ LIVE = SimpleNamespace(format="eager", version="v1")
 def warnings(quality: dict[str, Any]) -> list[tuple[str, str]]:
     ckpt: Any = {"path": "ckpt-1.pt"}
     return job._published_warnings(RefreshSettings(publish_root=Path("/nonexistent"), hot_items=0, hot_users=0), "v2",
-                                   ckpt, [], quality, 0)
+                                   ckpt, [], quality, {})
 
 
 def test_no_holdout_sample_over_a_live_artifact_publishes_with_a_degraded_warning() -> None:

@@ -239,7 +239,7 @@ def test_an_int8_artifact_whose_auc_cost_is_not_measured_is_published_with_a_deg
     holdout = [_holdout_batch(50, ctr=0.0)] if batches == "one_class" else []
     out = validate.holdout(int8_model, None, holdout, max_auc_drop=0.01, max_int8_auc_drop=-1.0)
     assert "onnx_int8 artifact's AUC cost against its fp32 path was not measured" in out["unmeasured"]
-    found = job._published_warnings(RefreshSettings(), "v1", {"path": "/ckpt/x.pt"}, [], out, counted_ids=5)
+    found = job._published_warnings(RefreshSettings(), "v1", {"path": "/ckpt/x.pt"}, [], out, {"items": 5, "users": 5})
     assert [stage for stage, _ in found] == ["validate"] and "published v1 unchecked by its quality gate" in found[0][1]
     assert "unmeasured" not in validate.holdout(int8_model, None, [_holdout_batch(50)], 0.01, 0.5)  # measured
 
