@@ -802,30 +802,41 @@ class AckedProducer:
             self.report.first_error = (self.report.first_error
                                        or f"{remaining} messages unacknowledged after {timeout_s}s")
         if self.report.failed:
-            failed, first = self.report.failed, self.report.first_error
             # Told once: a caller that recovers (and sends again) starts with a clean report. The epoch's
             # acknowledgements still count towards acked_total: exactly when every message was answered,
             # else as a lower bound (each unanswered one counted against every topic).
             for t, n in self._sent.items():
                 self._acked_before[t] = self._acked_before.get(t, 0) + max(0, n - self._failed.get(t, 0) - remaining)
+            error = self._failure()
             self.report = DeliveryReport()
             self._failed.clear()
             self._sent.clear()
-            (too_large, too_large_topic), self._too_large = self._too_large or (None, None), None
-            denied, self._denied = self._denied, None
-            missing, self._missing = self._missing, None
-            if denied is not None:
-                raise denied
-            if too_large is not None:
-                raise MessageTooLarge(f"{too_large}; {failed} message(s) failed", topic=too_large_topic)
-            if missing is not None:
-                raise PartitionMissing(f"{failed} message(s) were not acknowledged by {self._bootstrap}; first error: "
-                                       f"{first} (a partition {missing} does not have)", topic=missing)
-            raise DeliveryFailed(
-                f"{failed} message(s) were not acknowledged by {self._bootstrap}; "
-                f"first error: {first}. Is the broker up (`streamrec stack status`)?"
-            )
+            self._too_large, self._denied, self._missing = None, None, None
+            raise error
         return self.report
+
+    def raise_failed(self) -> None:
+        """Raise now what the next :meth:`flush` would raise for the deliveries reported failed so far (served by a
+        :meth:`poll`), without waiting for the rest: a caller that sends for hours (a paced replay) stops at the first
+        failure instead of at its last flush. Nothing is settled here: the caller's stop flush counts what was
+        acknowledged (and raises the same kind of error again, with every failure counted). One attribute read when
+        nothing failed."""
+        if self.report.failed:
+            raise self._failure()
+
+    def _failure(self) -> Exception:
+        """The error for the deliveries this report counts failed (class docstring: which error for which refusal)."""
+        failed, first = self.report.failed, self.report.first_error
+        if self._denied is not None:
+            return DeliveryRefused(str(self._denied), topic=self._denied.topic)  # a copy: raised once more at the flush
+        if self._too_large is not None:
+            too_large, topic = self._too_large
+            return MessageTooLarge(f"{too_large}; {failed} message(s) failed", topic=topic)
+        if self._missing is not None:
+            return PartitionMissing(f"{failed} message(s) were not acknowledged by {self._bootstrap}; first error: "
+                                    f"{first} (a partition {self._missing} does not have)", topic=self._missing)
+        return DeliveryFailed(f"{failed} message(s) were not acknowledged by {self._bootstrap}; first error: {first}. "
+                              "Is the broker up (`streamrec stack status`)?")
 
 
     @property

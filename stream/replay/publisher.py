@@ -8,7 +8,9 @@
 - Rows a source rejected go to ``<topic>.dlq`` with their reason; deliberately malformed messages
   (synthetic ``malformed_share``) go to the real topic for consumers to dead-letter.
 - Pacing: ``rate`` (events per wall-clock second) or ``speed`` (event time / wall time), else as
-  fast as the producer takes them. Every message is acknowledged before the summary is printed; a replay an error or
+  fast as the producer takes them. Every message is acknowledged before the summary is printed. A delivery reported
+  failed (refused as too large, denied, a partition missing, timed out) stops the replay at the next poll (a paced
+  sleep, at least every ``SERVE_S``; an unpaced chunk) with the error its last flush would raise; a replay an error or
   SIGTERM stops flushes what it sent (Ctrl-C: what is answered already), and logs (stderr) the events acknowledged per
   topic (after Ctrl-C a lower bound) and those not. A
   SIGTERM (a process manager's stop) during :func:`publish` in the main thread raises :class:`Terminated` where the
@@ -208,7 +210,8 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
 
     ``progress(n)`` is called every few thousand events with the number sent since the last call, and in a paced
     replay at most every :data:`PROGRESS_S` while it paces (:class:`_Progress`).
-    Raises ``DeliveryFailed`` if any message was not acknowledged, and :class:`~stream.errors.MessageLimitError` for
+    Raises ``DeliveryFailed`` if any message was not acknowledged (at the first poll that serves a failed delivery's
+    report, not only at the end: :func:`_poll`), and :class:`~stream.errors.MessageLimitError` for
     a message over its topic's limit or refused as too large (module docstring, "Message size"), and :class:`Terminated`
     for a SIGTERM in the main thread (what was sent is flushed and counted first).
 
@@ -258,7 +261,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     tracker = _Progress(progress)
 
     def serve(n_sent: int) -> None:  # at a paced sleep (Pacer)
-        producer.poll()
+        _poll(producer, limits)
         tracker.due(n_sent)
 
     pacer = Pacer(rate, speed, origin, serve)  # its clock starts with the first event
@@ -289,7 +292,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
                     if kinds_l[j] in counters:  # per event: a paced chunk can take minutes
                         counters[kinds_l[j]].inc()
                     if n % 5000 == 0:
-                        producer.poll()
+                        _poll(producer, limits)
                         tracker.to(n)
                     pacer.wait(n + 1, ts_l[j])
                 continue
@@ -308,7 +311,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
             n_dead = int(np.count_nonzero(dead_c))
             summary.dead_lettered += n_dead
             summary.malformed_published += int(np.count_nonzero(is_raw_c)) - n_dead
-            producer.poll()
+            _poll(producer, limits)
             tracker.to(stop)
 
         with _refused(limits):  # a broker away for minutes at the end: every message answered, none left unsure
@@ -392,6 +395,16 @@ def _count_events(imp_topic: str, click_topic: str, is_imp: np.ndarray, is_click
     """``streamrec_events_total{stage="replay"}`` as each unpaced chunk goes out."""
     EVENTS.labels("replay", imp_topic).inc(int(np.count_nonzero(is_imp)))
     EVENTS.labels("replay", click_topic).inc(int(np.count_nonzero(is_click)))
+
+
+def _poll(producer: AckedProducer, limits: Mapping[str, MessageLimit]) -> None:
+    """Serve the producer's callbacks, and stop the replay at a delivery already reported failed (refused as too
+    large, denied by an ACL, a partition missing, timed out against a broker gone): with the error its last flush
+    would raise (``AckedProducer.raise_failed``), now rather than after hours of a paced replay sending into a topic
+    it cannot write. Called per paced sleep (at least every :data:`SERVE_S`) and per unpaced chunk, never per event."""
+    producer.poll()
+    with _refused(limits):
+        producer.raise_failed()
 
 
 @contextmanager

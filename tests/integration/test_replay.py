@@ -28,7 +28,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from stream import kafka as kafka_module
 from stream.config import KafkaSettings
-from stream.errors import ConfigError
+from stream.errors import ConfigError, DeliveryFailed
 from stream.event_reader import EventReader
 from stream.events import decode_click, decode_impression
 from stream.kafka import AckedProducer, admin_config, ensure_topics
@@ -566,3 +566,78 @@ def test_a_paced_replays_progress_moves_while_it_paces_not_every_5000_events(
     assert len(mid_run) >= 2, reports
     gaps = [b[0] - a[0] for a, b in zip(mid_run, mid_run[1:], strict=False)]
     assert min(gaps) >= 0.3, gaps
+
+
+def test_a_paced_replay_into_a_broker_gone_stops_at_the_first_failed_delivery_not_at_its_last_flush(
+        kafka: KafkaSettings, caplog: pytest.LogCaptureFixture) -> None:
+    """A delivery the producer reported failed (here timed out: the replay's broker killed once events went out, a
+    2 s ``message.timeout.ms``) was raised only at the replay's last flush: a paced replay sending into a topic it
+    cannot write went on for its whole length (hours at a low ``--rate``) before it said anything. Now the pacer's
+    poll raises it: the ~2,000-event replay at 50/s (~40 s) stops with the flush's DeliveryFailed and the stop's
+    per-topic counts after a fraction of its events, not after all of them."""
+    table = build_synthetic(SyntheticSettings(impressions=2000, base_ctr=0.0001), ClickDelay(), seed=1)
+    total = table.n_impressions + table.n_clicks + len(table.raw)
+
+    def sent() -> float:
+        return sum(EVENTS.labels("replay", t)._value.get() for t in (kafka.impressions_topic, kafka.clicks_topic))
+
+    failed: list[tuple[BaseException, float]] = []  # (the error, the events sent when it came)
+    with _own_broker(kafka) as (broker, own):
+        fast_fail = dataclasses.replace(own, extra={"message.timeout.ms": "2000"})
+
+        def replay() -> None:
+            try:
+                publish(table, fast_fail, "synthetic", rate=50)
+            except Exception as exc:  # noqa: BLE001 - the broker is gone: the replay fails, as it should
+                failed.append((exc, sent()))
+
+        thread = threading.Thread(target=replay)
+        thread.start()
+        try:
+            while sent() < 20 and thread.is_alive():  # until events went out
+                time.sleep(0.02)
+            assert broker.proc is not None
+            kill_and_reap(broker.proc)
+        finally:
+            thread.join()
+    assert failed, "the replay into a killed broker succeeded"
+    (exc, sent_when_stopped), = failed
+    assert type(exc) is DeliveryFailed, exc
+    assert re.match(rf"\d+ message\(s\) were not acknowledged by {own.bootstrap_servers}; first error: .*Is the "
+                    r"broker up", str(exc)), exc
+    assert sent_when_stopped < total / 2, (sent_when_stopped, total)
+    assert re.search(rf"\[replay\] stopped \(DeliveryFailed\) after sending part of its {total} events: acknowledged "
+                     r"per topic \{.*\}; \d+ events not sent or not acknowledged", caplog.text), caplog.text
+
+
+def test_an_unpaced_replay_into_a_broker_gone_stops_at_the_chunk_after_the_first_failed_delivery(
+        kafka: KafkaSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unpaced side of the test above: its broker killed as the second chunk is encoded, a producer queue of
+    3,000 messages (each chunk then waits for the dead broker's timeouts, 2 s) went on through every chunk and raised
+    only at its last flush. Now the per-chunk poll raises the first failed delivery: it stops within a chunk or two of
+    it, long before its twelve chunks went out."""
+    from stream.replay.encoding import EventEncoder
+
+    table = build_synthetic(SyntheticSettings(impressions=12 * publisher_module.CHUNK, base_ctr=0.0001,
+                                              duplicate_click_share=0, orphan_click_share=0), ClickDelay(), seed=2)
+    total = table.n_impressions + table.n_clicks + len(table.raw)
+
+    def sent() -> float:
+        return sum(EVENTS.labels("replay", t)._value.get() for t in (kafka.impressions_topic, kafka.clicks_topic))
+
+    with _own_broker(kafka) as (broker, own):
+        real, calls = EventEncoder.impressions, [0]
+
+        def killing(self: EventEncoder, rows: np.ndarray) -> Any:
+            calls[0] += 1
+            if calls[0] == 2:  # the first chunk went out
+                assert broker.proc is not None
+                kill_and_reap(broker.proc)
+            return real(self, rows)
+
+        monkeypatch.setattr(EventEncoder, "impressions", killing)
+        fast_fail = dataclasses.replace(own, extra={"message.timeout.ms": "2000",
+                                                     "queue.buffering.max.messages": "3000"})
+        with pytest.raises(DeliveryFailed, match="message\\(s\\) were not acknowledged"):
+            publish(table, fast_fail, "synthetic")
+    assert sent() <= 4 * publisher_module.CHUNK < total / 2, (sent(), total)
