@@ -95,6 +95,7 @@ def not_the_batch(exc: BaseException) -> bool:
 
 
 _orphan_watch: threading.Thread | None = None  # one per DataLoader worker process
+_sigterm_watch: threading.Thread | None = None  # one per DataLoader worker process too
 
 # The reader asks for the samples topic's partitions this often (one metadata request), to read those added while it
 # runs; not at every poll
@@ -129,22 +130,43 @@ def _exit_with_parent(grace_s: float = 2.0) -> None:
 
 
 def _outlive_one_sigterm() -> None:
-    """In a DataLoader worker: the first SIGTERM is not the worker's to act on; a second one ends it.
+    """In a DataLoader worker: the first SIGTERM from anyone but the training process is not the worker's to act on;
+    a second one ends it, and one from the training process ends it at once.
 
     A SIGTERM sent to the learner's whole process group or cgroup (systemd's default ``KillMode=control-group``,
     ``kill -TERM -<pgid>``, a supervisor that stops process groups) reached the workers too, which died of it at once;
     the training process, stopping on the same signal, then failed with "DataLoader worker ... is killed by signal:
     Terminated" (raised by torch's SIGCHLD handler wherever it was, in a training step as well) and exited 1 without
     its final checkpoint. Now a worker goes on serving batches until the training process shuts it down as on any
-    stop; the handler is back to the default after the first signal, so torch's ``terminate()`` of a worker that did
-    not join, an operator's second SIGTERM or the end of a stop timeout ends it as before."""
+    stop; an operator's second SIGTERM or the end of a stop timeout ends it as before.
 
-    def first(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        log.info("DataLoader worker %d got SIGTERM: it goes on until the training process stops it (a second SIGTERM "
-                 "ends it now)", os.getpid())
+    The training process's own SIGTERM (torch's ``terminate()`` of a worker that did not join, multiprocessing's exit
+    handler, which then joins it) ends the worker at once, as torch's handler does: outlived, it hung the learner for
+    good at its exit after an error raised from the DataLoader (a worker that died while the learner waited for its
+    batch). A Python signal handler is not told the sender, so SIGTERM is blocked here, in the thread that goes on to
+    make every other one of the worker, and taken by a thread of its own (``sigwaitinfo`` says who sent it)."""
+    global _sigterm_watch
+    if _sigterm_watch is not None:
+        return
+    parent = os.getppid()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # what the second one does, once the watcher unblocks it
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
-    signal.signal(signal.SIGTERM, first)
+    def take() -> None:
+        first = True
+        while True:
+            sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
+            if sender == parent:
+                os._exit(0)  # as torch's own handler: the training process stops its worker
+            if not first:  # unblocked in this thread only, the default action ends the process
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+                os.kill(os.getpid(), signal.SIGTERM)
+            first = False
+            log.info("DataLoader worker %d got SIGTERM: it goes on until the training process stops it (a second "
+                     "SIGTERM ends it now)", os.getpid())
+
+    _sigterm_watch = threading.Thread(target=take, name="streamrec-sigterm-watch", daemon=True)
+    _sigterm_watch.start()
 
 
 class KafkaSampleDataset(IterableDataset):
@@ -213,8 +235,8 @@ class KafkaSampleDataset(IterableDataset):
 
     def _read(self) -> Generator[TensorBatch, None, None]:
         if get_worker_info() is not None and multiprocessing.parent_process() is not None:  # a worker process
+            _outlive_one_sigterm()  # first: every thread made after it leaves SIGTERM to its watcher
             _exit_with_parent()
-            _outlive_one_sigterm()
         parts = self._my_partitions()
         if not parts and self.listed is None:
             return

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,8 @@ from learner.checkpoint import latest_meta
 from stream.config import KafkaSettings
 from stream.kafka import AckedProducer, ensure_topics
 from stream.samples import SampleBatch
-from tests.integration.test_learner import sample_batch
+from tests.bounded_teardown import Reaper
+from tests.integration.test_learner import produce_samples, sample_batch, train_cmd
 from tests.kafka_io import read_topic
 
 
@@ -208,3 +211,39 @@ def test_a_message_a_dataloader_worker_dead_letters_is_counted_once_in_the_learn
     [rec] = read_topic(kafka, kafka.dlq_topic(kafka.samples_topic))
     assert rec.key == b"label_5"  # dead-lettered once (with workers, by the one reading partition 1)
     assert REGISTRY.get_sample_value("streamrec_dlq_messages_total", series) == before + 1
+
+
+def dataloader_workers(pid: int) -> list[int]:
+    """The DataLoader worker processes of process ``pid`` (torch names them ``pt_data_worker``)."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(k) for k in kids if Path(f"/proc/{k}/comm").read_text().strip() == "pt_data_worker"]
+
+
+def test_a_dataloader_worker_killed_while_the_learner_waits_for_samples_stops_it_and_loses_nothing(
+        kafka: KafkaSettings, tmp_path: Path, reaper: Reaper) -> None:
+    """A worker OOM-killed while the training process waits for its next batch: torch raises its death from inside
+    the DataLoader iterator, and that exception's traceback kept the iterator alive into the interpreter's exit,
+    where torch no longer shuts its workers down and multiprocessing sends the survivor one SIGTERM (which a worker
+    outlives, ``learner.kafka_dataset``) and joins it for good: the learner hung after printing its traceback, and
+    no supervisor restarted it. It must exit non-zero, and the restart train every sample exactly once."""
+    ensure_topics(kafka, [kafka.samples_topic])
+    produced = produce_samples(kafka, 8, 100, 0.0)
+    total = sum(produced.values())
+    env = dict(env_for(kafka), STREAMREC_LEARNER_NUM_WORKERS="2", STREAMREC_LEARNER_PREFETCH_FACTOR="2",
+               STREAMREC_LEARNER_CHECKPOINT_EVERY_S="0.5")
+    ckpt = tmp_path / "ckpt"
+    proc = reaper.add(subprocess.Popen([*train_cmd(ckpt), "--log-level", "info"], env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, start_new_session=True), group=True)
+    while (meta := latest_meta(ckpt)) is None or meta["samples_trained"] < total:  # all trained: it waits for more
+        assert proc.poll() is None, "the learner stopped before training the samples"
+        time.sleep(0.2)
+    workers = dataloader_workers(proc.pid)
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)  # it hung here for good
+    assert proc.returncode == 1 and f"DataLoader worker (pid(s) {workers[0]}) exited unexpectedly" in err, err[-2000:]
+    out = train(ckpt, env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {int(p): n for p, n in summary["partition_rows"].items()} == produced  # nothing lost, nothing twice
+    assert summary["samples_trained"] == total and summary["duplicates_dropped"] == 0

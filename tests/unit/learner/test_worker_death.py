@@ -5,11 +5,15 @@ as poison. A batch that failed for its data still strikes its messages (``stream
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.utils.data import DataLoader, IterableDataset
@@ -82,3 +86,46 @@ def test_a_rank_whose_dataloader_worker_died_strikes_nothing_and_blames_no_round
     assert not strikes.counts
     ShardedLearner._strike_round(rank, strikes, KEYS, ValueError("a bad row"))  # type: ignore[arg-type]
     assert all(strikes.poisoned(k) for k in KEYS)
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """Whether a SIGTERM sent to process ``pid`` waits to be taken (its shared pending signals, /proc)."""
+    line = next(t for t in Path(f"/proc/{pid}/status").read_text().splitlines() if t.startswith("ShdPnd:"))
+    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def _outlive_then_wait(ready: Any) -> None:
+    """A DataLoader worker's SIGTERM rule (learner.kafka_dataset), then wait to be ended."""
+    from learner.kafka_dataset import _outlive_one_sigterm
+
+    _outlive_one_sigterm()
+    ready.put(os.getpid())
+    threading.Event().wait()
+
+
+def test_a_workers_sigterm_from_the_training_process_ends_it_at_once_and_anothers_only_the_second_time() -> None:
+    """multiprocessing's exit handler sends each live worker one SIGTERM and joins it: a worker that outlived its own
+    training process's SIGTERM was joined for good (the learner hung at exit after a worker died). A SIGTERM from
+    someone else (a process group's stop) is still outlived once."""
+    ctx = multiprocessing.get_context("fork")
+    for sender in ("training process", "another process"):
+        ready = ctx.Queue()
+        worker = ctx.Process(target=_outlive_then_wait, args=(ready,), daemon=True)
+        worker.start()
+        pid = ready.get(timeout=60)
+        try:
+            if sender == "training process":
+                os.kill(pid, signal.SIGTERM)
+                worker.join(60)
+                assert worker.exitcode == 0  # as torch's own handler: stopped by its training process
+            else:
+                subprocess.run(["kill", "-TERM", str(pid)], check=True)
+                while _sigterm_pending(pid):  # taken, not merged with the next one
+                    time.sleep(0.01)
+                assert worker.is_alive()
+                subprocess.run(["kill", "-TERM", str(pid)], check=True)
+                worker.join(60)
+                assert worker.exitcode == -signal.SIGTERM  # the first outlived, the second ended it
+        finally:
+            worker.kill()
+            worker.join()
