@@ -200,20 +200,24 @@ def evaluate(dataset: str = "ml-1m", protocol: str = "autoint", features: str = 
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        torch.manual_seed(seed)
-        if dataset == "synthetic":
-            if protocol != "delayed":
-                raise ValueError("--dataset synthetic runs with --protocol delayed (and --cold-start)")
-            r = synthetic_ratings(cfg.syn_impressions, cfg.syn_new_user_share, seed, limit, base_ctr=cfg.syn_base_ctr)
-        else:
-            r = load_ratings(dataset, limit)
-        load_s = time.perf_counter() - t0
-        out_log(f"{dataset}: {len(r):,} ratings loaded in {load_s:.1f}s; protocol {protocol}, features {features}")
-        if protocol == "delayed":
-            result = run_delayed(r, features, seed, cfg, out_log, _make_trainer)
-        else:
-            run = _run_autoint if protocol == "autoint" else _run_online
-            result = run(r, features, seed, cfg, out_log)
+        # Dropout draws from torch's global generator: it is seeded for a run that is the same given ``seed``,
+        # and the caller's own stream is restored afterwards (an evaluation leaves no trace on it).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if dataset == "synthetic":
+                if protocol != "delayed":
+                    raise ValueError("--dataset synthetic runs with --protocol delayed (and --cold-start)")
+                r = synthetic_ratings(cfg.syn_impressions, cfg.syn_new_user_share, seed, limit,
+                                      base_ctr=cfg.syn_base_ctr)
+            else:
+                r = load_ratings(dataset, limit)
+            load_s = time.perf_counter() - t0
+            out_log(f"{dataset}: {len(r):,} ratings loaded in {load_s:.1f}s; protocol {protocol}, features {features}")
+            if protocol == "delayed":
+                result = run_delayed(r, features, seed, cfg, out_log, _make_trainer)
+            else:
+                run = _run_autoint if protocol == "autoint" else _run_online
+                result = run(r, features, seed, cfg, out_log)
     finally:
         torch.set_num_threads(threads)
     fields = result.pop("fields", None) or [f.name for f in feature_config(features, cfg).fields]

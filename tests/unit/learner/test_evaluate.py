@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from learner.evaluation.calibration import apply_platt, fit_platt
 from learner.evaluation.config import EvalConfig, resolve_config
@@ -288,6 +289,18 @@ def test_delayed_protocol_is_deterministic_and_the_window_policy_trains_a_window
     assert a["served"] == b["served"]
     w = evaluate("ml-1m", "delayed", "default", seed=0, limit=8_000, config={**DELAYED_SMALL, "emission": "wait"})
     assert a["click_to_model_s"]["p50"] > w["click_to_model_s"]["p50"]  # window: a click waits for its window
+
+
+def test_evaluate_leaves_the_callers_torch_generator_as_it_was_and_is_the_same_given_its_seed() -> None:
+    """Dropout draws from torch's global generator: an evaluation seeded it and left the caller's stream changed."""
+    small = {"mlp": (16,), "dropout": 0.3, "batch_size": 256, "syn_impressions": 2_000, "threads": 1}
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    a = evaluate("synthetic", "delayed", config=small, seed=0)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(456)  # another caller stream: the evaluation's draws come from its own seed alone
+    b = evaluate("synthetic", "delayed", config=small, seed=0)
+    assert a["served"] == b["served"]
 
 
 def test_cold_start_variants_run_through_the_delayed_protocol() -> None:
