@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import signal
 import sys
 import threading
 from typing import Any
 
 from serving.settings import ServeSettings
 from stream.config import RedisSettings
+from stream.stop_signals import put_back_signals, take_stop_signals
 from streamrec.commands.common import add_common, default_help, setup_logging
 
 
@@ -98,25 +98,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    flag_names={"request_timeout_s": "--request-timeout", "keepalive_timeout_s": "--keepalive-timeout"})
     rs = None if args.no_redis else src.build(RedisSettings, "redis", url=args.redis_url)
     setup_logging(args.log_level)
-    torch.set_num_threads(ss.threads)  # >= 1 (ServeSettings)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         pkg_version = version("streamrec")
     except PackageNotFoundError:
         pkg_version = "0"
-    svc = ScoringService(ss, rs, version=pkg_version, limits=src.build(EventLimits, "limits")).start()
+    stop, handlers, threads = threading.Event(), dict[int, Any](), torch.get_num_threads()  # the caller's: put back
+    torch.set_num_threads(ss.threads)  # >= 1 (ServeSettings); the caller's count and signals back on every exit
+    take_stop_signals(handlers, lambda *_: stop.set())
     try:
-        m = svc.holder.model()
-        print(f"serving on {svc.url} (model {m.version if m else 'none yet'} from {ss.publish_root}, "
-              f"server {ss.server}, device {svc.device})", file=sys.stderr, flush=True)
-        stop.wait()
-        print("stopping: draining requests in flight", file=sys.stderr, flush=True)
+        svc = ScoringService(ss, rs, version=pkg_version, limits=src.build(EventLimits, "limits")).start()
+        try:
+            m = svc.holder.model()
+            print(f"serving on {svc.url} (model {m.version if m else 'none yet'} from {ss.publish_root}, "
+                  f"server {ss.server}, device {svc.device})", file=sys.stderr, flush=True)
+            stop.wait()
+            print("stopping: draining requests in flight", file=sys.stderr, flush=True)
+        finally:
+            svc.stop()
     finally:
-        svc.stop()
+        put_back_signals(handlers)
+        torch.set_num_threads(threads)
     summary = {"url": svc.url, **svc.updater.status(), "swaps": _total(svc.metrics.swaps),
                "requests": _total(svc.metrics.requests)}
     if args.json:

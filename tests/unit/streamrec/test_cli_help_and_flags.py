@@ -3,7 +3,6 @@ config file (``--reuse-port`` was store_true only), and every command's ``--conf
 
 from __future__ import annotations
 
-import signal
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -138,7 +137,6 @@ def test_serve_checks_requests_against_the_limits_section(tmp_path: Path, monkey
         raise _Built
 
     monkeypatch.setattr(serving.service, "ScoringService", service)
-    monkeypatch.setattr(signal, "signal", lambda *_: None)  # serve's SIGTERM/SIGINT handlers stay out of the session
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("STREAMREC_LIMITS_MAX_STR_LEN", "512")
     with pytest.raises(_Built):
