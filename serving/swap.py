@@ -410,28 +410,31 @@ class ModelUpdater:
         # (a check reads them for a new artifact, then for the live model: one round of a failing read's retries)
         same_round, self._read_deltas = self._read_deltas, True
         held = None
-        for d in self.deltas.newer(after, live.source_samples, live.lineage, applied_samples=m.delta_samples,
-                                   same_round=same_round):
-            if self._stop.is_set():  # a backlog ends at stop (each delta goes live whole: nothing half-applied)
-                break
-            try:
-                m.apply_delta(d.rows, d.vectors, d.dense_state, d.seq, id_maps=d.id_maps,
-                              samples_trained=d.samples_trained, created=d.created)
-            except Exception as exc:  # noqa: BLE001 - ValueError for a misfit; whatever else, never block
-                # (short of memory: applied again next round, counted in delta_retries, as a read that fails so)
-                if _short_of_resources(exc) and self.deltas.retry_apply(d.path, exc):
-                    held = d.path  # (nothing later applies before it: values are absolute, in seq order)
+        try:
+            for d in self.deltas.newer(after, live.source_samples, live.lineage, applied_samples=m.delta_samples,
+                                       same_round=same_round):
+                if self._stop.is_set():  # a backlog ends at stop (each delta goes live whole: nothing half-applied)
                     break
-                self.deltas.mark_unfit(d.path)
-                self._delta_rejected(d.path, f"does not fit model {m.version}: {type(exc).__name__}: {exc}")
-                continue
-            self.metrics.deltas_applied.inc()
-        if self.deltas.gaps > gaps:
-            self.metrics.delta_gaps.inc(self.deltas.gaps - gaps)
-        if self.deltas.rewinds > rewinds:
-            self.metrics.delta_rewinds.inc(self.deltas.rewinds - rewinds)
-        if self.deltas.retries > retries:
-            self.metrics.delta_retries.inc(self.deltas.retries - retries)
+                try:
+                    m.apply_delta(d.rows, d.vectors, d.dense_state, d.seq, id_maps=d.id_maps,
+                                  samples_trained=d.samples_trained, created=d.created)
+                except Exception as exc:  # noqa: BLE001 - ValueError for a misfit; whatever else, never block
+                    # (short of memory: applied again next round, counted in delta_retries, as a read that fails so)
+                    if _short_of_resources(exc) and self.deltas.retry_apply(d.path, exc):
+                        held = d.path  # (nothing later applies before it: values are absolute, in seq order)
+                        break
+                    self.deltas.mark_unfit(d.path)
+                    self._delta_rejected(d.path, f"does not fit model {m.version}: {type(exc).__name__}: {exc}")
+                    continue
+                self.metrics.deltas_applied.inc()
+        finally:  # what the reader counted, also when an exception ends the round: the next one starts from its
+            # totals, so a count left out here was lost for good
+            if self.deltas.gaps > gaps:
+                self.metrics.delta_gaps.inc(self.deltas.gaps - gaps)
+            if self.deltas.rewinds > rewinds:
+                self.metrics.delta_rewinds.inc(self.deltas.rewinds - rewinds)
+            if self.deltas.retries > retries:
+                self.metrics.delta_retries.inc(self.deltas.retries - retries)
         return held or self.deltas.retrying
 
     def status(self) -> dict[str, Any]:
