@@ -117,6 +117,11 @@ class DeliveryFailed(StreamError):
     """Messages were not acknowledged by the broker."""
 
 
+class BrokerUnreachable(DeliveryFailed):
+    """The broker acknowledged nothing for longer than the caller's limit (down, unreachable or frozen): the caller
+    stopped waiting (``streamrec replay``'s ``[replay] broker_wait_s``)."""
+
+
 class PartitionMissing(DeliveryFailed):
     """A message written to a partition its topic does not have: the topic has fewer partitions than its writer
     expects (created again with fewer while it ran?). A DeliveryFailed to a caller that cannot tell more; the joiner

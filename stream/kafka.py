@@ -645,6 +645,13 @@ class AckedProducer:
         self._failed: dict[str, int] = {}
         self._acked_before: dict[str, int] = {}  # acknowledged before the last failed flush
         self.report = DeliveryReport()
+        # produced into / reported failed by the current client (:meth:`delivered`); why the broker is unreachable,
+        # as error_cb last said (all brokers down, a connection refused: :meth:`_on_client_error`), until the caller
+        # sees deliveries again and clears it; called while ``send`` waits on a full queue (a caller's broker watch)
+        self._produced, self._failed_total = 0, 0
+        self.timed_out = 0  # deliveries of the current client that ran out their delivery timeout
+        self.unreachable: str | None = None
+        self.waiting: Callable[[], None] = lambda: None
 
     def _client(self) -> Producer:
         """A librdkafka producer whose callbacks reach this object, weakly: client -> callback -> self -> client would
@@ -655,6 +662,20 @@ class AckedProducer:
     def _on_fatal(self, err: KafkaError) -> None:
         if _is_fatal(err) and self._fatal is None:
             self._fatal = err
+
+    def _on_client_error(self, err: KafkaError) -> None:
+        """librdkafka's ``error_cb``: a fatal error (:meth:`_on_fatal`), or the broker gone (every broker down, a
+        connection refused or not resolved), said the moment it happens, where a message waiting on it fails only at
+        its delivery timeout (300 s by default)."""
+        self._on_fatal(err)
+        if err.code() == KafkaError._ALL_BROKERS_DOWN or _unreachable([err]):
+            self.unreachable = _text(err)
+
+    def delivered(self) -> tuple[int, int]:
+        """``(delivered, outstanding)``: messages of the current client acknowledged so far (produced, not held, not
+        reported failed), and those it still holds (queued or in flight). Serves no callbacks (:meth:`poll` does)."""
+        outstanding = len(self._producer)
+        return self._produced - outstanding - self._failed_total, outstanding
 
     def _renew_if_fatal(self) -> None:
         """After a call that served callbacks (poll, flush): where they reported a fatal error, renew the producer
@@ -679,6 +700,8 @@ class AckedProducer:
         if err.code() in _DENIED and self._denied is None:
             self._denied = _denied_writes(err, topic, self._who)
         self._failed[topic] = self._failed.get(topic, 0) + 1
+        self._failed_total += 1
+        self.timed_out += err.code() == KafkaError._MSG_TIMED_OUT
         self.report.failed += 1
         if self.report.first_error is None:
             self.report.first_error = f"{topic}: {err.str()}"
@@ -692,6 +715,7 @@ class AckedProducer:
             kwargs["partition"] = partition
         self._produce_waiting(topic, value, key, kwargs)
         self._sent[topic] = self._sent.get(topic, 0) + 1
+        self._produced += 1
 
     def send_run(self, topics: list[str], values: list[bytes | None], keys: list[Any]) -> None:
         """Many messages in a loop that calls ``produce`` and nothing else per message (the replay's unpaced
@@ -700,15 +724,18 @@ class AckedProducer:
         producer: the old one held them)."""
         producer = self._producer
         produce = producer.produce
-        done = 0
+        done = counted = 0  # counted: of ``done``, those in ``_produced`` already (a full queue's wait needs them)
         try:
             for topic, value, key in zip(topics, values, keys):  # noqa: B905 (equal lengths; strict= costs per message)
                 try:
                     produce(topic, value, key)
                 except (BufferError, KafkaException):
+                    self._produced, counted = self._produced + done - counted, done
                     self._produce_waiting(topic, value, key, {})
                 done += 1
         finally:
+            if self._producer is producer:
+                self._produced += done - counted
             for topic, n in Counter(topics[:done] if self._producer is producer else ()).items():
                 self._sent[topic] = self._sent.get(topic, 0) + n
 
@@ -726,6 +753,7 @@ class AckedProducer:
             except BufferError:
                 self._producer.poll(0.05)
                 self._renew_if_fatal()
+                self.waiting()  # a full queue waits on the broker: its caller's watch may say so, or give up
             except KafkaException as exc:
                 if exc.args and exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
                     raise MessageTooLarge(
@@ -750,6 +778,7 @@ class AckedProducer:
         self.report, self._too_large, self._denied, self._missing = DeliveryReport(), None, None, None
         self._sent.clear()
         self._failed.clear()
+        self._produced, self._failed_total, self.timed_out = 0, 0, 0
 
     def poll(self) -> None:
         self._producer.poll(0)
@@ -880,7 +909,7 @@ def _weak_callbacks(ref: weakref.ReferenceType[AckedProducer]) -> dict[str, Call
     def error_cb(err: KafkaError) -> None:
         producer = ref()
         if producer is not None:
-            producer._on_fatal(err)
+            producer._on_client_error(err)
 
     return {"on_delivery": on_delivery, "error_cb": error_cb}
 

@@ -15,6 +15,9 @@ from stream.errors import ConfigError
 # sigma was a traceback once the data set was loaded.
 MAX_CLICK_DELAY_MEDIAN_S = 365 * 86_400.0
 MAX_CLICK_DELAY_SIGMA = 5.0
+# [replay] broker_wait_s: its default, and librdkafka's largest message.timeout.ms (2**31 - 1 ms, ~24.8 days)
+BROKER_WAIT_S = 120.0
+MAX_BROKER_WAIT_S = 2_147_483.0
 
 
 def check_click_delay(median_s: object, sigma: object, median_name: str, sigma_name: str) -> None:
@@ -56,6 +59,9 @@ class ReplaySettings:
     click_delay_median_s: float = 30.0
     click_delay_sigma: float = 1.0
     linger_ms: int = 20
+    # How long the replay waits for a broker that acknowledges nothing (down, unreachable, frozen) before it fails
+    # (exit 1): the producer's delivery timeout (message.timeout.ms; librdkafka's default is 300 s, told by nothing)
+    broker_wait_s: float = BROKER_WAIT_S
     progress: bool = True
     # Serve Prometheus /metrics (streamrec_events_total{stage="replay"}, counted as each chunk goes out) on this port
     # while the replay runs; None: none. A paced replay (rate, speed) may run for hours.
@@ -72,6 +78,9 @@ class ReplaySettings:
         # refuses a negative one), linger_ms 0 (send at once) to librdkafka's 900000
         check_counts("replay", self, zero_ok=("limit", "seed", "linger_ms"), at_most={"linger_ms": 900_000,
                                                                                   "seed": 2**64 - 1})
+        if not self.linger_ms < self.broker_wait_s * 1000 <= MAX_BROKER_WAIT_S * 1000:  # librdkafka's bounds
+            raise ConfigError(f"[replay] broker_wait_s must be longer than linger_ms ({self.linger_ms} ms) and at "
+                              f"most {MAX_BROKER_WAIT_S:g} s, got {self.broker_wait_s:g}")
         if not str(self.dataset).strip():
             raise ConfigError("[replay] dataset is empty: give ml-1m, ml-100k, synthetic or a file's path")
         if self.rate is not None and self.speed is not None:

@@ -19,6 +19,12 @@
   Event time is counted from the first event in the order with a usable time (a source's row rejected for its time
   has ts 0 and goes out at once); a paced replay that would take over a year of wall clock (``MAX_PACED_S``: a tiny
   rate or speed, or times decades apart) is a :class:`~stream.errors.ConfigError` before anything is sent.
+- A broker that acknowledges nothing (killed, unreachable, frozen) is said in a log line at once when librdkafka
+  reports it unreachable, else after :data:`WAIT_TELL_S` without an acknowledgement, and in the progress line; past
+  ``broker_wait_s`` (each message's delivery timeout too) the replay stops with
+  :class:`~stream.errors.BrokerUnreachable`, logging the acknowledged counts without a stop flush. A broker back
+  within it is said, and the replay goes on: the idempotent producer's retries deliver each event once
+  (:class:`_BrokerWatch`).
 - The message values are built column-wise, a chunk of the order at a time (``stream/replay/encoding.py``:
   byte for byte what ``stream/events.py`` encodes); unpaced, a chunk goes out in a loop that calls only
   ``produce``, and counts, polls and progress are per chunk.
@@ -50,7 +56,7 @@ import pyarrow.compute as pc
 
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
-from stream.errors import ConfigError, MessageLimitError, MessageTooLarge, shown
+from stream.errors import BrokerUnreachable, ConfigError, MessageLimitError, MessageTooLarge, shown
 from stream.joiner.partitions import ensure_inputs
 from stream.kafka import (
     AckedProducer,
@@ -62,6 +68,7 @@ from stream.kafka import (
     usable_bytes,
 )
 from stream.metrics import EVENTS
+from stream.replay.config import BROKER_WAIT_S
 from stream.replay.encoding import EventEncoder, to_bytes
 from stream.replay.table import CLICK, IMPRESSION, EventTable, RawMessage
 
@@ -170,6 +177,66 @@ def check_pace(rate: float | None, speed: float | None, n_events: int, origin_ts
                           f"({MAX_PACED_S} s): raise it, or replay unpaced")
 
 
+WAIT_TELL_S = 5.0  # no acknowledgement this long (messages waiting) is told as a wait on the broker
+
+
+class _BrokerWatch:
+    """Watches a replay's producer for a broker that acknowledges nothing (killed, unreachable, frozen), from the
+    replay's polls and a full queue's wait (``AckedProducer.waiting``).
+
+    librdkafka retries a message until its delivery timeout (300 s by default), and the replay said nothing that
+    long: it seemed to run, or hang. Now a wait is said at once when librdkafka reports the broker unreachable
+    (``error_cb``: all brokers down, a connection refused), else once nothing was acknowledged for
+    :data:`WAIT_TELL_S` while messages wait (a frozen broker keeps its connections); the progress line says it
+    waits. A broker answering again within ``limit_s`` is said too, and the replay goes on: the idempotent
+    producer's retries deliver each waiting message once, in order. Past ``limit_s`` without an acknowledgement,
+    :meth:`check` raises :class:`BrokerUnreachable` (the producer's ``message.timeout.ms`` is ``limit_s`` as well,
+    so librdkafka gives up on each message on the same schedule and the last flush waits no longer)."""
+
+    def __init__(self, producer: AckedProducer, bootstrap: str, setting: str,
+                 status: Callable[[str | None], None]) -> None:
+        """``setting``: what sets the limit, the producer's delivery timeout (``[replay] broker_wait_s`` unless
+        ``[kafka.extra]`` gives ``message.timeout.ms``)."""
+        self._producer, self._bootstrap, self._setting, self._status = producer, bootstrap, setting, status
+        limit_s = self._limit_s = producer.delivery_timeout_s
+        self._delivered, self._since, self._told = 0, time.monotonic(), False
+        self._tell_s = min(WAIT_TELL_S, limit_s / 2)
+
+    def check(self) -> None:
+        """After callbacks were served: say, clear or give up on a wait (class docstring). A message that ran out its
+        delivery timeout (``limit_s``) while the broker was silent gives up too: it may come before ``limit_s`` of
+        the watch's own count, which starts at the last acknowledgement seen, not at that message's send."""
+        producer, now = self._producer, time.monotonic()
+        delivered, outstanding = producer.delivered()
+        if delivered > self._delivered:  # the broker answers
+            if self._told:
+                log.warning("[replay] Kafka at %s acknowledges again after %.0f s; the replay goes on",
+                            self._bootstrap, now - self._since)
+                self._status(None)
+            self._delivered, self._since, self._told, producer.unreachable = delivered, now, False, None
+            return
+        why, timed_out = producer.unreachable, producer.timed_out
+        if not outstanding and not timed_out:  # nothing waits: no wait to count (an idle gap of a paced replay)
+            self._since = now
+            if why is None:
+                return
+        waited = now - self._since
+        if not self._told and (why is not None or timed_out or waited >= self._tell_s):
+            self._told = True
+            log.warning("[replay] Kafka at %s %s; %d message(s) wait for it: the replay waits up to %g s for an "
+                        "acknowledgement (%s), then stops", self._bootstrap,
+                        f"cannot be reached ({why})" if why else f"has acknowledged nothing for {waited:.0f} s",
+                        outstanding, self._limit_s, self._setting)
+        if self._told:
+            self._status(f"waiting for the broker {waited:.0f}/{self._limit_s:g} s")
+        if timed_out or (outstanding and waited >= self._limit_s):
+            raise BrokerUnreachable(
+                f"Kafka at {self._bootstrap} acknowledged nothing for {waited:.0f} s and messages waited the replay's "
+                f"limit ({self._setting} = {self._limit_s:g} s){f': {why}' if why else ''}; "
+                f"the replay stopped with {outstanding + timed_out} message(s) unacknowledged. Is the broker up "
+                "(`streamrec stack status`)? A rerun starts from the first event again")
+
+
 CHUNK = 4096  # events encoded, sent and counted at a time
 PROGRESS_S = 2.0  # the longest a paced replay's progress stands still while it paces
 
@@ -204,12 +271,15 @@ def _objects(items: list[Any]) -> np.ndarray:
 
 
 def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: float | None = None,
-            speed: float | None = None, linger_ms: int = 20,
-            progress: Callable[[int], None] | None = None) -> ReplaySummary:
+            speed: float | None = None, linger_ms: int = 20, broker_wait_s: float = BROKER_WAIT_S,
+            progress: Callable[[int], None] | None = None,
+            status: Callable[[str | None], None] | None = None) -> ReplaySummary:
     """Produce every event of ``table``; returns counts once all are acknowledged.
 
     ``progress(n)`` is called every few thousand events with the number sent since the last call, and in a paced
-    replay at most every :data:`PROGRESS_S` while it paces (:class:`_Progress`).
+    replay at most every :data:`PROGRESS_S` while it paces (:class:`_Progress`). A broker that acknowledges nothing is
+    said (a log line; ``status(text)``, None once it answers again) and waited for up to ``broker_wait_s``, then
+    :class:`~stream.errors.BrokerUnreachable` (:class:`_BrokerWatch`).
     Raises ``DeliveryFailed`` if any message was not acknowledged (at the first poll that serves a failed delivery's
     report, not only at the end: :func:`_poll`), and :class:`~stream.errors.MessageLimitError` for
     a message over its topic's limit or refused as too large (module docstring, "Message size"), and :class:`Terminated`
@@ -223,7 +293,11 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     written = [*topics.values(), *(kafka.dlq_topic(t) for t in topics.values())]
     ensure_inputs(kafka)  # co-partitioned (stream/joiner/partitions.py): events sent into topics that disagree
     ensure_topics(kafka, written[2:])  # are joined wrong for good
-    producer = AckedProducer(kafka, **{"linger.ms": linger_ms})
+    producer = AckedProducer(kafka, **{"linger.ms": linger_ms, "message.timeout.ms": round(broker_wait_s * 1000)})
+    setting = ("[replay] broker_wait_s (--broker-wait-s)" if "message.timeout.ms" not in kafka.extra
+               else "[kafka.extra] message.timeout.ms")  # (applied last: it replaces the replay's)
+    watch = _BrokerWatch(producer, kafka.bootstrap_servers, setting, status or (lambda _text: None))
+    producer.waiting = watch.check
     dead_letters = DeadLetters(kafka, producer)
     # What each topic written takes (module docstring, "Message size"); the dead-letter topics' only to name them in
     # a refusal (DeadLetters learns its own at the first dead letter, the same way).
@@ -261,7 +335,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     tracker = _Progress(progress)
 
     def serve(n_sent: int) -> None:  # at a paced sleep (Pacer)
-        _poll(producer, limits)
+        _poll(producer, limits, watch)
         tracker.due(n_sent)
 
     pacer = Pacer(rate, speed, origin, serve)  # its clock starts with the first event
@@ -292,7 +366,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
                     if kinds_l[j] in counters:  # per event: a paced chunk can take minutes
                         counters[kinds_l[j]].inc()
                     if n % 5000 == 0:
-                        _poll(producer, limits)
+                        _poll(producer, limits, watch)
                         tracker.to(n)
                     pacer.wait(n + 1, ts_l[j])
                 continue
@@ -311,7 +385,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
             n_dead = int(np.count_nonzero(dead_c))
             summary.dead_lettered += n_dead
             summary.malformed_published += int(np.count_nonzero(is_raw_c)) - n_dead
-            _poll(producer, limits)
+            _poll(producer, limits, watch)
             tracker.to(stop)
 
         with _refused(limits):  # a broker away for minutes at the end: every message answered, none left unsure
@@ -321,6 +395,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
         raise
     finally:
         restore_sigterm()
+        producer.waiting = lambda: None  # (the watch refers to the producer: no cycle keeps its client alive)
     summary.elapsed_s = time.monotonic() - t0
     total = summary.impressions + summary.clicks + summary.malformed_published + summary.dead_lettered
     tracker.to(total)
@@ -370,7 +445,8 @@ def _stopped(exc: BaseException, producer: AckedProducer, total: int) -> None:
     logged, later SIGTERMs are ignored until :func:`publish` restores the handler, and ``exc`` goes on (exit 143). A
     Ctrl-C while it waits (an operator at the terminal) cuts it short the same way: its KeyboardInterrupt went past
     the count and replaced ``exc`` (exit 130, neither the line nor the first stop's error)."""
-    timeout = 0.0 if isinstance(exc, KeyboardInterrupt) else STOP_FLUSH_S
+    # none after Ctrl-C, nor for a broker that answered nothing for the replay's whole limit: it was bounded
+    timeout = 0.0 if isinstance(exc, (KeyboardInterrupt, BrokerUnreachable)) else STOP_FLUSH_S
     failed = ""
     try:  # the notice inside: a SIGTERM right after it is one during the flush
         if timeout:
@@ -397,12 +473,14 @@ def _count_events(imp_topic: str, click_topic: str, is_imp: np.ndarray, is_click
     EVENTS.labels("replay", click_topic).inc(int(np.count_nonzero(is_click)))
 
 
-def _poll(producer: AckedProducer, limits: Mapping[str, MessageLimit]) -> None:
+def _poll(producer: AckedProducer, limits: Mapping[str, MessageLimit], watch: _BrokerWatch) -> None:
     """Serve the producer's callbacks, and stop the replay at a delivery already reported failed (refused as too
     large, denied by an ACL, a partition missing, timed out against a broker gone): with the error its last flush
     would raise (``AckedProducer.raise_failed``), now rather than after hours of a paced replay sending into a topic
-    it cannot write. Called per paced sleep (at least every :data:`SERVE_S`) and per unpaced chunk, never per event."""
+    it cannot write. Called per paced sleep (at least every :data:`SERVE_S`) and per unpaced chunk, never per event.
+    The broker watch first: a broker silent past the limit is said as such, not as the timeouts it caused."""
     producer.poll()
+    watch.check()
     with _refused(limits):
         producer.raise_failed()
 
@@ -460,11 +538,13 @@ def _count(summary: ReplaySummary, kind: int, dead: bool) -> None:
         summary.malformed_published += 1
 
 
-def progress_bar(total: int, enabled: bool) -> tuple[Callable[[int], None], Callable[[], None]]:
-    """A tqdm bar on stderr: ``(update, close)``. Disabled -> no-ops."""
+def progress_bar(total: int, enabled: bool) -> tuple[Callable[[int], None], Callable[[], None],
+                                                    Callable[[str | None], None]]:
+    """A tqdm bar on stderr: ``(update, close, status)``; ``status(text)`` shows what the replay waits on after the
+    counts (None: nothing). Disabled -> no-ops."""
     if not enabled:
-        return (lambda _n: None), (lambda: None)
+        return (lambda _n: None), (lambda: None), (lambda _text: None)
     from tqdm import tqdm
 
     bar = tqdm(total=total, unit="ev", unit_scale=True, file=sys.stderr, desc="replay", smoothing=0.1)
-    return bar.update, bar.close
+    return bar.update, bar.close, lambda text: bar.set_postfix_str(text or "")

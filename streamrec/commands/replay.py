@@ -48,6 +48,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--click-delay-sigma", type=float, help="lognormal sigma of log(delay) "
                    f"({_d('click_delay_sigma')})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--broker-wait-s", type=float, help=f"fail (exit 1) once Kafka acknowledged nothing this many "
+                   f"seconds ({_d('broker_wait_s')})")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics (events replayed) on this port")
     add_kafka_flag(p)
     g = p.add_argument_group("synthetic data set (--dataset synthetic)")
@@ -85,16 +87,17 @@ def run(args: argparse.Namespace) -> int:
                    speed=args.speed, seed=args.seed, click_delay_kind=args.click_delay,
                    click_delay_median_s=args.click_delay_median_s, click_delay_sigma=args.click_delay_sigma,
                    progress=False if args.no_progress else None, metrics_port=args.metrics_port,
+                   broker_wait_s=args.broker_wait_s,
                    flag_names={"click_delay_kind": "--click-delay", "progress": "--no-progress"})
     if rs.metrics_port is not None:
         from streamrec.commands.common import start_metrics
 
         start_metrics(rs.metrics_port, rs.metrics_host, "[replay] metrics_port / metrics_host (--metrics-port)")
     table = load_source(rs, args, src)
-    update, close = progress_bar(table.n_impressions + table.n_clicks + len(table.raw), rs.progress)
+    update, close, status = progress_bar(table.n_impressions + table.n_clicks + len(table.raw), rs.progress)
     try:
         summary = publish(table, kafka, rs.dataset, rate=rs.rate, speed=rs.speed, linger_ms=rs.linger_ms,
-                          progress=update)
+                          broker_wait_s=rs.broker_wait_s, progress=update, status=status)
     finally:
         close()
     d = summary.as_dict()

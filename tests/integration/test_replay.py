@@ -28,7 +28,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from stream import kafka as kafka_module
 from stream.config import KafkaSettings
-from stream.errors import ConfigError, DeliveryFailed
+from stream.errors import BrokerUnreachable, ConfigError
 from stream.event_reader import EventReader
 from stream.events import decode_click, decode_impression
 from stream.kafka import AckedProducer, admin_config, ensure_topics
@@ -573,8 +573,9 @@ def test_a_paced_replay_into_a_broker_gone_stops_at_the_first_failed_delivery_no
     """A delivery the producer reported failed (here timed out: the replay's broker killed once events went out, a
     2 s ``message.timeout.ms``) was raised only at the replay's last flush: a paced replay sending into a topic it
     cannot write went on for its whole length (hours at a low ``--rate``) before it said anything. Now the pacer's
-    poll raises it: the ~2,000-event replay at 50/s (~40 s) stops with the flush's DeliveryFailed and the stop's
-    per-topic counts after a fraction of its events, not after all of them."""
+    poll raises it: the ~2,000-event replay at 50/s (~40 s) stops after a fraction of its events, not after all of
+    them, with the stop's per-topic counts; the error is the broker watch's BrokerUnreachable (a DeliveryFailed naming
+    the limit that ran out: here the 2 s delivery timeout), not the timeouts' generic DeliveryFailed."""
     table = build_synthetic(SyntheticSettings(impressions=2000, base_ctr=0.0001), ClickDelay(), seed=1)
     total = table.n_impressions + table.n_clicks + len(table.raw)
 
@@ -602,12 +603,13 @@ def test_a_paced_replay_into_a_broker_gone_stops_at_the_first_failed_delivery_no
             thread.join()
     assert failed, "the replay into a killed broker succeeded"
     (exc, sent_when_stopped), = failed
-    assert type(exc) is DeliveryFailed, exc
-    assert re.match(rf"\d+ message\(s\) were not acknowledged by {own.bootstrap_servers}; first error: .*Is the "
-                    r"broker up", str(exc)), exc
+    assert type(exc) is BrokerUnreachable, exc  # the broker silent: said as such, not as the timeouts it caused
+    assert re.match(rf"Kafka at {own.bootstrap_servers} acknowledged nothing for \d+ s and messages waited the "
+                    r"replay's limit \(\[kafka.extra\] message.timeout.ms = 2 s\).*Is the broker up", str(exc)), exc
     assert sent_when_stopped < total / 2, (sent_when_stopped, total)
-    assert re.search(rf"\[replay\] stopped \(DeliveryFailed\) after sending part of its {total} events: acknowledged "
-                     r"per topic \{.*\}; \d+ events not sent or not acknowledged", caplog.text), caplog.text
+    assert re.search(rf"\[replay\] stopped \(BrokerUnreachable\) after sending part of its {total} events: "
+                     r"acknowledged per topic \{.*\}; \d+ events not sent or not acknowledged", caplog.text), \
+        caplog.text
 
 
 def test_an_unpaced_replay_into_a_broker_gone_stops_at_the_chunk_after_the_first_failed_delivery(
@@ -638,6 +640,102 @@ def test_an_unpaced_replay_into_a_broker_gone_stops_at_the_chunk_after_the_first
         monkeypatch.setattr(EventEncoder, "impressions", killing)
         fast_fail = dataclasses.replace(own, extra={"message.timeout.ms": "2000",
                                                      "queue.buffering.max.messages": "3000"})
-        with pytest.raises(DeliveryFailed, match="message\\(s\\) were not acknowledged"):
+        with pytest.raises(BrokerUnreachable, match="the replay stopped with \\d+ message\\(s\\) unacknowledged"):
             publish(table, fast_fail, "synthetic")
     assert sent() <= 4 * publisher_module.CHUNK < total / 2, (sent(), total)
+
+
+def _replay_on_a_broker_gone(kafka: KafkaSettings, tmp_path: Path, fault: signal.Signals) -> tuple[int, str]:
+    """A paced CLI replay (``--broker-wait-s 6``) into a broker of its own, which gets ``fault`` (SIGKILL or SIGSTOP)
+    once events went out: its exit status and stderr. Waited for up to 60 s, a hang guard: librdkafka's own delivery
+    timeout, which alone bounded such a replay, is 300 s."""
+    with _own_broker(kafka) as (broker, own):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "replay", "--config",
+                                 str(_replay_config(tmp_path, own)), "--dataset", "synthetic", "--syn-impressions",
+                                 "2000", "--rate", "100", "--broker-wait-s", "6", "--metrics-port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        series = f'streamrec_events_total{{stage="replay",topic="{own.impressions_topic}"}}'
+        try:
+            while proc.poll() is None:  # until some events went out
+                if (metric(scrape(f"http://127.0.0.1:{port}/metrics"), series) or 0) > 0:
+                    break
+                time.sleep(0.05)
+            assert proc.poll() is None and broker.proc is not None, "the replay ended before its broker's fault"
+            if fault is signal.SIGKILL:
+                kill_and_reap(broker.proc)
+            else:
+                _freeze(broker.proc)
+            try:
+                rc = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                rc = None
+            proc.kill()
+            return rc, proc.stderr.read() if proc.stderr else ""
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_a_replay_whose_broker_is_killed_says_it_cannot_reach_it_and_exits_1_after_broker_wait_s(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """The replay's broker killed (SIGKILL) mid-replay: the replay went on for librdkafka's delivery timeout (300 s),
+    saying nothing of its own. Now librdkafka's report of the broker gone (error_cb: all brokers down, connection
+    refused) is said at once, naming the limit, and the replay fails (exit 1) once its ``--broker-wait-s`` passed
+    without an acknowledgement, with an error naming the broker and the setting, and the acknowledged counts."""
+    rc, err = _replay_on_a_broker_gone(kafka, tmp_path, signal.SIGKILL)
+    assert rc == 1, (rc, err)
+    said = re.search(r"\[replay\] Kafka at \S+ cannot be reached \(.*\); \d+ message\(s\) wait for it: the replay "
+                     r"waits up to 6 s for an acknowledgement \(\[replay\] broker_wait_s \(--broker-wait-s\)\)", err)
+    stopped = re.search(r"\[replay\] stopped \(BrokerUnreachable\) after sending part of its \d+ events: "
+                        r"acknowledged per topic \{.*\}; \d+ events not sent or not acknowledged", err)
+    assert said and stopped and said.start() < stopped.start(), err
+    assert re.search(r"Kafka at \S+ acknowledged nothing for \d+ s and messages waited the replay's limit \(\[replay\] "
+                     r"broker_wait_s \(--broker-wait-s\) = 6 s\)", err), err
+
+
+def test_a_replay_whose_broker_is_frozen_says_it_waits_on_it_and_exits_1_after_broker_wait_s(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """A frozen broker (SIGSTOP: its connections stay open, librdkafka reports nothing until its socket timeout, 60 s)
+    held the replay silently for librdkafka's delivery timeout (300 s). Now the replay says it waits once nothing was
+    acknowledged for a few seconds, and fails (exit 1) after its ``--broker-wait-s``."""
+    rc, err = _replay_on_a_broker_gone(kafka, tmp_path, signal.SIGSTOP)
+    assert rc == 1, (rc, err)
+    said = re.search(r"\[replay\] Kafka at \S+ has acknowledged nothing for \d+ s; \d+ message\(s\) wait for it: the "
+                     r"replay waits up to 6 s", err)
+    stopped = re.search(r"\[replay\] stopped \(BrokerUnreachable\) after sending part of its \d+ events", err)
+    assert said and stopped and said.start() < stopped.start(), err
+
+
+def test_a_broker_frozen_and_thawed_within_broker_wait_s_loses_and_duplicates_nothing(
+        kafka: KafkaSettings, caplog: pytest.LogCaptureFixture) -> None:
+    """A broker frozen (SIGSTOP) mid-replay and thawed within ``broker_wait_s``: the replay says it waits (a log line,
+    its progress status), says the broker answers again, and goes on; every event is delivered once (the idempotent
+    producer's retries), the acknowledged counts are the topics' own. Thawed at the replay's "waits" line."""
+    table = build_synthetic(SyntheticSettings(impressions=600, base_ctr=0.05), ClickDelay(), seed=4)
+    statuses: list[str | None] = []
+    with _own_broker(kafka) as (broker, own):
+        assert broker.proc is not None
+        proc = broker.proc
+        frozen: list[bool] = []
+
+        def progress(_n: int) -> None:
+            if not frozen:  # the first events went out (progress moves at most every 2 s while it paces)
+                frozen.append(True)
+                _freeze(proc)
+
+        thaw = _OnLine("wait for it", lambda: proc.send_signal(signal.SIGCONT))
+        replay_log = logging.getLogger("streamrec.replay")
+        replay_log.addHandler(thaw)
+        try:
+            summary = publish(table, own, "synthetic", rate=60, broker_wait_s=60, progress=progress,
+                              status=statuses.append)
+        finally:
+            replay_log.removeHandler(thaw)
+        imps, clicks = read_topic(own, own.impressions_topic), read_topic(own, own.clicks_topic)
+    assert frozen and thaw.done, caplog.text
+    assert re.search(r"Kafka at \S+ acknowledges again after \d+ s; the replay goes on", caplog.text), caplog.text
+    assert any(s and s.startswith("waiting for the broker") for s in statuses) and statuses[-1] is None, statuses
+    assert len(imps) == table.n_impressions and len(clicks) == table.n_clicks, (len(imps), len(clicks))
+    assert len({r.value for r in imps}) == len(imps) and len({r.value for r in clicks}) == len(clicks)
+    assert summary.acked == {own.clicks_topic: len(clicks), own.impressions_topic: len(imps)}

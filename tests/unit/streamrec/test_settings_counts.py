@@ -112,7 +112,7 @@ def test_a_count_past_what_its_consumer_takes_is_refused(cls: Any, changes: dict
 
 def test_the_largest_counts_that_work_are_accepted() -> None:
     JoinerSettings(batch_max=1_000_000, max_sample_bytes=1_000_000_000 - 65_536)
-    ReplaySettings(linger_ms=900_000, seed=0)
+    ReplaySettings(linger_ms=900_000, broker_wait_s=901, seed=0)  # librdkafka: delivery timeout > linger
     SyntheticSettings(users=2**62, items=2**62, start_ts_ms=0)
     LearnerSettings(seed=2**64 - 1)
     KafkaSettings(session_timeout_ms=300_000)
@@ -301,3 +301,13 @@ def test_a_redis_url_with_query_parameters_is_refused_as_they_would_override_the
     assert RedisSettings(url="unix:///tmp/r.sock?db=2").url.endswith("?db=2")
     with pytest.raises(ConfigError, match=r"\?db= of .* is not a database number"):
         RedisSettings(url="unix:///tmp/r.sock?db=two")
+
+
+def test_a_replay_broker_wait_librdkafka_refuses_is_a_config_error_naming_the_setting() -> None:
+    """``[replay] broker_wait_s`` is the replay producer's ``message.timeout.ms``: librdkafka refuses one not longer
+    than ``linger.ms``, or past 2**31 - 1 ms, when the producer is built (after the data set was loaded):
+    refused here."""
+    for bad in ({"broker_wait_s": 0.01, "linger_ms": 20}, {"broker_wait_s": 3e6}):
+        with pytest.raises(ConfigError, match=r"\[replay\] broker_wait_s must be longer than linger_ms"):
+            ReplaySettings(**bad)
+    assert ReplaySettings(broker_wait_s=2_147_483, linger_ms=0).broker_wait_s == 2_147_483
