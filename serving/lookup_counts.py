@@ -22,13 +22,16 @@ it is not counted (``streamrec_serving_lookup_counts_dropped_total{reason="full"
 A negative id (no hash: a history entry another Redis client wrote) is dropped at the flush (``reason="invalid"``).
 
 A flush writes one day and kind at a time, each all or nothing and each a write of its own (``write_id``); what it
-wrote before a failure counts as flushed. A flush that fails (Redis down, slow, refusing, or the connection lost
-before Redis's reply came) keeps what it did not write, per day and kind, counted and with its write id, for one more
-try at the next flush, ahead of the lookups made since and apart from them: a write whose reply was lost may have run,
-and its retry under the same write id counts it once (``stream/counts.py``, "Retries"); merged with newer lookups it
-could not be retried safely. What the second try does not write is dropped (``reason="redis"``), and so is what is
-kept when :meth:`LookupCounts.stop`'s last flush fails, or what waits when stop makes none (the last flush failed less
-than ``RECENT_FAILURE_S`` ago: Redis is not asked again, so a frozen Redis holds a shutdown one timeout at most).
+wrote counts as flushed. After a failure it asks that Redis nothing more: on a single node no later write is tried; on
+a Redis Cluster only the failed kind's (each kind's counts live on one node), so with one node down the kinds on the
+healthy nodes are still written (they were kept behind the failed kind, and dropped after its retry failed too).
+A flush that fails (Redis down, slow, refusing, or the connection lost before Redis's reply came) keeps what it did not
+write, per day and kind, counted and with its write id, for one more try at the next flush, ahead of the lookups made
+since and apart from them: a write whose reply was lost may have run, and its retry under the same write id counts it
+once (``stream/counts.py``, "Retries"); merged with newer lookups it could not be retried safely. What the second try
+does not write is dropped (``reason="redis"``), and so is what is kept when :meth:`LookupCounts.stop`'s last flush
+fails, or what waits when stop makes none (the last flush failed less than ``RECENT_FAILURE_S`` ago: Redis is not asked
+again, so a frozen Redis holds a shutdown one timeout at most).
 Failures are counted
 (``streamrec_serving_lookup_count_flushes_total{outcome="error"}``), logged once per outage (not per flush), and
 never reach a client: counts are a ranking signal, and a few seconds of them lost cost nothing a request would notice.
@@ -49,6 +52,7 @@ import numpy as np
 
 from serving.metrics import ServingMetrics
 from stream.counts import DAY_S, DailyCounts, new_write_id
+from stream.redis_client import is_cluster
 
 log = logging.getLogger("streamrec.serve")
 
@@ -86,6 +90,7 @@ class LookupCounts:
             raise ValueError(f"LookupCounts: flush_s must be in (0, {DAY_S}] and flush_ids, max_pending >= 1, got "
                              f"{flush_s!r}, {flush_ids!r}, {max_pending!r}")
         self.counts, self.metrics = counts, metrics
+        self._cluster = is_cluster(counts.client)  # a failed write stops only its kind's writes (_apart)
         self.flush_s, self.flush_ids, self.max_pending = float(flush_s), int(flush_ids), int(max_pending)
         self.clock = clock
         self.flush_timeout_s = flush_timeout_s  # stop()'s wait on its last flush ([serve] lookup_counts_timeout_s)
@@ -163,22 +168,38 @@ class LookupCounts:
                 writes.append(LookupWrite(day, kind, members, counts, int(counts.sum())))
         if not writes:
             return 0
-        written = 0
-        for i, write in enumerate(writes):
+        written, unwritten = 0, list[LookupWrite]()  # unwritten: failed, or skipped after a failure (_apart)
+        error: Exception | None = None  # the first failure of this flush
+        for write in writes:
+            if error is not None and not self._apart(write, unwritten):
+                unwritten.append(write)  # its Redis (node) just failed: not asked again in this flush
+                continue
             try:
                 self.counts.add_counts(write.kind, EVENT, write.members, write.counts, write.day,
                                        write_id=write.write_id)
             except Exception as exc:  # noqa: BLE001 - Redis down or refusing: kept once, then lost; serving goes on
-                self._failed(exc, writes[i:])
-                self._flushed(written)
-                return written
+                error = error or exc
+                unwritten.append(write)
+                continue
             written += write.lookups
+        if error is not None:
+            self._failed(error, unwritten)
+            self._flushed(written)
+            return written
         if self._failing:
             log.info("lookup counts: flushing to Redis again")
         self._failing = self._broken = False
         self._outcome("ok")
         self._flushed(written)
         return written
+
+    def _apart(self, write: LookupWrite, failed: list[LookupWrite]) -> bool:
+        """Whether ``write`` goes to another Redis than the writes of this flush that ``failed``: only on a Redis
+        Cluster, for a kind none of them has (each kind's counts live in one hash slot, so on one node:
+        ``stream/counts.py``). On a single node every write goes where the first failure came from and is not tried
+        again in the flush (a frozen Redis is waited on once); on a cluster with one node down, the kinds on the
+        healthy nodes are still written (they were kept behind the failed kind, tried once more and dropped)."""
+        return self._cluster and all(f.kind != write.kind for f in failed)
 
     def _hashes_only(self, members: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``members`` (M,) ascending and their ``counts`` (M,) without the negative ids, dropped and counted

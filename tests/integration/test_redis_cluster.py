@@ -6,6 +6,7 @@ node is the session's Redis."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
 import uuid
@@ -364,3 +365,37 @@ def test_a_cluster_node_restarted_empty_of_one_kinds_counts_publishes_with_a_war
     found = job._published_warnings(rs, "v2", {"path": "ckpt-1.pt"}, [], {}, hs.stats)
     [(stage, message)] = found
     assert stage == "hot_set" and "no counted item" in message and "user" not in message.split("lost")[0]
+
+
+def test_lookup_counts_on_a_cluster_with_one_node_down_write_the_kinds_on_the_healthy_nodes(
+        cluster_nodes: Any, prefix: str) -> None:
+    # the item and user lookups on two nodes, the item node down (killed) while the cluster keeps serving the other
+    # slots (cluster-require-full-coverage no): a flush wrote the items first, failed, and kept the users behind them,
+    # so the users' lookups (a healthy node's) were tried again behind the items and dropped with them
+    from serving.lookup_counts import LookupCounts
+
+    for k in range(3):
+        with contextlib.closing(cluster_nodes._admin(k)) as node:
+            node.config_set("cluster-require-full-coverage", "no")
+    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=5.0, retries=0)
+    try:
+        counts = DailyCounts(client, prefix=prefix)
+        item_node = cluster_nodes.index_of(counts.key("item", "lookup", "20010101"))
+        user_key = counts.key("user", "lookup", "20010101")
+        if cluster_nodes.index_of(user_key) == item_node:
+            cluster_nodes.move(key_slot(user_key.encode()), item_node, (item_node + 1) % 3)  # the kinds on two nodes
+        lookups = LookupCounts(counts, flush_s=60.0)
+        lookups.add("user", np.array([2001], np.int64))
+        assert lookups.flush() == 1  # the counts script loaded while every node is up
+        cluster_nodes.stop(item_node)
+        for _ in range(3):  # each flush: its own items' first try, the last flush's items' retry (then dropped)
+            lookups.add("item", np.array([7, 8, 7], np.int64))
+            lookups.add("user", np.array([2001, 2002], np.int64))
+            assert lookups.flush() == 2  # the users land; only the item node's lookups wait or are dropped
+        today = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
+        written = {int(m): int(c) for m, c in client.zrange(counts.key("user", "lookup", today), 0, -1,
+                                                            withscores=True)}
+    finally:
+        client.close()
+    assert (lookups.flushed, lookups.dropped) == (7, 6)  # two flushes' items dropped after their retry, one's kept
+    assert written == {2001: 4, 2002: 3}

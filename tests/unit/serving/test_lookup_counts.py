@@ -27,6 +27,7 @@ class FakeCounts:
         self.failed_ids: list[str] = []  # write id of each call refused
         self.down = False
         self.written = threading.Event()
+        self.client = None  # DailyCounts.client: no cluster client, so a failure stops the flush as on a single node
 
     def add_counts(self, kind: str, event: str, members: np.ndarray, counts: np.ndarray, day_index: int,
                    write_id: str) -> None:
