@@ -246,7 +246,7 @@ def connect(settings: RedisSettings, *, timeout_s: float = DEFAULT_TIMEOUT_S, co
     return client
 
 
-_LOADED: weakref.WeakSet[Any] = weakref.WeakSet()  # the Scripts run_script has loaded on every primary of a cluster
+_LOADED: weakref.WeakSet[Any] = weakref.WeakSet()  # the Scripts run_script has loaded on a cluster (_load)
 
 
 def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]], *,
@@ -256,13 +256,13 @@ def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Se
     the first error is raised, as ``pipeline.execute()`` does. One call outside a transaction is sent on its own
     (no pipeline: redis-py's pipeline asks SCRIPT EXISTS first, a second round trip).
 
-    On a Redis Cluster each call's keys must share a hash slot (the callers' key layouts see to it) and the
-    pipeline sends one batch per node. redis-py's cluster pipeline sends EVALSHA without loading the script, so it
-    is loaded on every primary (SCRIPT LOAD) before the first use, and the calls a node refused with NOSCRIPT (its
-    script cache flushed, a restart or a failover since) are sent once more after loading it again: a NOSCRIPT
-    call ran nothing, and in a transaction (one slot, one node, one script) every call of it was refused alike. A
-    transaction refused with MOVED or ASK before its EXEC ran (a slot moved since redis-py last asked, or is moving) is
-    sent once more at once, after ASK to the node it names with ASKING (:func:`_send`)."""
+    On a Redis Cluster each call's keys must share a hash slot (the callers' key layouts see to it) and the pipeline
+    sends one batch per node. redis-py's cluster pipeline sends EVALSHA without loading the script, so it is loaded on
+    the primaries of the calls' slots (SCRIPT LOAD, :func:`_load`) before the first use, and the calls a node refused
+    with NOSCRIPT (its script cache flushed, a restart or a failover since) are sent once more after loading it again: a
+    NOSCRIPT call ran nothing, and in a transaction (one slot, one node, one script) every call of it was refused alike.
+    A transaction refused with MOVED or ASK before its EXEC ran (a slot moved since redis-py last asked, or is moving)
+    is sent once more at once, after ASK to the node it names with ASKING (:func:`_send`)."""
     if not calls:
         return []
     if len(calls) == 1 and not transaction:
@@ -274,7 +274,7 @@ def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Se
             script(keys=list(keys), args=list(args), client=pipe)
         return list(pipe.execute())
     if script not in _LOADED:
-        client.script_load(script.script)
+        _load(client, script, calls)
         _LOADED.add(script)
     results: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
@@ -285,7 +285,7 @@ def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Se
         todo = [i for i, result in zip(todo, got, strict=True) if isinstance(result, NoScriptError)]
         if not todo or attempt:
             break
-        client.script_load(script.script)
+        _load(client, script, [calls[i] for i in todo])
     for result in results:
         if isinstance(result, Exception):  # in place of a result: pipe.execute(raise_on_error=False) translates none
             err = unavailable(result)
@@ -293,6 +293,17 @@ def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Se
                 raise result
             raise err from result
     return results
+
+
+def _load(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> None:
+    """SCRIPT LOAD ``script`` on the primaries ``calls`` go to (by each call's first key), not on every primary: with
+    one node down, the load on it failed every script call of a client that had not loaded it yet (a process started
+    or a client made during the outage), those of the healthy nodes' slots too. A node not loaded yet answers NOSCRIPT
+    later, and :func:`run_script` loads it there then."""
+    nodes = {node.name: node for node in (client.get_node_from_key(keys[0]) for keys, _ in calls)}
+    # through the cluster client (not a node's own connection): its failures refresh the topology and become
+    # ClusterUnavailable once no node answers, as every other command's
+    client.execute_command("SCRIPT LOAD", script.script, target_nodes=list(nodes.values()))
 
 
 def _send(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]], transaction: bool,
@@ -329,6 +340,7 @@ def _send_asking(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], 
     node = client.get_node(host=ask.host, port=ask.port)
     if node is None:  # a node redis-py does not know: nothing ran anywhere, the ASK is the failure
         raise ask
+    client.execute_command("SCRIPT LOAD", script.script, target_nodes=[node])  # (_load loaded it on the slot's owner)
     pipe = client.get_redis_connection(node).pipeline(transaction=False)  # (not redis-py's MULTI: ASKING precedes it)
     pipe.execute_command("ASKING")
     pipe.execute_command("MULTI")

@@ -399,3 +399,24 @@ def test_lookup_counts_on_a_cluster_with_one_node_down_write_the_kinds_on_the_he
         client.close()
     assert (lookups.flushed, lookups.dropped) == (7, 6)  # two flushes' items dropped after their retry, one's kept
     assert written == {2001: 4, 2002: 3}
+
+
+def test_counts_written_by_a_client_made_while_a_node_holding_no_counts_is_down_land(
+        cluster_nodes: Any, prefix: str) -> None:
+    # the counts script was loaded on every primary before its first use: with one node down (the cluster serving
+    # the other slots, cluster-require-full-coverage no) a process started meanwhile wrote no counts at all
+    for k in range(3):
+        with contextlib.closing(cluster_nodes._admin(k)) as node:
+            node.config_set("cluster-require-full-coverage", "no")
+    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=5.0, retries=0)
+    try:
+        counts = DailyCounts(client, prefix=prefix)
+        held = {cluster_nodes.index_of(counts.key(kind, "impression", "20010101")) for kind in ("item", "user")}
+        cluster_nodes.stop(next(k for k in range(3) if k not in held and k != 0))  # node 0: the url clients start at
+        now_ms = int(time.time() * 1000)
+        counts.record("item", "impression", [1, 2, 2], [now_ms] * 3)
+        counts.record("user", "impression", [2001], [now_ms])
+        assert counts.top("item", "impression", k=5) == [("2", 2.0), ("1", 1.0)]
+        assert counts.top("user", "impression", k=5) == [("2001", 1.0)]
+    finally:
+        client.close()
