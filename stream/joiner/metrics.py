@@ -40,6 +40,11 @@ TOPIC_CHANGED = PCounter("streamrec_join_topic_changed_total", "Partitions resto
                          "another input topic of that name (another topic id: deleted and created again, another "
                          "cluster): that input read from its first record, by input.", ["input"])
 
+REDIS_EMPTIED = PCounter("streamrec_join_redis_emptied_total", "Times the joiner found Redis had lost its keys under "
+                         "the prefix (stream/keyspace.py: restarted without persistence, flushed; on a Redis Cluster "
+                         "the node of that hash tag's slot), by tag: click histories and that kind's day counts start "
+                         "again from empty.", ["tag"])
+
 
 def held(counts: dict[str, int]) -> None:
     """The held records per input (absent: none)."""

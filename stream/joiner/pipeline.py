@@ -119,6 +119,7 @@ from stream.kafka import (
     topic_identities,
     usable_bytes,
 )
+from stream.keyspace import KeyspaceWatch
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.redis_client import connect, eviction_advice
 from stream.samples import DELAYED_POSITIVE, watermark_header
@@ -411,6 +412,7 @@ class JoinPipeline:
         # impression still finds the clicks before it when the user clicked more in between.
         self.history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len,
                                    ttl_days=redis_settings.history_ttl_days)
+        self.keyspace = KeyspaceWatch(self.redis, redis_settings.prefix)  # Redis emptied under us (_check_keyspace)
         self.producer = AckedProducer(kafka, **{"linger.ms": 5, "message.max.bytes": max(js.max_sample_bytes + 65_536,
                                                                                       1_000_000)})
         self.engines: dict[int, PartitionJoin] = {}
@@ -1270,6 +1272,25 @@ class JoinPipeline:
                                   f"that key or set another prefix") from exc
             raise
 
+    def _check_keyspace(self) -> None:
+        """Redis lost its keys under the prefix since the last flush (``stream/keyspace.py``: a single node restarted
+        empty, or on a cluster the node of that tag's slot): a warning and ``streamrec_join_redis_emptied_total{tag}``
+        per tag. The joiner goes on, nothing to redo: the keys are gone, and samples from here on carry the click
+        histories recorded since (empty at first) and the day counts start again (a nightly hot set left with no counts
+        of a kind publishes with its ``hot_set`` warning); alerting on the metric is the operator's cue."""
+        try:
+            lost = self.keyspace.check()
+        except redis.RedisError as exc:  # Redis refusing (full) or gone right after the counts: the next flush checks
+            log.debug("the Redis keyspace markers were not checked: %s", exc)
+            return
+        for tag in lost:
+            m.REDIS_EMPTIED.labels(tag).inc()
+            log.warning("Redis lost the keys under prefix %r since the last counts flush (the %s marker is gone: "
+                        "restarted without persistence, flushed, or on a Redis Cluster the node of the {%s} slot "
+                        "restarted empty): users' click histories start again from empty and the %s day counts from "
+                        "now; enable persistence (appendonly) to keep them", self.counts.prefix,
+                        self.keyspace.keys[tag], tag, tag)
+
     def _write_counts(self, writes: list[CountsWrite]) -> None:
         """The writer thread's part of a flush: each write in turn, one DailyCounts.record per kind and event (each all
         or nothing) under the write's id; the first failure ends it.
@@ -1284,3 +1305,4 @@ class JoinPipeline:
                 write.sent = True
                 self.counts.record(kind, event, ids, ts, names=names[kind], write_id=write.write_id)
                 del write.counts[(kind, event)]
+        self._check_keyspace()  # after the counts: a failure of it fails no write

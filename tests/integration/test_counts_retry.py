@@ -28,6 +28,7 @@ from stream import counts as counts_module
 from stream.counts import DAY_MS, DAY_S, DailyCounts, day_of, new_write_id
 from stream.errors import ConfigError
 from stream.joiner.pipeline import JoinPipeline, _add_counts
+from stream.keyspace import KeyspaceWatch
 from stream.strikes import is_infrastructure
 from streamrec.stack import LocalStack
 
@@ -49,6 +50,7 @@ def joiner_counting(counts: DailyCounts) -> JoinPipeline:
     p._counts_flushed = time.monotonic()
     p._counts_writer = ThreadPoolExecutor(max_workers=1)
     p._flushing, p._failed_write = None, None
+    p.keyspace = KeyspaceWatch(counts.client, counts.prefix)
     return p
 
 

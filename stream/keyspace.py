@@ -1,0 +1,44 @@
+"""Whether Redis still holds the keys this process has been writing under a prefix: a Redis that lost them under the
+system (a single node restarted empty without persistence, a FLUSHALL; on a Redis Cluster, one node restarted empty)
+answers every read as if nothing had ever been written. Nothing else tells: an empty click history and a missing day
+count are also what a new user and an unseen id read.
+
+One marker key per counts hash tag (``stream/counts.py``: ``{item}``, ``{user}``), so on a cluster each lives on the
+node of one kind's counts, and a node restarted empty loses that kind's marker with its counts::
+
+    {prefix}:keyspace:{{tag}}    value = unix ms it was set
+
+A writer calls :meth:`KeyspaceWatch.check` once per flush: one pipelined round trip of ``SET NX`` (a marker found is
+left as it was). A marker that this watch had seen and that is gone now was lost with the keys beside it since the
+last check; :meth:`check` names its tag, and the caller says what that costs its readers. The markers have no expiry
+(two keys per prefix); at the first check a marker missing is a keyspace new to this process, not counted as lost (a
+Redis emptied while no writer ran is not told from a new deployment). Histories carry no hash tag and spread over
+every node: a cluster node restarted empty that holds neither tag's slot loses some users' histories unseen here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+TAGS = ("item", "user")  # stream/counts.py's hash tags: on a cluster, the nodes of each kind's counts
+
+
+class KeyspaceWatch:
+    """The markers of ``prefix`` on ``client`` (module docstring), checked by :meth:`check`."""
+
+    def __init__(self, client: Any, prefix: str) -> None:
+        self.client = client
+        self.keys = {tag: f"{prefix}:keyspace:{{{tag}}}" for tag in TAGS}
+        self._seen = False  # a check has run: every marker was there or set by it
+
+    def check(self) -> list[str]:
+        """The tags whose marker is gone since the last check (their Redis, or cluster node, lost its keys), each set
+        again; empty at the first check. Raises what the client raises (Redis down: the caller's outage)."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in self.keys.values():
+            pipe.set(key, int(time.time() * 1000), nx=True)
+        created = pipe.execute()  # True: the marker was missing and is set now
+        lost = [tag for tag, new in zip(self.keys, created, strict=True) if new] if self._seen else []
+        self._seen = True
+        return lost
