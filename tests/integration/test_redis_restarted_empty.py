@@ -1,7 +1,8 @@
 """A Redis that loses its keys under the system (a single node restarted empty, no persistence) is reported by the
 joiner, which writes the day counts and histories everything else reads (``stream/keyspace.py``): once per loss, a
 warning and ``streamrec_join_redis_emptied_total{tag}``. Against a redis-server of the test's own, started with
-``--save "" --appendonly no`` and restarted."""
+``--save "" --appendonly no`` and restarted, and against a real Redis Cluster (tests/redis_cluster.py) whose node of one
+kind's counts is restarted empty: that kind's marker alone is gone."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from prometheus_client import REGISTRY
+from redis.crc import key_slot
 
+from stream.config import RedisSettings
 from stream.counts import DailyCounts
+from stream.joiner.pipeline import JoinPipeline
+from stream.redis_client import connect
 from streamrec.stack import free_port, redis_binary
 from tests.integration.test_counts_retry import joiner_counting
 from tests.integration.test_faults import Service
@@ -39,6 +45,14 @@ def emptied(tag: str) -> float:
     return REGISTRY.get_sample_value("streamrec_join_redis_emptied_total", {"tag": tag}) or 0.0
 
 
+def flush(p: JoinPipeline) -> None:
+    """One counts flush of ``p`` with an item and a user count."""
+    now_ms = int(time.time() * 1000)
+    for kind in ("item", "user"):
+        p._counts_buffer[(kind, "impression")] = ([1, 2], [now_ms] * 2)
+    p.flush_counts()
+
+
 def test_a_joiner_flush_after_its_redis_restarted_empty_warns_and_counts_the_loss_once_per_tag(
         empty_on_restart: Service, caplog: pytest.LogCaptureFixture) -> None:
     prefix = f"e{uuid.uuid4().hex[:8]}"
@@ -47,22 +61,40 @@ def test_a_joiner_flush_after_its_redis_restarted_empty_warns_and_counts_the_los
         p = joiner_counting(counts)
         before = {tag: emptied(tag) for tag in ("item", "user")}
         try:
-            def flush() -> None:
-                now_ms = int(time.time() * 1000)
-                for kind in ("item", "user"):
-                    p._counts_buffer[(kind, "impression")] = ([1, 2], [now_ms] * 2)
-                p.flush_counts()
-
-            flush()  # the first: the markers set, nothing lost
-            flush()
+            flush(p)  # the first: the markers set, nothing lost
+            flush(p)
             assert {tag: emptied(tag) for tag in before} == before
             empty_on_restart.stop()
             empty_on_restart.start()  # back with no keys: the counts and histories written so far are gone
             with caplog.at_level(logging.WARNING, logger="streamrec.join"):
-                flush()
-            flush()  # counted once: the markers are set again
+                flush(p)
+            flush(p)  # counted once: the markers are set again
         finally:
             p._counts_writer.shutdown(wait=True)
     assert {tag: emptied(tag) - before[tag] for tag in before} == {"item": 1.0, "user": 1.0}
     lost = [r.getMessage() for r in caplog.records if "lost the keys" in r.getMessage()]
     assert len(lost) == 2 and all(prefix in m and "click histories" in m for m in lost), lost
+
+
+def test_a_joiner_flush_after_the_cluster_node_of_one_kinds_counts_restarted_empty_reports_that_kind_alone(
+        cluster_nodes: Any, caplog: pytest.LogCaptureFixture) -> None:
+    prefix = f"e{uuid.uuid4().hex[:8]}"
+    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=5.0)
+    counts = DailyCounts(client, prefix=prefix)
+    p = joiner_counting(counts)
+    before = {tag: emptied(tag) for tag in ("item", "user")}
+    try:
+        item_node = cluster_nodes.index_of(counts.key("item", "impression", "20010101"))
+        user_key = counts.key("user", "impression", "20010101")
+        if cluster_nodes.index_of(user_key) == item_node:
+            cluster_nodes.move(key_slot(user_key.encode()), item_node, (item_node + 1) % 3)  # the kinds on two nodes
+        flush(p)  # the first: the markers set, nothing lost
+        cluster_nodes.restart(item_node)  # back empty: the item counts are gone, the user counts are not
+        with caplog.at_level(logging.WARNING, logger="streamrec.join"):
+            flush(p)
+        flush(p)
+    finally:
+        p._counts_writer.shutdown(wait=True)
+        client.close()
+    assert {tag: emptied(tag) - before[tag] for tag in before} == {"item": 1.0, "user": 0.0}
+    assert sum("lost the keys" in r.getMessage() for r in caplog.records) == 1
