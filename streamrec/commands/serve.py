@@ -122,8 +122,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     summary = {"url": svc.url, **svc.updater.status(), "swaps": _total(svc.metrics.swaps),
                "requests": _total(svc.metrics.requests)}
-    if args.json:
-        print(json.dumps(summary, default=str, sort_keys=True))
-    else:
-        print("serve summary\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))
+    print(json.dumps(summary, default=str, sort_keys=True) if args.json else
+          "serve summary\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))
     return EXIT_OK
