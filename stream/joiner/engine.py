@@ -233,16 +233,17 @@ class PartitionJoin:
             self._expiry.pop()  # left before its window closed (evicted in a restored chunk)
         return None if first is None else first[0] - self.cfg.window_ms
 
-    def waiting_hopeless(self) -> bool:
-        """Whether no waiting click can meet its impression any more: the impression input's time, less the allowed
-        lateness, has passed the newest of them (an impression at or before a click's time would come later than the
-        lateness allows). The waiting cap may then give them up without losing a click that could still join
-        (``backpressure.click_room``); they would expire as orphans once the click input's time moved on too. Scans the
-        waiting clicks: asked only while the cap is full."""
+    def hopeless(self) -> list[str]:
+        """The impression ids whose waiting clicks can no longer meet their impression: the impression input's time,
+        less the allowed lateness, has passed the newest of them (an impression at or before a click's time would come
+        later than the lateness allows). They would expire as orphans once the click input's time moved on too; the
+        waiting cap gives them up first (:meth:`_enforce_caps`), and ``backpressure.click_room`` does not count them.
+        Scans the waiting clicks: asked only while the cap is full."""
         imp_time = self.topic_max[IMPRESSIONS]
-        if imp_time is None or not self.waiting:
-            return False
-        return imp_time - self.cfg.lateness_ms > max(map(max, self.waiting.values()))
+        if imp_time is None:
+            return []
+        past = imp_time - self.cfg.lateness_ms
+        return [imp_id for imp_id, ts in self.waiting.items() if past > max(ts)]
 
     def reached(self, kind: int, ts: Sequence[int] | np.ndarray) -> int | None:
         """The event time input ``kind`` is at once ``ts`` ((N,) int64) are read too (its ``watermark_quorum``-th
@@ -401,10 +402,15 @@ class PartitionJoin:
             out.stats["evicted_impressions"] += len(evicted)
         unwaited: list[tuple[str, int]] = []
         if len(self.waiting) > self.cfg.max_waiting:
-            # Give up the clicks furthest in the future first (a wrong clock's), down to 90% of the cap.
-            keep = int(self.cfg.max_waiting * 0.9)
-            latest = sorted(((max(t), i) for i, t in self.waiting.items()), reverse=True)
-            for _, imp_id in latest[: len(self.waiting) - keep]:
+            # First the clicks past hope (they cannot join any more); then, still over the cap, the clicks furthest in
+            # the future (a wrong clock's), down to 90% of it. The furthest first alone gave up the clicks a batch
+            # brought ahead of their impressions while the cap was full of hopeless ones (backpressure.click_room).
+            give_up = self.hopeless()
+            if (rest := len(self.waiting) - len(give_up)) > self.cfg.max_waiting:
+                keep, past = int(self.cfg.max_waiting * 0.9), set(give_up)
+                latest = sorted(((max(t), i) for i, t in self.waiting.items() if i not in past), reverse=True)
+                give_up += [imp_id for _, imp_id in latest[: rest - keep]]
+            for imp_id in give_up:
                 for cts in self.waiting.pop(imp_id):
                     unwaited.append((imp_id, cts))
                     self._unjoined(out, imp_id, cts, "overflow")

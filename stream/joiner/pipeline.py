@@ -922,10 +922,12 @@ class JoinPipeline:
             engine = self.engines[tp[1]]
             room = len(h.ts) if limit is None else engine.within(_ENGINE_INPUT[key[0]], h.ts, limit)
             if key[0] == CLICKS and behind(IMPRESSIONS, tp[1]):  # never past the waiting cap while impressions come
-                capped = click_room(engine.cfg.max_waiting, len(engine.waiting))
-                if capped < room and not engine.waiting_hopeless():
-                    self.totals.counts["clicks_held_at_cap"] += room - capped  # held by the cap, not by time
-                    room = capped
+                cap = engine.cfg.max_waiting
+                if click_room(cap, len(engine.waiting)) < room:  # full: the clicks past hope leave it first (engine)
+                    capped = click_room(cap, len(engine.waiting) - len(engine.hopeless()))
+                    if capped < room:
+                        self.totals.counts["clicks_held_at_cap"] += room - capped  # held by the cap, not by time
+                        room = capped
             if room >= len(h.ts):  # nothing past the frontier: all of it, bad records after the last good one too
                 cut = len(h)
             else:  # up to the first held good record

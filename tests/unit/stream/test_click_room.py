@@ -80,17 +80,40 @@ def test_without_a_hold_every_click_is_joined() -> None:
     assert len(groups[(KAFKA.clicks_topic, 0)][0]) == 4
 
 
-def test_a_cap_full_of_clicks_past_hope_is_released_so_the_clicks_go_on() -> None:
-    # The waiting clicks' newest is at 6 s. Impressions at 500 s, less the hour's lateness, have not passed it: an
-    # impression for them may still come, so the cap holds the new clicks. Once the impressions' time less the lateness
-    # is past every waiting click (none can meet its impression), the cap's room no longer holds: the cap gives the
-    # hopeless ones up and the clicks go on (a live stream whose impressions always have more to read would otherwise
-    # hold its clicks for good: the watermark that expires orphans is the slower input's time, and the clicks' stands).
+def _past_hope(p: JoinPipeline) -> None:
+    """An impression 1 ms past the newest waiting click (6 s) plus the hour's lateness: every waiting click is past
+    hope (no impression for them can come within the lateness)."""
+    p.engines[0].apply([(1, Impression("later", 3600 * S + 7 * S, "u", "i"))], [])
+
+
+def test_clicks_past_hope_leave_the_cap_first_and_the_new_clicks_stay_waiting() -> None:
+    # A cap full of clicks past hope is released so the clicks go on (a live stream whose impressions always have more
+    # to read would otherwise hold its clicks for good: the watermark that expires orphans is the slower input's time,
+    # and the clicks' stands). But the cap gives up the hopeless ones, not the new clicks whose impressions may still
+    # come: the cap lifted whole took all 8 and the engine gave up the 6 furthest of them (real clicks), kept the 7
+    # hopeless.
     p = _pipeline(waiting=7)
     engine = p.engines[0]
-    assert not engine.waiting_hopeless()
-    engine.apply([(1, Impression("later", 3600 * S + 7 * S, "u", "i"))], [])  # 1 ms past the newest + the lateness
-    assert engine.waiting_hopeless()
+    assert engine.hopeless() == []  # impressions at 500 s less the hour's lateness: their impressions may still come
+    _past_hope(p)
+    assert sorted(engine.hopeless()) == [f"early-{o}" for o in range(7)]
     _hold_clicks(p, first=100, n=8)
-    assert _taken_clicks(p, impressions_behind=True) == list(range(100, 108))
-    assert p.totals.counts["clicks_held_at_cap"] == 0
+    taken = _taken_clicks(p, impressions_behind=True)
+    assert taken == list(range(100, 108))  # room for 10 once the 7 past hope are left out
+    res = engine.apply([], [(o, Click(f"late-{o}", o * S)) for o in taken])
+    assert sorted(u.impression_id for u in res.unjoined) == [f"early-{o}" for o in range(7)]  # (all "overflow")
+    assert sorted(engine.waiting) == [f"late-{o}" for o in taken]
+
+
+def test_one_click_past_hope_frees_one_place_not_the_whole_cap() -> None:
+    # The faust driver's lost clicks (test_backpressure's orphan burst under load): one waiting click past hope, a
+    # batch of clicks ahead of their impressions. Joined whole, they passed the cap and the engine gave up the furthest
+    # (real clicks). Only the cap's room is taken; the rest is held, and nothing that could still join is given up.
+    p = _pipeline(waiting=1)
+    engine = p.engines[0]
+    _past_hope(p)
+    _hold_clicks(p, first=100, n=30)
+    taken = _taken_clicks(p, impressions_behind=True)
+    assert taken == list(range(100, 110)) and p.totals.counts["clicks_held_at_cap"] == 20
+    res = engine.apply([], [(o, Click(f"late-{o}", o * S)) for o in taken])
+    assert [u.impression_id for u in res.unjoined] == ["early-0"] and len(engine.waiting) == CAP
