@@ -6,14 +6,14 @@
 - :class:`RankContext`: rank, world size and backend, read from torchrun's environment once, at the process
   edge (``streamrec/commands/train.py``), and the process group's lifecycle (:meth:`RankContext.init`,
   :meth:`RankContext.close`). gloo on CPU, NCCL on CUDA.
-- :func:`partitions_of`: samples partition ``p`` goes to rank ``p % world``. A fixed split, not the consumer
-  group's assignment: the offsets of every partition live in the checkpoint (``learner/sharded_checkpoint.py``),
-  written by all ranks at one step boundary, and a restart (same world size, or another one after a reshard)
-  reads each partition from exactly the offset the checkpointed model stopped at. A dynamic group rebalance moves
-  a partition between ranks at a moment of the broker's choosing; its new owner would have to start from a
-  model state that includes every sample the old owner trained, which only a checkpoint of the whole sharded
-  model taken at that instant gives, i.e. stopping the world. So the group id only names the commits that
-  lag dashboards read (made after each durable checkpoint), never who reads what.
+- :func:`partitions_of`: samples partition ``p`` goes to rank ``p % world`` (then to one of its DataLoader workers). A
+  fixed split, not the consumer group's assignment: the offsets of every partition live in the checkpoint
+  (``learner/sharded_checkpoint.py``), written by all ranks at one step boundary, and a restart (same world size, or
+  another one after a reshard) reads each partition from exactly the offset the checkpointed model stopped at. A dynamic
+  group rebalance moves a partition between ranks at a moment of the broker's choosing; its new owner would have to
+  start from a model state that includes every sample the old owner trained, which only a checkpoint of the whole
+  sharded model taken at that instant gives, i.e. stopping the world. So the group id only names the commits that lag
+  dashboards read (made after each durable checkpoint), never who reads what.
 - :class:`LockStep`: sharded embeddings put every rank in every lookup's collectives (the row-wise lookup's
   all-to-all and all-gather, the dense part's gradient all-reduce), so every rank runs the same number of steps,
   each of the same batch size. Once per round each rank says how many rows it has, whether its input ended,
@@ -137,9 +137,16 @@ def metrics_registry(ctx: RankContext) -> CollectorRegistry:
     return registry
 
 
-def partitions_of(partitions: list[int], rank: int, world_size: int) -> list[int]:
-    """The samples partitions ``rank`` reads: ``p % world_size == rank`` (module docstring: why a fixed split)."""
-    return sorted(p for p in partitions if p % world_size == rank)
+def partitions_of(partitions: list[int], rank: int, world_size: int, worker: int = 0,
+                  num_workers: int = 1) -> list[int]:
+    """The samples partitions ``rank`` reads: ``p % world_size == rank`` (module docstring: why a fixed split); and
+    of those, the ones its DataLoader worker ``worker`` of ``num_workers`` reads: ``(p // world_size) % num_workers
+    == worker``. A topic's partitions are 0..P-1, so ``p // world_size`` numbers the rank's own 0, 1, 2, ...: dealt
+    out in turn, every worker gets a share (if the rank has as many partitions as workers), the shares differ by at
+    most one, and a partition the topic gains later goes to one worker by ``p`` alone, whatever was listed before.
+    Dealt by ``p % num_workers``, rank 1 of 2 (the odd partitions) gave one of 2 workers all and the other none.
+    Who reads a partition changes nothing of where it starts: that is its offset in the checkpoint."""
+    return sorted(p for p in partitions if p % world_size == rank and (p // world_size) % num_workers == worker)
 
 
 @dataclass(frozen=True)

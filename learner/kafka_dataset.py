@@ -6,15 +6,15 @@ batches of about ``batch_rows`` rows. A message is never split: every yielded ba
 ``(partition, offset, rows)`` of the messages it holds, which is what checkpoints record, and the newest joiner
 watermark each partition's messages in it carry (``TensorBatch.watermarks``, for ``learner/served.py``).
 
-Partitions and start offsets are explicit (the checkpoint's), not a consumer group's: the learner
-seeks to exactly where its model state stopped. With DataLoader workers, worker ``w`` of ``n`` reads
-the partitions ``p`` with ``p % n == w``. Given the topic's partitions as the daemon listed them (``listed``), a reader
-asks for them again every ``PARTITION_CHECK_S`` and reads a partition added since that it owns by the same rule (its
-rank's, ``shard``, then its worker's) from its first record, as a partition without a saved offset. A message that
-cannot be decoded or turned into tensors (whatever the exception) goes to ``samples.dlq`` with the reason, and its
-offset still counts as consumed, so it is never retried in a loop. ``suspects`` are messages that were in a batch whose
-training failed (``stream/strikes.py``): each is yielded as a batch of its own, and one with a
-poison reason is dead-lettered instead.
+Partitions and start offsets are explicit (the checkpoint's), not a consumer group's: the learner seeks to exactly where
+its model state stopped. With DataLoader workers, each worker reads its share of the rank's partitions
+(``learner.distributed.partitions_of``: dealt out in turn, shares differing by at most one). Given the topic's
+partitions as the daemon listed them (``listed``), a reader asks for them again every ``PARTITION_CHECK_S`` and reads a
+partition added since that it owns by the same rule (its rank's, ``shard``, then its worker's) from its first record, as
+a partition without a saved offset. A message that cannot be decoded or turned into tensors (whatever the exception)
+goes to ``samples.dlq`` with the reason, and its offset still counts as consumed, so it is never retried in a loop.
+``suspects`` are messages that were in a batch whose training failed (``stream/strikes.py``): each is yielded as a batch
+of its own, and one with a poison reason is dead-lettered instead.
 
 Partitions are merged in event time (:class:`EventTimeMerge`): decoded messages wait in a small buffer per
 partition, and the one whose first sample went out the earliest in event time (``emitted_at``) goes next, as long
@@ -199,10 +199,10 @@ class KafkaSampleDataset(IterableDataset):
         self.max_values = 2 * MAX_LIST_VALUES
 
     def _owns(self, p: int) -> bool:
-        """Whether partition ``p`` is this reader's: its rank's (``learner.distributed.partitions_of``), then, in a
-        DataLoader worker ``w`` of ``n``, ``p % n == w``."""
+        """Whether partition ``p`` is this reader's: its rank's, then, in a DataLoader worker, that worker's
+        (``learner.distributed.partitions_of``, the one rule for both)."""
         info = get_worker_info()
-        return bool(partitions_of([p], *self.shard)) and (info is None or p % info.num_workers == info.id)
+        return bool(partitions_of([p], *self.shard, *((0, 1) if info is None else (info.id, info.num_workers))))
 
     def _my_partitions(self) -> list[int]:
         info = get_worker_info()

@@ -4,6 +4,7 @@ from torchrun's environment, and TorchRec's fused row-wise Adagrad making the si
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,32 @@ def test_every_partition_goes_to_exactly_one_rank(world: int) -> None:
     owned = [p for r in range(world) for p in partitions_of(parts, r, world)]
     assert sorted(owned) == parts
     assert partitions_of(parts, 1 % world, world) == [p for p in parts if p % world == 1 % world]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_workers", [1, 2, 3, 4])
+def test_every_dataloader_worker_of_a_rank_gets_a_share_of_its_partitions_differing_by_at_most_one(
+        world: int, num_workers: int) -> None:
+    """Rank 1 of 2 reads the odd partitions: dealt by ``p % num_workers`` over 2 workers, one worker got all of them
+    and the other sat idle. Each rank's partitions go to its workers exactly once, as evenly as they can."""
+    for topic_partitions, rank in itertools.product([1, 2, 4, 5, 8, 12, 13], range(world)):
+        parts = list(range(topic_partitions))  # Kafka numbers a topic's partitions 0..P-1
+        ranks = partitions_of(parts, rank, world)
+        shares = [partitions_of(parts, rank, world, w, num_workers) for w in range(num_workers)]
+        assert sorted(p for share in shares for p in share) == ranks  # nothing lost, nothing twice
+        sizes = [len(share) for share in shares]
+        assert max(sizes) - min(sizes) <= 1, (topic_partitions, rank, shares)
+        if len(ranks) >= num_workers:
+            assert min(sizes) >= 1, (topic_partitions, rank, shares)
+
+
+def test_a_partition_added_later_goes_to_the_worker_that_would_have_read_it_from_the_start() -> None:
+    """A reader asks one partition at a time whether it is its own (``KafkaSampleDataset._owns``): the answer for a
+    partition the topic gains while it reads cannot depend on the partitions listed before it."""
+    for p in range(12):
+        owner = [w for w in range(3) if partitions_of([p], p % 2, 2, w, 3)]
+        assert owner == [w for w in range(3) if p in partitions_of(list(range(12)), p % 2, 2, w, 3)]
+        assert len(owner) == 1
 
 
 def test_a_round_has_the_most_steps_any_rank_needs_each_as_large_as_the_largest_chunk() -> None:

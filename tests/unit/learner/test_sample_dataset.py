@@ -487,16 +487,31 @@ def test_a_reader_given_no_partition_list_reads_only_its_start_partitions(monkey
 
 def test_a_partition_added_while_the_learner_reads_goes_to_its_rank_then_its_dataloader_worker(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same ownership as at the start: rank r of N reads the partitions p % N == r (learner/distributed.py), its
-    DataLoader worker w of n those of them with p % n == w. Rank 1 of 2, worker 0 of 3, over a topic of 2 partitions
-    grown to 6: it starts with none of its own (partition 1 is worker 1's) and still watches, then reads 3 (1, 5:
-    other workers; 0, 2, 4: rank 0)."""
-    monkeypatch.setattr(kd, "get_worker_info", lambda: SimpleNamespace(num_workers=3, id=0))
+    """The same ownership as at the start: rank r of N reads the partitions p % N == r, its DataLoader worker w of n
+    those of them with (p // N) % n == w (learner/distributed.py). Rank 1 of 2, worker 1 of 3, over a topic of 2
+    partitions grown to 6: it starts with none of its own (partition 1 is worker 0's) and still watches, then reads 3
+    (1, 5: other workers; 0, 2, 4: rank 0)."""
+    monkeypatch.setattr(kd, "get_worker_info", lambda: SimpleNamespace(num_workers=3, id=1))
     later = {p: [sample(10 * p)] for p in range(2, 6)}
     positions, consumer = grow_run(monkeypatch, {1: [sample(1)]}, later, start={1: 0}, listed=[0, 1], unsaved=[1],
                                    shard=(1, 2))
     assert {p for p, _, _ in positions} == {3}
     assert consumer.assigned == [[], [(3, 0)]]
+
+
+@pytest.mark.parametrize(("shard", "partitions", "shares"), [((1, 2), [1, 3, 5, 7], [[1, 5], [3, 7]]),
+                                                            ((0, 1), [0, 1, 2, 3], [[0, 2], [1, 3]])])
+def test_every_dataloader_worker_of_a_rank_reads_its_share_of_the_ranks_partitions(
+        monkeypatch: pytest.MonkeyPatch, shard: tuple[int, int], partitions: list[int], shares: list[list[int]],
+) -> None:
+    """Rank 1 of 2 reads the odd partitions; its 2 workers dealt them by ``p % 2``: worker 0 read none and sat idle,
+    worker 1 read all four. Now each reads half, in the sharded learner as in one process (one rule for both)."""
+    ds = kd.KafkaSampleDataset(KafkaSettings(), CFG, {p: 0 for p in partitions}, shard=shard)
+    got = []
+    for w in range(len(shares)):
+        monkeypatch.setattr(kd, "get_worker_info", lambda w=w: SimpleNamespace(num_workers=len(shares), id=w))
+        got.append(ds._my_partitions())
+    assert got == shares
 
 
 @pytest.mark.parametrize("workers", [2, 0])
