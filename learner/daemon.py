@@ -46,7 +46,6 @@ import torch
 from confluent_kafka import KafkaException, TopicPartition
 from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge, Histogram
-from torch.utils.data import DataLoader
 
 from learner import checkpoint
 from learner.batch import TensorBatch
@@ -57,7 +56,7 @@ from learner.deltas import DeltaWriter
 from learner.event_clock import EventClock
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.health import FieldCoverage, MemoryMonitor, PositiveRate
-from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, read_samples, read_watermark
+from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, read_samples, read_watermark, sample_loader
 from learner.lag import publish_lag
 from learner.model import DeepFM, autocast_dtype
 from learner.optim import make_optimizers
@@ -587,10 +586,8 @@ class Learner:
                                      listed=listed, limits=self.limits)
         if ls.num_workers:
             gc.collect()  # no cyclic garbage holding a librdkafka client may be collected in a forked worker
-        loader = DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
-                            prefetch_factor=ls.prefetch_factor if ls.num_workers else None,
-                            persistent_workers=ls.persistent_workers and ls.num_workers > 0,
-                            pin_memory=ls.pin_memory.resolve(self.device.type))
+        loader = sample_loader(dataset, ls.num_workers, ls.prefetch_factor, ls.pin_memory.resolve(self.device.type),
+                               persistent_workers=ls.persistent_workers)
         last_ckpt, since_ckpt = time.monotonic(), 0
         reason = "input idle"
         for batch in loader:

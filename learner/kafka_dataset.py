@@ -53,7 +53,7 @@ from functools import partial
 import pyarrow.compute as pc
 import torch
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from learner.batch import TensorBatch, concat, to_tensors
 from learner.distributed import partitions_of
@@ -415,6 +415,20 @@ class KafkaSampleDataset(IterableDataset):
     def _emit(self, pending: list[TensorBatch]) -> TensorBatch:
         tb = concat(pending, self.cfg.num_fields)
         return tb.pin_memory() if self.pin else tb
+
+
+def sample_loader(dataset: IterableDataset, num_workers: int, prefetch_factor: int, pin_memory: bool,
+                  persistent_workers: bool = False) -> DataLoader:
+    """The DataLoader both learners train from: ``dataset``'s batches as they are (``batch_size=None``), each handed
+    on as soon as its worker has it (``in_order=False``). In order, the loader takes one batch of each worker in
+    turn: a worker with nothing to read (caught up, or with fewer partitions than workers) held every other worker
+    to its idle heartbeat, one batch a second, however large their backlog. A partition is one worker's and a
+    worker's batches keep their order, so each partition's positions still come in offset order (what a
+    checkpoint records)."""
+    return DataLoader(dataset, batch_size=None, num_workers=num_workers,
+                      prefetch_factor=prefetch_factor if num_workers else None,
+                      persistent_workers=persistent_workers and num_workers > 0, pin_memory=pin_memory,
+                      in_order=False)
 
 
 class EventTimeMerge:

@@ -70,7 +70,6 @@ from typing import Any
 import numpy as np
 import torch
 from confluent_kafka import KafkaException, TopicPartition
-from torch.utils.data import DataLoader
 
 from learner import checkpoint, sharded_checkpoint
 from learner.batch import TensorBatch
@@ -123,7 +122,7 @@ from learner.health import (
     combine_rank_norms,
     combine_rank_updates,
 )
-from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, to_tensors_empty
+from learner.kafka_dataset import KafkaSampleDataset, not_the_batch, sample_loader, to_tensors_empty
 from learner.lag import publish_lag
 from learner.model import autocast_dtype
 from learner.progressive import ProgressiveMetrics
@@ -612,9 +611,8 @@ class ShardedLearner:
                                      future_ts_s=ls.future_ts_s, max_label_delay_s=ls.attribution_window_s,
                                      unsaved=unsaved, listed=listed, shard=(self.ctx.rank, self.ctx.world_size),
                                      limits=self.limits)
-        loader = iter(DataLoader(dataset, batch_size=None, num_workers=ls.num_workers,
-                                 prefetch_factor=ls.prefetch_factor if ls.num_workers else None,
-                                 pin_memory=ls.pin_memory.resolve(self.device.type)))
+        loader = iter(sample_loader(dataset, ls.num_workers, ls.prefetch_factor,
+                                    ls.pin_memory.resolve(self.device.type)))
         lock = LockStep(step_rows, ls.max_samples)
         empty = to_tensors_empty(self.cfg, None)
         ended = False

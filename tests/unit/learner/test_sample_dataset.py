@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import re
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+from torch.utils.data import IterableDataset, get_worker_info
 
 import learner.kafka_dataset as kd
 from learner.features import FeatureConfig, FieldSpec
@@ -545,3 +548,37 @@ def test_records_lost_to_retention_that_a_dataloader_worker_finds_are_counted_on
     assert sorted(positions) == [(0, 3, 0), (0, 4, 1), (0, 5, 1), (1, 0, 1), (1, 1, 1), (1, 3, 0), (1, 4, 1),
                                  (1, 5, 1)]
     assert lost._value.get() == before + 3 + 2
+
+
+class OneIdleWorker(IterableDataset):
+    """Worker 0 has nothing to read until ``go`` is set (a worker caught up, or with no partition); worker 1 has a
+    backlog of ``BACKLOG`` batches. Bounded, so that a loader that waits for worker 0 ends in a failed assertion, not
+    a hang."""
+
+    BACKLOG = 5
+
+    def __init__(self, go: Any) -> None:
+        super().__init__()
+        self.go = go
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        assert info is not None
+        if info.id == 0:
+            self.go.wait(30)
+            yield 0
+            return
+        yield from [1] * self.BACKLOG
+
+
+def test_a_dataloader_worker_with_nothing_to_read_does_not_hold_back_the_backlog_of_another() -> None:
+    """An in-order DataLoader takes one batch of each worker in turn: a worker with nothing to read (its partitions
+    caught up, or none of them) held a worker with a backlog to its idle heartbeat, one batch a second. The learners'
+    loader hands on each batch as its worker has it: the backlog is all trained before the idle worker says a word."""
+    go = multiprocessing.get_context("fork").Event()
+    got = []
+    for worker in kd.sample_loader(OneIdleWorker(go), num_workers=2, prefetch_factor=2, pin_memory=False):
+        got.append(int(worker))
+        if got.count(1) == OneIdleWorker.BACKLOG:
+            go.set()  # the idle worker's partition gets a record only now
+    assert got == [1] * OneIdleWorker.BACKLOG + [0]
