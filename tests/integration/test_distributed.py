@@ -273,6 +273,30 @@ def test_a_two_rank_checkpoint_resumes_on_three_ranks_then_in_one_process_traini
     assert summary["samples_trained"] == summary["metrics"]["samples"] == sum(rows.values())
 
 
+def test_two_ranks_with_as_many_dataloader_workers_each_keep_every_worker_reading_and_resume_on_three_workers_once(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """Rank 1 of 2 reads partitions 1 and 3; its 2 workers dealt them by ``p % 2``: worker 1 read both, worker 0
+    none. Each worker reads one now; the checkpoint's offsets are the partitions', not the workers', so the job
+    resumed with 3 workers a rank (one with nothing to read, which holds nobody back) trains every sample once."""
+    rows = produce(kafka, messages=MESSAGES // 2)
+    ckpt = tmp_path / "ckpt"
+    two = subprocess.run(torchrun(2, ckpt, "--log-level", "info"),
+                         env=env_for(kafka, STREAMREC_LEARNER_NUM_WORKERS="2"), capture_output=True, text=True,
+                         timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    for rank_parts in ([0], [2], [1], [3]):  # rank 0: 0, 2; rank 1: 1, 3; one each per worker
+        assert f"reads samples partitions {rank_parts}" in two.stderr, two.stderr[-3000:]
+    for p, n in produce(kafka, messages=MESSAGES // 2, first=MESSAGES // 2).items():
+        rows[p] += n
+    three = subprocess.run(torchrun(2, ckpt), env=env_for(kafka, STREAMREC_LEARNER_NUM_WORKERS="3"),
+                           capture_output=True, text=True, timeout=300)
+    assert three.returncode == 0, three.stderr[-3000:]
+    _, meta = sharded_checkpoint.latest(ckpt)  # type: ignore[misc]
+    assert {int(p): n for p, n in meta["partition_rows"].items()} == rows  # nothing lost, nothing twice
+    assert meta["samples_trained"] == meta["metrics"]["samples"] == sum(rows.values())
+    assert {int(p): o for p, o in meta["offsets"].items()} == {p: MESSAGES // PARTITIONS for p in rows}
+
+
 def produce_learnable(kafka: KafkaSettings, seed: int = 11, ids: int = 100) -> int:
     """MESSAGES messages of ``learnable_batch`` rows round-robin over the partitions; the rows sent."""
     ensure_topics(kafka, [kafka.samples_topic], partitions=PARTITIONS)
