@@ -247,10 +247,10 @@ class LearnerSettings:
     device: Device = Device.AUTO  # auto | cpu | cuda
     dedup_window: int = 200_000  # recent impression ids remembered to drop duplicate samples
     metrics_window: int = 100_000  # samples in the sliding-window AUC/logloss
-    # DataLoader workers: worker w of n reads the samples partitions p with p % n == w (learner/kafka_dataset.py) and
+    # DataLoader workers: each reads its share of the samples partitions (learner.distributed.partitions_of) and
     # merges them in event time, the main process trains. 0 (the default) reads in the training process: on 2 cores
     # a worker competes with the 2 torch threads (bench/README.md, learner: Kafka-fed at 1 worker, 0.32x); workers
-    # pay off with cores to spare. The merge across workers is the DataLoader's round-robin, not event time.
+    # pay off with cores to spare. Across workers batches come as each worker has one, not in event time.
     num_workers: int = 0
     prefetch_factor: int = 4  # batches each worker prepares ahead (only with num_workers > 0)
     persistent_workers: bool = False  # keep workers between iterations (the daemon iterates once per run)
