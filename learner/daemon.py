@@ -31,7 +31,6 @@ when the strikes file cannot be written then (a full disk), training goes on (``
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
@@ -584,8 +583,6 @@ class Learner:
                                      suspects=suspects, merge=ls.merge_partitions, future_ts_s=ls.future_ts_s,
                                      max_label_delay_s=ls.attribution_window_s, unsaved=unsaved,
                                      listed=listed, limits=self.limits)
-        if ls.num_workers:
-            gc.collect()  # no cyclic garbage holding a librdkafka client may be collected in a forked worker
         loader = sample_loader(dataset, ls.num_workers, ls.prefetch_factor, ls.pin_memory.resolve(self.device.type),
                                persistent_workers=ls.persistent_workers)
         last_ckpt, since_ckpt = time.monotonic(), 0

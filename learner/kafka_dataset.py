@@ -37,6 +37,7 @@ in the process that made it, when this drops it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import heapq
 import logging
 import multiprocessing
@@ -424,7 +425,10 @@ def sample_loader(dataset: IterableDataset, num_workers: int, prefetch_factor: i
     turn: a worker with nothing to read (caught up, or with fewer partitions than workers) held every other worker
     to its idle heartbeat, one batch a second, however large their backlog. A partition is one worker's and a
     worker's batches keep their order, so each partition's positions still come in offset order (what a
-    checkpoint records)."""
+    checkpoint records). Cyclic garbage is collected first where workers will fork: a Kafka client in a reference
+    cycle collected in a worker hangs or crashes it (module docstring)."""
+    if num_workers:
+        gc.collect()
     return DataLoader(dataset, batch_size=None, num_workers=num_workers,
                       prefetch_factor=prefetch_factor if num_workers else None,
                       persistent_workers=persistent_workers and num_workers > 0, pin_memory=pin_memory,

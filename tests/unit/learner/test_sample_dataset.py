@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import re
 import time
+import weakref
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -582,3 +584,25 @@ def test_a_dataloader_worker_with_nothing_to_read_does_not_hold_back_the_backlog
         if got.count(1) == OneIdleWorker.BACKLOG:
             go.set()  # the idle worker's partition gets a record only now
     assert got == [1] * OneIdleWorker.BACKLOG + [0]
+
+
+class Cycle:
+    """Cyclic garbage, as a Kafka client in a reference cycle is: only the cyclic collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_the_learners_loader_collects_cyclic_garbage_before_it_forks_dataloader_workers(workers: int) -> None:
+    """A librdkafka client left in a reference cycle, collected in a forked DataLoader worker, hangs or crashes it
+    (module docstring). The one-process daemon collected before its loader; the sharded one did not. The loader both
+    use does, when it has workers to fork (without, nothing is forked: no collection a batch would wait for)."""
+    gc.disable()  # the collector runs only where the code under test calls it
+    try:
+        garbage = weakref.ref(Cycle())
+        kd.sample_loader(OneIdleWorker(None), num_workers=workers, prefetch_factor=2, pin_memory=False)
+        assert (garbage() is None) == (workers > 0)
+    finally:
+        gc.enable()
+        gc.collect()
