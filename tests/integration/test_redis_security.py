@@ -297,7 +297,7 @@ def test_the_refresh_reads_the_hot_set_and_notifies_serving(
 def test_serving_reads_history_and_wakes_on_pubsub(srv: SecureRedis, secrets_dir: Path, prefix: str, kind: str,
                                                    admin: redis.Redis, tmp_path: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    from tests.integration.test_serving import REQUEST, TinyLearner, post, publish_version
+    from tests.integration.test_serving import REQUEST, TinyLearner, post, publish_version, wait_subscribed
     from tests.integration.test_serving import connect as http_connect
 
     root = tmp_path / "serving"
@@ -313,9 +313,9 @@ def test_serving_reads_history_and_wakes_on_pubsub(srv: SecureRedis, secrets_dir
             status, out = post(conn, "/v1/score", REQUEST)
             assert status == 200 and out["model_version"] == "v001", out
             publish_version(learner, root, "v002")
-            time.sleep(0.3)  # the subscriber is connected by now
+            wait_subscribed(admin, artifact_channel(prefix))
             admin.publish(artifact_channel(prefix), "v002")
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 30  # a hang guard: without the wake, the next poll is an hour away
             while post(conn, "/v1/score", REQUEST)[1]["model_version"] != "v002":
                 assert time.monotonic() < deadline, "the update message did not wake serving"
                 time.sleep(0.02)

@@ -142,6 +142,16 @@ def redis_settings(stack: Any, prefix: str) -> RedisSettings:
     return RedisSettings(url=stack.redis_url, prefix=prefix)
 
 
+def wait_subscribed(client: redis.Redis, channel: str, timeout_s: float = 60.0) -> None:
+    """Wait until Redis counts a subscriber on ``channel``: a message published before the updater's thread has
+    subscribed is lost (pub/sub keeps nothing), so a fixed sleep made the wake-up tests depend on how soon a loaded
+    machine ran that thread. The timeout guards a subscriber that never comes, not a slow one."""
+    deadline = time.monotonic() + timeout_s
+    while client.pubsub_numsub(channel)[0][1] < 1:
+        assert time.monotonic() < deadline, f"nothing subscribed to {channel} after {timeout_s:g} s"
+        time.sleep(0.02)
+
+
 def post(conn: http.client.HTTPConnection, path: str, body: Any) -> tuple[int, dict]:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     conn.request("POST", path, raw, {"Content-Type": "application/json"})
@@ -325,9 +335,10 @@ def test_pubsub_wakes_serving_before_its_next_poll(stack, root: Path, prefix: st
     with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600), redis_settings(stack, prefix)) as svc:
         conn = connect(svc)
         publish_version(learner, root, "v002")
-        time.sleep(0.3)  # the subscriber is connected by now
-        redis.Redis.from_url(stack.redis_url).publish(artifact_channel(prefix), "v002")
-        deadline = time.monotonic() + 5
+        with redis.Redis.from_url(stack.redis_url) as client:
+            wait_subscribed(client, artifact_channel(prefix))
+            client.publish(artifact_channel(prefix), "v002")
+        deadline = time.monotonic() + 30  # a hang guard: without the wake, the next poll is an hour away
         while post(conn, "/v1/score", REQUEST)[1]["model_version"] != "v002":
             assert time.monotonic() < deadline, "the update message did not wake serving"
             time.sleep(0.02)
