@@ -297,7 +297,14 @@ def test_the_refresh_reads_the_hot_set_and_notifies_serving(
 def test_serving_reads_history_and_wakes_on_pubsub(srv: SecureRedis, secrets_dir: Path, prefix: str, kind: str,
                                                    admin: redis.Redis, tmp_path: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    from tests.integration.test_serving import REQUEST, TinyLearner, post, publish_version, wait_subscribed
+    from tests.integration.test_serving import (
+        HISTORY_READ_S,
+        REQUEST,
+        TinyLearner,
+        post,
+        publish_version,
+        wait_subscribed,
+    )
     from tests.integration.test_serving import connect as http_connect
 
     root = tmp_path / "serving"
@@ -306,7 +313,8 @@ def test_serving_reads_history_and_wakes_on_pubsub(srv: SecureRedis, secrets_dir
     UserHistory(admin, prefix=prefix, max_len=200).append_many([hash_value("alice")] * 2,
                                                                [hash_value(5), hash_value(6)], [1, 2])
     rs = settings_of(redis_table(srv, secrets_dir, kind, prefix))
-    with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600), rs) as svc:
+    with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600, redis_timeout_s=HISTORY_READ_S),
+                        rs) as svc:
         assert svc.app._histories([hash_value("alice")]) == [[hash_value(5), hash_value(6)]]
         conn = http_connect(svc)
         try:

@@ -49,6 +49,11 @@ CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "s
                      FieldSpec("history", "sequence", 40, shares="item_id"), FieldSpec("ctx.device", "single", 10),
                      FieldSpec("ctx.genres", "multi", 12), FieldSpec("ctx.year", "single", 10)),
                     dense=("price",), embedding_dim=4)
+# Serving's history read fails open after redis_timeout_s (50 ms by default: a slow read costs the request its history,
+# not its answer). A test whose expectation needs the read to succeed gives it this long instead: on a loaded machine
+# (CI runs four workers on two cores) a read Redis answers at once can take past 50 ms to be scheduled, and a TLS or
+# ACL connection's first read includes its handshake. A test of the timeout itself sets its own.
+HISTORY_READ_S = 5.0
 
 
 # -- a tiny trained learner ----------------------------------------------------------------------------
@@ -177,7 +182,8 @@ def test_request_features_equal_the_joiners_training_tensors(stack, redis_client
     publish_version(learner, root, "v001")
     hist = UserHistory(redis_client, prefix=prefix, max_len=200)
     hist.append_many([hash_value("alice")] * 3, [hash_value(i) for i in (7, "eight", 9)], [1000, 3000, 2000])
-    with ScoringService(ServeSettings(port=0, publish_root=root), redis_settings(stack, prefix)) as svc:
+    with ScoringService(ServeSettings(port=0, publish_root=root, redis_timeout_s=HISTORY_READ_S),
+                        redis_settings(stack, prefix)) as svc:
         live = svc.holder.live
         assert live is not None
         (history,) = svc.app._histories([hash_value("alice")])
@@ -199,7 +205,8 @@ def test_served_scores_equal_the_learners_eager_scores(stack, redis_client: redi
     publish_version(learner, root, "v001", fmt=fmt)
     UserHistory(redis_client, prefix=prefix, max_len=200).append_many(
         [hash_value("alice")] * 2, [hash_value(5), hash_value(6)], [1, 2])
-    with ScoringService(ServeSettings(port=0, publish_root=root), redis_settings(stack, prefix)) as svc:
+    with ScoringService(ServeSettings(port=0, publish_root=root, redis_timeout_s=HISTORY_READ_S),
+                        redis_settings(stack, prefix)) as svc:
         status, out = post(connect(svc), "/v1/score", REQUEST)
     assert status == 200, out
     assert out["model_version"] == "v001" and out["delta_seq"] == 0 and len(out["scores"]) == 4

@@ -46,7 +46,14 @@ from stream.features import hash_value
 from stream.files import sha256_file
 from stream.history import UserHistory
 from streamrec.stack import free_port
-from tests.integration.test_serving import CFG, TOL, TinyLearner, publish_version, request_as_joiner_batch
+from tests.integration.test_serving import (
+    CFG,
+    HISTORY_READ_S,
+    TOL,
+    TinyLearner,
+    publish_version,
+    request_as_joiner_batch,
+)
 
 FUZZ = settings(max_examples=150, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -642,7 +649,8 @@ def test_a_malformed_history_entry_is_skipped_as_the_joiner_skips_it_not_a_500(
     hist.append_many([hash_value("bob"), hash_value("alice")], [hash_value(7), hash_value(9)], [100, 200])
     redis_client.lpush(hist.key(hash_value("bob")), entry)
     rs = RedisSettings(url=stack.redis_url, prefix=prefix)
-    with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600), rs) as svc:
+    with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600, redis_timeout_s=HISTORY_READ_S),
+                        rs) as svc:
         status, out = score(svc)
         assert status == 200
         # the clicks the joiner would attach to a training sample: the good entry, not the malformed one
@@ -661,7 +669,8 @@ def test_the_history_read_is_collected_on_every_path_so_no_answer_waits_on_a_poo
     hist = UserHistory(redis_client, prefix=prefix, max_len=200)
     hist.append_many([hash_value("bob"), hash_value("alice")], [hash_value(7), hash_value(9)], [100, 200])
     rs = RedisSettings(url=stack.redis_url, prefix=prefix)
-    with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600), rs) as svc:
+    with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600, redis_timeout_s=HISTORY_READ_S),
+                        rs) as svc:
         assert svc.redis is not None
         pool = svc.redis.connection_pool
         sent: list[int] = []
@@ -687,7 +696,7 @@ def test_a_history_key_of_the_wrong_type_is_scored_as_no_history(stack, redis_cl
     learner = TinyLearner(seed=8)
     publish_version(learner, root, "v001")
     redis_client.set(UserHistory(redis_client, prefix=prefix).key(hash_value("bob")), "not a list")
-    with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600),
+    with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600, redis_timeout_s=HISTORY_READ_S),
                         RedisSettings(url=stack.redis_url, prefix=prefix)) as svc:
         status, out = score(svc)
         assert status == 200 and np.allclose(out["scores"], eager(learner), atol=TOL, rtol=0)

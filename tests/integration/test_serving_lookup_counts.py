@@ -29,7 +29,7 @@ from stream.counts import DAY_MS, DailyCounts, day_of
 from stream.features import hash_value
 from stream.history import UserHistory
 from streamrec.stack import free_port
-from tests.integration.test_serving import CFG, TinyLearner, connect, post, publish_version
+from tests.integration.test_serving import CFG, HISTORY_READ_S, TinyLearner, connect, post, publish_version
 
 
 @pytest.fixture
@@ -53,7 +53,8 @@ def test_scored_requests_count_their_user_candidates_and_history_in_todays_looku
     publish_version(learner, root, "v1")
     UserHistory(redis_client, prefix=prefix, max_len=200).append_many(
         [hash_value("alice")] * 2, [hash_value(100), hash_value(101)], [1, 2])
-    settings = ServeSettings(port=0, publish_root=root, poll_s=0.1, lookup_counts_flush_s=3600)
+    settings = ServeSettings(port=0, publish_root=root, poll_s=0.1, lookup_counts_flush_s=3600,
+                             redis_timeout_s=HISTORY_READ_S)
     with ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix)) as svc:
         conn = connect(svc)
         for body in ({"user_id": "alice", "items": [3, "x", 3]}, {"user_id": "alice", "items": [3]},
@@ -220,7 +221,8 @@ def test_a_negative_item_in_a_users_history_costs_only_its_own_lookup_not_every_
     root = tmp_path / "serving"
     publish_version(learner, root, "v1")
     redis_client.lpush(f"{prefix}:history:{hash_value('alice')}", f"1:{hash_value(100)}", "2:-7")
-    settings = ServeSettings(port=0, publish_root=root, poll_s=0.1, lookup_counts_flush_s=3600)
+    settings = ServeSettings(port=0, publish_root=root, poll_s=0.1, lookup_counts_flush_s=3600,
+                             redis_timeout_s=HISTORY_READ_S)
     with ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix)) as svc:
         conn = connect(svc)
         assert post(conn, "/v1/score", {"user_id": "alice", "items": [3, "x"]})[0] == 200
