@@ -50,6 +50,11 @@ CFG = FeatureConfig((FieldSpec("user_id", "single", 8, capacity=40), FieldSpec("
 ADMITTED_USERS = [f"u{k}" for k in range(30)]
 ADMITTED_ITEMS = list(range(50))
 NEW_ITEMS = [1000, 1001, 1002]  # never admitted: their hash-bucket rows (hot, and local in the layered mode)
+# The layered store answers a fetch slower than embedding_store_timeout_s (50 ms by default) with fallback rows. A test
+# that compares answers with the version's own rows gives the fetch this long: on a loaded machine (CI runs four
+# workers on two cores) a fetch Redis answers at once can take past 50 ms to be scheduled (as HISTORY_READ_S in
+# tests/integration/test_serving.py for history reads). A refused connection still fails at once.
+ROWS_READ_S = 5.0
 
 
 def checkpoint(seed: int = 0) -> dict[str, Any]:
@@ -313,7 +318,8 @@ def test_redis_stopped_mid_serving_answers_200_from_hot_rows_and_bucket_rows_and
     writer.close()
     in_process = ScoringModel.load(path)
     settings = ServeSettings(port=0, publish_root=tmp_path, embedding_store=EmbeddingStore.LAYERED,
-                             embedding_store_retry_after_s=0.2, lookup_counts=False, poll_s=60)
+                             embedding_store_retry_after_s=0.2, lookup_counts=False, poll_s=60,
+                             embedding_store_timeout_s=ROWS_READ_S)
     rule = next(r for r in load_rules(None).rules if r.name == "embedding_store_errors")
     engine = RuleEngine([dataclasses.replace(rule, for_s=0)], history_s=600)
     user, twin = ADMITTED_USERS[7], bucket_twin(ADMITTED_USERS[7])
@@ -432,7 +438,7 @@ def test_a_learner_delta_reaches_a_layered_service_and_redis_through_the_delta_d
     writer = DeltaWriter(deltas, CFG.num_rows, every_s=3600)
     settings = ServeSettings(port=0, publish_root=tmp_path / "serving", deltas_dir=deltas, poll_s=3600,
                              embedding_store=EmbeddingStore.LAYERED, lookup_counts=False,
-                             embedding_store_write_deltas=True)
+                             embedding_store_write_deltas=True, embedding_store_timeout_s=ROWS_READ_S)
     req = request(ADMITTED_USERS[4], NEW_ITEMS)
     in_process = ScoringModel.load(path)
     with ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix)) as svc:
@@ -739,7 +745,7 @@ def test_requests_during_a_swap_score_every_row_from_the_version_they_report(
     expected = {v: ScoringModel.load(p) for v, p in paths.items()}
     reqs = some_requests(40, seed=3)
     settings = ServeSettings(port=0, publish_root=root, poll_s=3600, embedding_store=EmbeddingStore.LAYERED,
-                             lookup_counts=False, embedding_cache_rows=50)
+                             lookup_counts=False, embedding_cache_rows=50, embedding_store_timeout_s=ROWS_READ_S)
     answers: list[tuple[int, dict[str, Any], dict[str, Any]]] = []
     with ScoringService(settings, RedisSettings(url=stack.redis_url, prefix=prefix)) as svc:
         stop = threading.Event()
@@ -821,7 +827,8 @@ def test_a_rollback_serves_the_published_versions_rows_not_the_rows_of_deltas_ap
     writer = DeltaWriter(deltas, CFG.num_rows, every_s=3600)
     settings = ServeSettings(port=0, publish_root=root, deltas_dir=deltas, poll_s=3600,
                              embedding_store=EmbeddingStore.LAYERED, lookup_counts=False,
-                             embedding_store_write_deltas=True)  # the delta rows written, as a tool may want
+                             embedding_store_write_deltas=True,  # the delta rows written, as a tool may want
+                             embedding_store_timeout_s=ROWS_READ_S)
     req = request(ADMITTED_USERS[4], NEW_ITEMS)
     published = score(ScoringModel.load(path), req).tolist()  # v1 as published: the artifact's rows
     user_row = int(ScoringModel.load(path).map_rows(0, np.array([hash_value(ADMITTED_USERS[4])]))[0])
