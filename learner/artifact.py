@@ -23,7 +23,7 @@ Layout under a publish root::
         scorer.pt | scorer.pt2 | scorer_state.pt | scorer.safetensors | scorer.onnx + scorer.safetensors
                                          the scorer (torchscript | export | eager | safetensors | onnx: the
                                          graph and the tensors beside it, learner/onnx_scorer.py)
-        cold_rows.npy                    float32 (num_rows, D + 1): the whole fused table, memory-mapped
+        cold_rows.npy                    float32 (num_rows, D + 1): the whole fused table (serving copies it)
         id_maps.pt | id_maps.pack        dynamic ids only: the learner's id maps (learner/row_mapper.py), a
                                          weights-only torch.save, or (safetensors and onnx artifacts) a
                                          learner.tensorpack: such an artifact unpickles nothing
@@ -104,7 +104,7 @@ __all__ = ["ARTIFACT_FORMAT_VERSION", "COLD_FILE", "CURRENT", "FORMATS", "ID_MAP
            "build_artifact", "canonical_manifest", "check_checkpoint", "check_signature", "current_version",
            "decode_manifest", "eager_model", "feature_config_from", "is_version_name", "list_versions", "map_table",
            "new_version_name", "open_artifact", "pin_holding", "read_current", "read_id_maps", "read_manifest",
-           "read_pin", "verify", "version_path", "versions_dir"]
+           "read_pin", "read_table", "verify", "version_path", "versions_dir"]
 
 ARTIFACT_FORMAT_VERSION = 1
 COLD_FILE = "cold_rows.npy"
@@ -876,9 +876,9 @@ def verify(version_dir: Path, manifest: dict[str, Any] | None = None,
         return files.manifest
 
 
-def map_table(fh: BinaryIO) -> np.memmap:
-    """The ``.npy`` table in the open file ``fh`` (``COLD_FILE``), memory-mapped read-only from that file (not copied,
-    not opened again by path). ValueError for a file that is not an ``.npy`` of plain values (no pickles)."""
+def _table_header(fh: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """(shape, fortran order, dtype, offset of the first value) of the ``.npy`` in ``fh``. ValueError for a file that
+    is not an ``.npy`` of plain values (no pickles)."""
     fh.seek(0)
     version = np.lib.format.read_magic(fh)
     if version == (1, 0):
@@ -889,7 +889,42 @@ def map_table(fh: BinaryIO) -> np.memmap:
         raise ValueError(f".npy format version {version}, expected 1.0 or 2.0")
     if dtype.hasobject:
         raise ValueError(f"an .npy of {dtype} holds Python objects (pickles): refused")
-    return np.memmap(fh, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=fh.tell())
+    return shape, fortran, dtype, fh.tell()
+
+
+def map_table(fh: BinaryIO) -> np.memmap:
+    """The ``.npy`` table in the open file ``fh`` (``COLD_FILE``), memory-mapped read-only from that file (not copied,
+    not opened again by path). ValueError for a file that is not an ``.npy`` of plain values (no pickles).
+
+    A map reads the file as it is now: a row read after the file was truncated in place kills the process (SIGBUS),
+    and bytes rewritten in place are read unverified. For loads that only read the table once (the layered mode's
+    bucket rows, a refresh writing Redis); a table read per request is :func:`read_table`'s copy."""
+    shape, fortran, dtype, offset = _table_header(fh)
+    return np.memmap(fh, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=offset)
+
+
+def read_table(fh: BinaryIO) -> np.ndarray:
+    """The ``.npy`` table in the open file ``fh`` (``COLD_FILE``), read into this process's memory (read-only), so
+    that nothing done to the file afterwards (truncated or rewritten in place) reaches what serving reads per
+    request. ValueError as :func:`map_table`, and for a file shorter than its header says (naming both sizes)."""
+    shape, fortran, dtype, offset = _table_header(fh)
+    want = offset + math.prod(shape) * dtype.itemsize
+    if (size := os.fstat(fh.fileno()).st_size) < want:  # before allocating what a header claims
+        _short_table(fh, size, want, shape, dtype)
+    table = np.empty(shape, dtype, order="F" if fortran else "C")
+    into: Any = (table.T if fortran else table).reshape(-1).view(np.uint8)  # (bytes,) a view: the table, file order
+    got = 0
+    while got < len(into) and (n := os.preadv(fh.fileno(), [into[got:]], offset + got)):
+        got += n
+    if got < len(into):  # truncated while it was read
+        _short_table(fh, offset + got, want, shape, dtype)
+    table.flags.writeable = False
+    return table
+
+
+def _short_table(fh: BinaryIO, size: int, want: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    raise ValueError(f"{getattr(fh, 'name', COLD_FILE)} holds {size} bytes, its .npy header says {want} ({shape} "
+                     f"{dtype}): the file is truncated; {_REPUBLISH}")
 
 
 def read_id_maps(files: ArtifactFiles) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
-"""The serving runtime of one artifact: hot rows on the device, cold rows memory-mapped, delta overrides on top.
+"""The serving runtime of one artifact: hot rows on the device, cold rows in memory, delta overrides on top.
 
-The cold rows come from the artifact's memory-mapped file (``[serve] embedding_store = "in_process"``) or, in the
+The cold rows come from the artifact's file, copied into memory at load (``[serve] embedding_store = "in_process"``:
+what is done to the file afterwards, truncated or rewritten in place, never reaches a request) or, in the
 layered mode, from Redis through a bounded LRU (``serving/embedding_store.py``: pass ``store`` to :meth:`load`);
 hot rows, delta overrides and the scorer are the same in both, so both give the same scores for the same rows.
 
@@ -39,6 +40,7 @@ from learner.artifact import (
     map_table,
     open_artifact,
     read_id_maps,
+    read_table,
 )
 from learner.calibration import identity
 from learner.features import FeatureConfig
@@ -140,7 +142,7 @@ class PinnedModel:
 
 
 class ScoringModel:
-    """A loaded artifact: hot rows on ``device``, cold rows memory-mapped, delta overrides on top.
+    """A loaded artifact: hot rows on ``device``, cold rows in memory (the layered mode: Redis), delta overrides on top.
 
     Thread-safety: ``score`` may run in several threads while one thread calls ``apply_delta``; each
     call of ``score`` reads one consistent snapshot (scorer, overrides, sequence number).
@@ -158,7 +160,7 @@ class ScoringModel:
         # is rebuilt from tensors by this code (learner/scorer_files.py), which takes the user-row layout.
         self.input_layout = self.spec.input_layout if self.format in ("torchscript", "export") else USER_ROW_LAYOUT
         self.device = torch.device(device)
-        self._cold = cold  # (num_rows, D + 1) float32 memmap
+        self._cold = cold  # (num_rows, D + 1) float32: a copy (in_process) or a memmap (layered)
         # the same memory as a plain array: a memmap's own indexing wraps every result (~6 us per request)
         self._cold_rows = cold.view(np.ndarray) if isinstance(cold, np.memmap) else cold
         hot_ids = dict(scorer.named_buffers())["hot_ids"] if self.format != "export" else None
@@ -230,7 +232,9 @@ class ScoringModel:
             cfg = FeatureConfig.from_dict(manifest["feature_config"])
             spec = ScorerSpec.from_dict(manifest["scorer"])
             try:
-                cold = map_table(files[COLD_FILE])
+                # in_process: read per request, so copied (a row of a mapped file truncated since is a SIGBUS);
+                # layered: read once here (its bucket rows), so mapped
+                cold = read_table(files[COLD_FILE]) if store is None else map_table(files[COLD_FILE])
                 if cold.dtype != np.float32 or cold.shape != (cfg.num_rows, cfg.embedding_dim + 1):
                     raise ArtifactError(f"{version_dir / COLD_FILE}: {cold.dtype} {cold.shape}, expected float32 "
                                         f"({cfg.num_rows}, {cfg.embedding_dim + 1})")
@@ -385,7 +389,7 @@ class ScoringModel:
 
     @property
     def table(self) -> np.ndarray:
-        """The artifact's whole fused table (num_rows, D + 1) float32, memory-mapped (read-only)."""
+        """The artifact's whole fused table (num_rows, D + 1) float32, read-only (a copy; the layered mode's a map)."""
         return self._cold
 
     def non_hot_rows(self) -> np.ndarray:
