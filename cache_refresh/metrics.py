@@ -38,7 +38,7 @@ LAST_RUN = Gauge("streamrec_refresh_last_run_timestamp_seconds", "Unix time the 
                  "outcome.")
 DURATION = Gauge("streamrec_refresh_duration_seconds", "How long the last refresh run took (s).")
 HOT_ROWS = Gauge("streamrec_refresh_hot_rows", "Rows of the last published artifact's hot set (in the scorer's "
-                 "memory; the rest is read from the memory-mapped cold rows).")
+                 "memory; the rest is read from the cold rows).")
 HOT_SHARE = Gauge("streamrec_refresh_hot_share_of_table", "Share of the embedding table's rows that the last "
                   "published artifact holds hot.")
 

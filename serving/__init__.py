@@ -1,6 +1,6 @@
 """The serving stage: scores candidates over HTTP with the published artifact, fresh with learner deltas.
 
-Owns: the loaded artifact and its row lookups (``model.py``: hot rows on the device, cold rows memory-mapped,
+Owns: the loaded artifact and its row lookups (``model.py``: hot rows on the device, cold rows copied into memory,
 delta overrides), the layered mode's embedding store (``embedding_store.py``: cold rows in Redis, one round trip
 per request, a bounded LRU, bucket-row fallback when Redis is down), the live model and its swaps (``swap.py``:
 ``CURRENT`` polled and announced, deltas applied, the rollback pin respected), request parsing and limits

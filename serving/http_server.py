@@ -26,7 +26,7 @@ Both enforce the same limits (``ServeSettings``, read from ``app.s``):
   server scores on its one event loop: one at a time already.
 * ``reuse_port``: bind with ``SO_REUSEPORT``, so several ``streamrec serve`` processes (same settings) share one
   port and the kernel spreads connections over them: past one process's GIL. Each process loads its own copy of the
-  model (the cold rows are one memory-mapped file, shared through the page cache), applies deltas itself and
+  model (its own copy of the cold rows: N processes hold N tables in memory), applies deltas itself and
   answers ``/metrics`` for itself alone: scrape each process (its own metrics port is not built), and expect
   ``/readyz`` from whichever process the connection lands on.
 * ``request_timeout_s``: a request's headers and body must arrive within it from its first byte, however the

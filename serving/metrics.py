@@ -3,7 +3,7 @@
     streamrec_serving_requests_total{endpoint, status}      requests answered, by HTTP status
     streamrec_serving_request_seconds{endpoint}             service time (parse -> response bytes)
     streamrec_serving_candidates_total                      items scored
-    streamrec_serving_embedding_lookups_total{tier}         hot (fast memory) / cold (memory-mapped, or in the
+    streamrec_serving_embedding_lookups_total{tier}         hot (fast memory) / cold (the artifact's table, or in the
                                                             layered mode the LRU and Redis) row reads
     streamrec_serving_hot_cache_hit_rate                    hot / (hot + cold), since start
     streamrec_serving_id_lookups_total{field, row}          ids of dynamic fields mapped to rows: own (admitted) |
@@ -153,7 +153,7 @@ class _LookupCollector:
     def collect(self) -> Iterator[Metric]:
         hot, cold, id_totals = self.snapshot()
         c = CounterMetricFamily("streamrec_serving_embedding_lookups", "Embedding rows read, by tier: hot (the "
-                                "artifact's hot set, fast memory) or cold (memory-mapped file; layered mode: LRU "
+                                "artifact's hot set, fast memory) or cold (the artifact's table; layered mode: LRU "
                                 "and Redis).", labels=["tier"])
         c.add_metric(["hot"], hot)
         c.add_metric(["cold"], cold)

@@ -206,7 +206,7 @@ class ScoringModel:
 
         ``store``: the layered mode; cold rows come from it (and the version must be in it: a Redis that answers
         without the version's rows is an :class:`ArtifactError`; a Redis that does not answer is not, the model
-        serves fallback rows until it does) instead of the memory-mapped file.
+        serves fallback rows until it does) instead of the artifact's file (then memory-mapped: read once, at load).
 
         Every reason it cannot be used is an :class:`ArtifactError`: the manifest (:func:`decode_manifest`),
         with ``signing_key`` a manifest that is unsigned or whose signature does not match (checked right after
@@ -404,7 +404,7 @@ class ScoringModel:
         return self._layered
 
     def _given(self, live: _Live, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(given_rows (N, D + 1), given_mask (N,)): cold rows from the mmap, delta overrides on top."""
+        """(given_rows (N, D + 1), given_mask (N,)): cold rows from the table, delta overrides on top."""
         return self._given_at(live, values)[1:]
 
     def _given_at(self, live: _Live, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -21,7 +21,7 @@ MAX_DURATION_S = 86_400.0  # the longest period or timeout a [serve] duration ma
 class EmbeddingStore(Choice):
     """Where the rows outside the artifact's hot set come from (serving/model.py, serving/embedding_store.py)."""
 
-    IN_PROCESS = "in_process"  # the artifact's memory-mapped cold file (all in one process; the default)
+    IN_PROCESS = "in_process"  # the artifact's cold file, copied into memory at load (all in one process; default)
     LAYERED = "layered"  # Redis (written by the refresh with [refresh] embedding_store = "layered"), via a bounded LRU
 
 
@@ -102,7 +102,7 @@ class ServeSettings:
     lookup_counts_timeout_s: float = 2.0
 
     # -- the layered deployment (serving/embedding_store.py) --
-    # in_process: cold rows from the artifact's memory-mapped file; layered: from Redis ([redis] url, the rows the
+    # in_process: cold rows from the artifact's file (copied at load); layered: from Redis ([redis] url, the rows the
     # refresh wrote under <prefix>:emb:<version>:), one round trip per request for the rows neither hot nor cached.
     embedding_store: EmbeddingStore = EmbeddingStore.IN_PROCESS
     # layered: rows fetched from Redis kept in an LRU (per loaded artifact); at most 1,000,000,000
