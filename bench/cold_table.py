@@ -1,7 +1,9 @@
 """What copying the cold table into memory at load costs (serving.model.ScoringModel.load, in_process mode) against
-memory-mapping it (the code before: a file truncated in place then killed serving with SIGBUS): load time (verified,
-page cache warm) and the serving process's RSS (anonymous and file-backed) after the load and after every row was read
-once, each mode in a fresh child process, alternated. Run: python bench/cold_table.py [--rows 10000000] [--rounds 2]"""
+memory-mapping it (``map``, the code before: a file truncated in place then killed serving with SIGBUS), and what
+hashing the bytes copied saves (``copy-after-hash``: a hash pass, then the copy; ``copy``: one read, hashed as copied,
+as serving does): load time (verified, page cache warm) and the serving process's RSS (anonymous and file-backed)
+after the load and after every row was read once, each mode in a fresh child process, alternated.
+Run: python bench/cold_table.py [--rows 10000000] [--rounds 2]"""
 
 from __future__ import annotations
 
@@ -22,9 +24,18 @@ _CHILD = """
 import json, sys, time
 import numpy as np
 import serving.model as M
-from learner.artifact import map_table
-if sys.argv[2] == "map":  # the code before: the table memory-mapped from the verified file
-    M.read_table = map_table
+from learner.artifact import _check_sha256, map_table, read_table
+from stream.files import sha256_file
+def hashed_first(load):  # the file hashed in a pass of its own, then loaded: the code before
+    def run(fh, sha256=None):
+        if sha256 is not None:
+            _check_sha256(fh.name, sha256_file(fh), sha256)
+        return load(fh)
+    return run
+if sys.argv[2] == "map":  # before: hashed, then memory-mapped
+    M.read_table = hashed_first(map_table)
+elif sys.argv[2] == "copy-after-hash":  # hashed, then copied: two reads
+    M.read_table = hashed_first(read_table)
 def rss():
     f = dict(l.split(":", 1) for l in open("/proc/self/status") if l.startswith(("VmRSS", "RssAnon", "RssFile")))
     return {k: int(v.split()[0]) // 1024 for k, v in f.items()}  # MiB
@@ -57,11 +68,11 @@ def main() -> None:
         print(f"artifact of {args.rows:,} rows built in {time.perf_counter() - t:.1f} s: cold table "
               f"{(version / 'cold_rows.npy').stat().st_size / 2**20:.0f} MiB")
         for r in range(args.rounds):
-            for mode in ("map", "copy"):
+            for mode in ("map", "copy-after-hash", "copy"):
                 out = subprocess.run([sys.executable, "-c", _CHILD, str(version), mode], cwd=ROOT, check=True,
                                      capture_output=True, text=True).stdout.strip().splitlines()[-1]
                 m = json.loads(out)
-                print(f"round {r + 1} {mode:4}: load {m['load_s']:.3f} s; RSS MiB (anon/file) at start "
+                print(f"round {r + 1} {mode:15}: load {m['load_s']:.3f} s; RSS MiB (anon/file) at start "
                       f"{m['base']['RssAnon']}/{m['base']['RssFile']}, loaded {m['loaded']['RssAnon']}/"
                       f"{m['loaded']['RssFile']}, every row read {m['touched']['RssAnon']}/{m['touched']['RssFile']}")
 

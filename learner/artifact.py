@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import datetime as dt
 import errno
+import hashlib
 import json
 import logging
 import math
@@ -68,7 +69,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -794,12 +795,18 @@ def _open_dir(version_dir: Path) -> int:
     return fd
 
 
-def _open_listed(dir_fd: int, path: Path, want: Mapping[str, Any], digest: bool) -> BinaryIO:
+def _check_sha256(path: Path | str, got: str, want: str) -> None:
+    if got != want:
+        raise ArtifactError(f"{path}: sha256 {got[:16]}... does not match the manifest's {want[:16]}...: the file is "
+                            f"corrupt; {_REPUBLISH}")
+
+
+def _open_listed(dir_fd: int, path: Path, want: Mapping[str, Any], digest: bool, hash_now: bool = True) -> BinaryIO:
     """``path`` (a listed file) opened once relative to its directory's descriptor, not following a symlink, and
     checked on that descriptor: a regular file (a FIFO hung every loader's blocking open; ``/dev/zero`` was read
     without end), not a hard link (another path could change it after its check, before its load: the refresh writes
-    every file afresh; copy a publish root, never ``cp -al``), and with ``digest`` the manifest's size and sha256
-    read from it."""
+    every file afresh; copy a publish root, never ``cp -al``), and with ``digest`` the manifest's size and (unless not
+    ``hash_now``: the loader hashes what it reads) sha256 read from it."""
     try:
         fd = open_entry(dir_fd, path.name)
     except FileNotFoundError:
@@ -825,13 +832,12 @@ def _open_listed(dir_fd: int, path: Path, want: Mapping[str, Any], digest: bool)
             if st.st_size != want["bytes"]:
                 raise ArtifactError(f"{path} has {st.st_size} bytes, the manifest says {want['bytes']}: the file is "
                                     f"truncated or was replaced; {_REPUBLISH}")
+        if digest and hash_now:
             try:
                 got = sha256_file(fh)
             except OSError as exc:
                 raise ArtifactError(f"{path} cannot be read ({exc}); check the publish root's permissions") from None
-            if got != want["sha256"]:
-                raise ArtifactError(f"{path}: sha256 {got[:16]}... does not match the manifest's "
-                                    f"{want['sha256'][:16]}...: the file is corrupt; {_REPUBLISH}")
+            _check_sha256(path, got, want["sha256"])
     except BaseException:
         fh.close()
         raise
@@ -839,13 +845,17 @@ def _open_listed(dir_fd: int, path: Path, want: Mapping[str, Any], digest: bool)
 
 
 def open_artifact(version_dir: Path, manifest: dict[str, Any] | None = None, signing_key: SigningKey | None = None,
-                  digests: bool = True) -> ArtifactFiles:
+                  digests: bool = True, hashed_on_read: Collection[str] = ()) -> ArtifactFiles:
     """Every file ``manifest`` lists (read, with ``signing_key`` its signature checked first, when not given), each
     opened once and checked on the open file (:func:`_open_listed`; with ``digests`` its size and sha256 too), as
     :class:`ArtifactFiles`: the loader reads those open files, so a file renamed over a listed one after its check is
     never what is loaded. ArtifactError for a version directory or a file that is a symlink or a path resolving outside
     where it belongs (module docstring; a symlink inside the version directory is refused too: every file is opened
-    without following one), missing, not a regular file, a hard link, or (``digests``) of another size or digest."""
+    without following one), missing, not a regular file, a hard link, or (``digests``) of another size or digest.
+
+    ``hashed_on_read``: names whose sha256 the loader takes from the very bytes it reads (:func:`read_table` given the
+    manifest's digest) instead of here, so that bytes rewritten in place between a check and the read are never what is
+    loaded; their size is checked here all the same."""
     version_dir = _check_version_dir(version_dir)
     if manifest is None:  # (the one-argument call without a key: tests wrap read_manifest)
         manifest = read_manifest(version_dir) if signing_key is None else read_manifest(version_dir, signing_key)
@@ -857,7 +867,7 @@ def open_artifact(version_dir: Path, manifest: dict[str, Any] | None = None, sig
         for name, want in manifest["files"].items():
             path = version_dir / name
             _resolve_inside(path, version_dir, "artifact files must be files of their version directory")
-            opened[name] = _open_listed(dir_fd, path, want, digests)
+            opened[name] = _open_listed(dir_fd, path, want, digests, hash_now=name not in hashed_on_read)
     except BaseException:
         for fh in opened.values():
             fh.close()
@@ -903,10 +913,14 @@ def map_table(fh: BinaryIO) -> np.memmap:
     return np.memmap(fh, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=offset)
 
 
-def read_table(fh: BinaryIO) -> np.ndarray:
+def read_table(fh: BinaryIO, sha256: str | None = None) -> np.ndarray:
     """The ``.npy`` table in the open file ``fh`` (``COLD_FILE``), read into this process's memory (read-only), so
     that nothing done to the file afterwards (truncated or rewritten in place) reaches what serving reads per
-    request. ValueError as :func:`map_table`, and for a file shorter than its header says (naming both sizes)."""
+    request. ValueError as :func:`map_table`, and for a file shorter than its header says (naming both sizes).
+
+    ``sha256``: the manifest's digest of the file, checked on the bytes read (the header, the table as copied, any
+    bytes past it): an ArtifactError when they differ (``open_artifact(hashed_on_read=...)``). One read of the file
+    instead of a hash pass and a copy pass, and no moment between the check and the read."""
     shape, fortran, dtype, offset = _table_header(fh)
     want = offset + math.prod(shape) * dtype.itemsize
     if (size := os.fstat(fh.fileno()).st_size) < want:  # before allocating what a header claims
@@ -918,8 +932,22 @@ def read_table(fh: BinaryIO) -> np.ndarray:
         got += n
     if got < len(into):  # truncated while it was read
         _short_table(fh, offset + got, want, shape, dtype)
+    if sha256 is not None:
+        _check_sha256(getattr(fh, "name", COLD_FILE), _digest_around(fh.fileno(), offset, into), sha256)
     table.flags.writeable = False
     return table
+
+
+def _digest_around(fd: int, offset: int, body: Any) -> str:
+    """The sha256 of the file ``fd`` whose bytes ``offset`` .. ``offset + len(body)`` were read into ``body``: its
+    header read again, ``body`` itself (the bytes loaded), then whatever follows it in the file."""
+    h = hashlib.sha256(os.pread(fd, offset, 0))
+    h.update(body)
+    at = offset + len(body)
+    while chunk := os.pread(fd, 8 << 20, at):
+        h.update(chunk)
+        at += len(chunk)
+    return h.hexdigest()
 
 
 def _short_table(fh: BinaryIO, size: int, want: int, shape: tuple[int, ...], dtype: np.dtype) -> None:

@@ -221,8 +221,10 @@ class ScoringModel:
         version_dir = Path(version_dir)
         # a key: always every file's digest, after the manifest's signature; else digests unless verify_files=False
         # (no digests, but no file from outside the version either)
-        with (open_artifact(version_dir, signing_key=signing_key) if signing_key is not None
-              else open_artifact(version_dir, digests=verify_files)) as files:
+        # (in_process: the cold table's digest is taken from the bytes copied into memory, read_table)
+        own = (COLD_FILE,) if store is None else ()
+        with (open_artifact(version_dir, signing_key=signing_key, hashed_on_read=own) if signing_key is not None
+              else open_artifact(version_dir, digests=verify_files, hashed_on_read=own)) as files:
             manifest = files.manifest
             if version_dir.parent.name == VERSIONS and manifest["version"] != version_dir.name:
                 raise ArtifactError(f"{version_dir / MANIFEST}: names version {manifest['version']!r} but lies in "
@@ -234,7 +236,8 @@ class ScoringModel:
             try:
                 # in_process: read per request, so copied (a row of a mapped file truncated since is a SIGBUS);
                 # layered: read once here (its bucket rows), so mapped
-                cold = read_table(files[COLD_FILE]) if store is None else map_table(files[COLD_FILE])
+                digest = manifest["files"][COLD_FILE]["sha256"] if signing_key is not None or verify_files else None
+                cold = read_table(files[COLD_FILE], digest) if store is None else map_table(files[COLD_FILE])
                 if cold.dtype != np.float32 or cold.shape != (cfg.num_rows, cfg.embedding_dim + 1):
                     raise ArtifactError(f"{version_dir / COLD_FILE}: {cold.dtype} {cold.shape}, expected float32 "
                                         f"({cfg.num_rows}, {cfg.embedding_dim + 1})")

@@ -49,11 +49,12 @@ def test_files_renamed_over_listed_ones_after_their_check_are_never_loaded(
         shutil.copyfile(other / name, version / f".evil-{name}")
     np.save(version / f".evil-{A.COLD_FILE}", np.load(version / A.COLD_FILE) + 1.0)
     real_hash, hashed, swapped = A.sha256_file, [], []
+    by_path = [n for n in names if n != A.COLD_FILE]  # the table's digest is taken as it is read (read_table)
 
     def hash_then_swap(source: Any) -> str:
         digest = real_hash(source)
         hashed.append(digest)
-        if len(hashed) == len(names):  # every listed file checked: each is replaced by rename
+        if len(hashed) == len(by_path):  # every listed file checked: each is replaced by rename
             for name in names:
                 os.replace(version / f".evil-{name}", version / name)
             swapped.append(True)

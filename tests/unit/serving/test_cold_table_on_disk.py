@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ import pytest
 from cache_refresh.publish import publish
 from learner import artifact as A
 from learner.artifact import ArtifactError, build_artifact
+from serving import model as model_module
 from serving.model import ScoringModel
 from stream.files import sha256_file
 from tests.unit.learner.test_artifact import CFG, make_checkpoint, probe
@@ -43,6 +45,7 @@ def version(tmp_path: Path, ckpt: dict) -> Path:
 
 _TRUNCATE_THEN_SCORE = """
 import json, os, sys
+from serving import model as model_module
 from serving.model import ScoringModel
 from stream.files import sha256_file
 from tests.unit.learner.test_artifact import CFG, probe
@@ -89,3 +92,30 @@ def test_a_table_shorter_than_its_header_with_a_manifest_that_matches_it_is_refu
     with pytest.raises(ArtifactError) as err:
         ScoringModel.load(version)
     assert all(s in str(err.value) for s in (str(path), f"holds {full - 4096} bytes", f"header says {full}"))
+
+
+def test_a_table_rewritten_in_place_after_its_check_is_refused_not_served(
+        version: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race a sha256 check before the read leaves: the table's bytes changed in place (same inode, same size) after
+    the load opened (and checked) the file, before the table is read into memory. Its digest must be that of the
+    bytes read."""
+    path = version / A.COLD_FILE
+    want = ScoringModel.load(version).table.copy()
+    real_read, rewritten = model_module.read_table, []
+
+    def rewrite_then_read(fh: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+        with open(path, "r+b") as out:
+            out.seek(HEADER)
+            out.write(np.full((path.stat().st_size - HEADER) // 4, 0.5, np.float32).tobytes())
+        rewritten.append(True)
+        return real_read(fh, *args, **kwargs)
+
+    monkeypatch.setattr(model_module, "read_table", rewrite_then_read)
+    try:
+        got = ScoringModel.load(version)
+    except ArtifactError as exc:
+        assert str(path) in str(exc) and "sha256" in str(exc)
+        got = None
+    assert rewritten == [True]
+    if got is not None:
+        assert np.array_equal(got.table, want), "a table no manifest lists was loaded"
