@@ -45,7 +45,8 @@ def resolve_device(device: str) -> str:
 
 def _embedding_store(settings: ServeSettings, redis_settings: RedisSettings | None,
                      metrics: ServingMetrics) -> RedisEmbeddingStore | None:
-    """The layered mode's store ([serve] embedding_store = "layered"), on its own client: a short timeout, no
+    """The layered mode's store ([serve] embedding_store = "layered"), on its own client: a short timeout (of each
+    whole reply: a trickling Redis costs no more), no
     retries (a failed round trip falls back at once), a Redis Cluster with ``[redis] cluster`` (made at its
     first use: an unreachable cluster at start costs fallback rows, as a single node that is down does)."""
     if settings.embedding_store is not EmbeddingStore.LAYERED:
@@ -55,7 +56,7 @@ def _embedding_store(settings: ServeSettings, redis_settings: RedisSettings | No
                           '(not --no-redis)')
     t = settings.embedding_store_timeout_s
     rs = redis_settings
-    client = connect(rs, timeout_s=t, retries=0)
+    client = connect(rs, timeout_s=t, retries=0, whole_reply=True)
     return RedisEmbeddingStore(client, redis_settings.prefix, cache_rows=settings.embedding_cache_rows, timeout_s=t,
                                retry_after_s=settings.embedding_store_retry_after_s,
                                write_deltas=settings.embedding_store_write_deltas, metrics=metrics,
@@ -79,9 +80,10 @@ class ScoringService:
         if redis_settings is not None:
             prefix = redis_settings.prefix
             # Request path: a short timeout and NO retries (redis-py retries timeouts 3 times with backoff by
-            # default), so a slow or dead Redis costs one timeout and the request is scored without history.
+            # default), so a slow or dead Redis costs one timeout and the request is scored without history; the
+            # timeout bounds each whole reply (whole_reply), so a Redis trickling its reply costs no more.
             # Credentials and TLS come from [redis] (stream/redis_client.py), for both clients.
-            self.redis = connect(redis_settings, timeout_s=settings.redis_timeout_s, retries=0)
+            self.redis = connect(redis_settings, timeout_s=settings.redis_timeout_s, retries=0, whole_reply=True)
             # The joiner keeps 4 x history_len clicks per user and attaches the last history_len.
             history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len)
             # The update channels: reads bounded by the default command timeout, redis-py's retries.
@@ -99,7 +101,7 @@ class ScoringService:
         if redis_settings is not None and settings.lookup_counts:
             # Its own client: a flush of many ids may take longer than the request path's timeout; no retries
             # (a failed flush is dropped and counted, the next one comes flush_s later).
-            client = connect(redis_settings, timeout_s=settings.lookup_counts_timeout_s, retries=0)
+            client = connect(redis_settings, timeout_s=settings.lookup_counts_timeout_s, retries=0, whole_reply=True)
             counts = DailyCounts(client, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days)
             self.lookups = LookupCounts(counts, self.metrics, flush_s=settings.lookup_counts_flush_s,
                                         flush_ids=settings.lookup_counts_flush_ids,

@@ -61,6 +61,7 @@ from redis.retry import Retry
 from stream.config import RedisSettings
 from stream.errors import ConfigError, StreamError, clip
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
+from stream.redis_deadline import connection_class
 from stream.secrets import Secret, redact, secret_text
 from stream.startup import wait_ready
 from stream.tls import client_context
@@ -217,18 +218,22 @@ DEFAULT_TIMEOUT_S = 5.0
 
 
 def connect(settings: RedisSettings, *, timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float | None = None,
-            retries: int | None = None, check: bool = False) -> Any:
+            retries: int | None = None, check: bool = False, whole_reply: bool = False) -> Any:
     """A client of the Redis ``settings`` names, with its credentials and TLS applied: a :class:`redis.Redis`, or with
     ``settings.cluster`` a :class:`LazyClient` of a :class:`~redis.cluster.RedisCluster` (module docstring), which
     passes every command on to it; typed ``Any`` as the two share no base class.
 
     ``timeout_s`` bounds each command (``socket_timeout``; default :data:`DEFAULT_TIMEOUT_S`), ``connect_timeout_s``
-    each connection attempt (default ``timeout_s``); ``retries`` is the retry policy (module docstring). The client
+    each connection attempt (default ``timeout_s``); ``retries`` is the retry policy (module docstring);
+    ``whole_reply`` makes ``timeout_s`` bound each whole reply, not each read of it (a Redis trickling its reply holds
+    a command past a per-read timeout: :mod:`stream.redis_deadline`; serving's request path asks for it). The client
     connects lazily (a cluster client is made at its first use, :class:`LazyClient`); ``check=True`` sends one
     PING first (:func:`verify`) and raises a :class:`RedisFailure` (:class:`RedisAuthError` for refused credentials)
     instead of returning a client that cannot work.
     Raises :class:`~stream.errors.ConfigError` for an unreadable ``password_file`` or TLS file."""
     options = _client_options(settings, timeout_s, connect_timeout_s)
+    if whole_reply:
+        options["connection_class"] = connection_class(settings.url)
     client: Client | LazyClient
     if settings.cluster:  # made at its first use (LazyClient): an unreachable cluster fails commands, not connect()
         client = LazyClient(lambda: RedisCluster.from_url(settings.url, retry=_retry(retries), **options), cluster=True)

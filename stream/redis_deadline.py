@@ -1,0 +1,111 @@
+"""Redis connections whose ``socket_timeout`` bounds each whole reply, not each read of it.
+
+redis-py applies ``socket_timeout`` to every ``recv``: a Redis that trickles its reply (a congested or lossy link, a
+server swapping, a middlebox pacing bytes) and never leaves a read idle for the whole timeout holds a command for as
+long as it keeps trickling. Measured (tests/integration/test_serving_slow_redis.py, replies a byte per 20 ms): a
+layered request whose history and row reads were to time out in 0.2 s each was not answered in 10 s. The connections
+here bound a reply's reads together: the first read waits ``socket_timeout`` as before, each later read of the same
+reply only what is left of it since the first, and a reply not complete by then fails as a timeout (redis-py's
+``TimeoutError``, the connection disconnected: nothing is left unread on it), which every caller already handles as
+a Redis slower than its timeout.
+
+The common reply arrives in one read and costs nothing more (no ``settimeout`` call); only a reply in several reads
+shortens its socket's timeout, restored when the reply is read. A pipeline's replies are bounded one by one. Reads
+with a timeout of their own (redis-py's ``can_read``, pub/sub polls) are left as they are.
+
+:func:`stream.redis_client.connect` builds its clients with these classes where asked (``whole_reply=True``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+
+class _DeadlineSocket:
+    """A connection's socket whose reads share one deadline while a reply is read (:meth:`begin` .. :meth:`end`);
+    every other use passes through to the socket."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._reading = False
+        self._deadline: float | None = None
+        self._timeout: float | None = None  # the socket's own timeout, restored by end() where a read shortened it
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def begin(self) -> None:
+        self._reading, self._deadline, self._timeout = True, None, None
+
+    def end(self) -> None:
+        if self._timeout is not None:
+            self._sock.settimeout(self._timeout)
+        self._reading, self._deadline, self._timeout = False, None, None
+
+    def _bound(self) -> None:
+        """Before each read of a reply: the first sets the deadline, a later one waits only what is left of it."""
+        if not self._reading:
+            return
+        now = time.monotonic()
+        if self._deadline is None:
+            timeout = self._sock.gettimeout()
+            if timeout is not None:  # no socket timeout: nothing to bound
+                self._deadline = now + timeout
+            return
+        left = self._deadline - now
+        if left <= 0:
+            raise TimeoutError("timed out: the reply did not complete within socket_timeout")
+        if self._timeout is None:
+            self._timeout = self._sock.gettimeout()
+        self._sock.settimeout(left)
+
+    def recv(self, *args: Any) -> Any:
+        self._bound()
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args: Any) -> Any:
+        self._bound()
+        return self._sock.recv_into(*args)
+
+
+class _WholeReply:
+    """The mixin: the socket wrapped at connect, each ``read_response`` without a timeout of its own bounded."""
+
+    _sock: Any
+
+    def _connect(self) -> Any:
+        return _DeadlineSocket(super()._connect())  # type: ignore[misc]
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        sock = self._sock
+        if not isinstance(sock, _DeadlineSocket) or "timeout" in kwargs:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        sock.begin()
+        try:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            sock.end()
+
+
+class WholeReplyConnection(_WholeReply, redis.Connection):
+    """A TCP connection whose ``socket_timeout`` bounds each whole reply (module docstring)."""
+
+
+class WholeReplySSLConnection(_WholeReply, redis.SSLConnection):
+    """A TLS connection whose ``socket_timeout`` bounds each whole reply (module docstring)."""
+
+
+class WholeReplyUnixConnection(_WholeReply, redis.UnixDomainSocketConnection):
+    """A Unix-socket connection whose ``socket_timeout`` bounds each whole reply (module docstring)."""
+
+
+def connection_class(url: str) -> type[redis.connection.AbstractConnection]:
+    """The whole-reply connection class for a Redis ``url`` (its scheme: redis, rediss or unix)."""
+    if url.startswith("rediss://"):
+        return WholeReplySSLConnection
+    if url.startswith("unix://"):
+        return WholeReplyUnixConnection
+    return WholeReplyConnection
