@@ -62,6 +62,7 @@ default alert rule ``embedding_store_errors`` fires on it), requests skip Redis 
 id's own row to its hash bucket's row (the row the id would have if it were not admitted, kept locally), any other
 row (a static field's hash row: it is its own bucket) to zeros, the "unknown" value of an embedding;
 ``..._fallback_rows_total{kind}`` counts them. Hot rows, overrides and cached rows keep serving; no request fails.
+The outage is logged once, at its first failed read, and once more when Redis answers again.
 Nothing is cached from a failed round trip. **A bad row** (its key missing: deleted, evicted; or its value malformed:
 of another length, or not finite) is not Redis being down: that row alone falls back, uncached, the round trip's
 other rows are served and cached, and Redis stays in use; ``..._bad_rows_total{reason}`` counts the rows and
@@ -554,22 +555,41 @@ class RedisEmbeddingStore:
         self._down_until = -float("inf")
         self._quiet_until = -float("inf")  # bad rows are logged at most once per retry_after_s
         self.last_error: str | None = None
+        self._outage_lock = threading.Lock()
+        self._failures = 0  # failed reads since Redis last answered: an outage is logged at its first and its end
 
     # -- failures: counted, then Redis is skipped for retry_after_s --
     def failed(self, what: str, exc: BaseException, skip_reads: bool = True) -> None:
         """Count a failure; ``skip_reads``: requests skip Redis for ``retry_after_s`` (not for a failed delta write:
-        writes may stall while reads answer, and a best-effort write must not cost requests their rows)."""
+        writes may stall while reads answer, and a best-effort write must not cost requests their rows). A failed read
+        is logged once per outage, at its first failure (:meth:`answered` says when it ends): every request in flight
+        as Redis froze, and the one try of each retry-after window, logged a line each."""
         if skip_reads:
             self._down_until = self._clock() + self.retry_after_s
         self.last_error = f"{what}: {type(exc).__name__}: {exc}"[:300]
         if self.metrics is not None:
             self.metrics.embedding_store_errors.inc()
         if skip_reads:
-            log.warning("embedding store %s failed (%s); misses use fallback rows for %.1fs", what, self.last_error,
-                        self.retry_after_s)
+            with self._outage_lock:
+                self._failures += 1
+                first = self._failures == 1
+            if first:
+                log.warning("embedding store %s failed (%s); misses use fallback rows, Redis is tried again every "
+                            "%.1fs (said once until it answers; failures counted in streamrec_serving_embedding_"
+                            "store_errors_total)", what, self.last_error, self.retry_after_s)
         else:
             log.warning("embedding store %s failed (%s); the delta serves from this process's overrides, Redis "
                         "gets the rows at the next refresh", what, self.last_error)
+
+    def answered(self) -> None:
+        """Redis answered a read: an outage :meth:`failed` logged has ended, said once."""
+        if not self._failures:  # the common case: no lock
+            return
+        with self._outage_lock:
+            failures, self._failures = self._failures, 0
+        if failures:
+            log.warning("embedding store: Redis answers again after %d failed reads; rows are read from it again",
+                        failures)
 
     @property
     def available(self) -> bool:
@@ -602,6 +622,7 @@ class RedisEmbeddingStore:
                 or meta.get("row_check") not in (None, ROW_CHECK)):  # None: written before the tags, untagged
             raise ValueError(f"the embedding store's rows of version {version} do not fit the artifact ({num_rows} "
                              f"rows of {dim} values; meta {str(meta)[:200]}); republish with `streamrec refresh --now`")
+        self.answered()
         return meta
 
     def fetch(self, version: str, rows: np.ndarray, dim: int, dtype: RowDtype,
@@ -625,6 +646,7 @@ class RedisEmbeddingStore:
         finally:
             if self.metrics is not None:
                 self.metrics.embedding_store_fetch_seconds.observe(time.perf_counter() - t0)
+        self.answered()
         out, missing, malformed = decode_answer(values, dim, dtype, rows, key)
         missing &= ~late
         bad = missing | malformed

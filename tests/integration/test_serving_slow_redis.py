@@ -9,6 +9,8 @@ timeout, so only a bound on the whole reply holds it to the setting.
 
 from __future__ import annotations
 
+import logging
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -95,3 +97,58 @@ def test_a_trickling_redis_costs_a_layered_request_its_timeouts_not_the_trickle_
         while [post(svc.port, r)[1]["scores"] for r in reqs] != [b["scores"] for _, b in healthy]:
             assert time.monotonic() < deadline, "serving did not use Redis again after the trickle ended"
             time.sleep(0.1)
+
+
+def test_a_frozen_redis_answers_every_concurrent_request_within_its_timeouts_logs_once_and_recovers_after_sigcont(
+        own_redis: tuple, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    """Redis SIGSTOPped (accepting, never answering) across several retry-after windows while requests come
+    concurrently: each answers 200 within MARGIN x the two timeouts, with no history and bucket rows, the outage is
+    counted and logged once (not once per retry window), neither client's pool grows past the requests in flight, and
+    after SIGCONT serving uses Redis again by itself (and says so once)."""
+    proc, url = own_redis
+    prefix = "frozen"
+    writer = redis.Redis.from_url(url)
+    path = publish_version(tmp_path, writer, prefix)
+    users = ADMITTED_USERS[:CONCURRENT]
+    writer.close()
+    in_process = ScoringModel.load(path)
+    settings = layered_settings(tmp_path)
+    bound = MARGIN * 2 * TIMEOUT_S
+    reqs = [request(u, NEW_ITEMS) for u in users]
+    with ScoringService(settings, RedisSettings(url=url, prefix=prefix)) as svc:
+        healthy = [post(svc.port, r) for r in reqs]
+        assert [s for s, _ in healthy] == [200] * len(reqs)
+        svc.holder.model().layered.cache.discard_many(np.arange(in_process.table.shape[0]))  # type: ignore[union-attr]
+        caplog.clear()
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            answers = []
+            frozen_until = time.monotonic() + 3 * settings.embedding_store_retry_after_s
+            with ThreadPoolExecutor(CONCURRENT) as pool:
+                while time.monotonic() < frozen_until:  # several retry-after windows, each tried again
+                    answers += pool.map(lambda r: timed_post(svc.port, r), reqs)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert {s for s, _, _ in answers} == {200}
+        slowest = max(t for _, _, t in answers)
+        assert slowest < bound, f"a request took {slowest:.2f}s with Redis frozen (bound {bound:.2f}s)"
+        fallback = [score(in_process, request(bucket_twin(u), NEW_ITEMS)).tolist() for u in users]
+        for i, (_, body, _) in enumerate(answers):  # in the order of reqs, round after round
+            assert body["scores"] == pytest.approx(fallback[i % len(users)], abs=1e-6)
+        text = scrape(svc.port)
+        assert _sample(text, "streamrec_serving_embedding_store_errors_total") >= 2  # tried again each window
+        assert _sample(text, "streamrec_serving_history_unavailable_total") >= len(answers)
+        store_lines = [r for r in caplog.records
+                       if "embedding store" in r.getMessage() and r.levelno >= logging.WARNING]
+        assert len(store_lines) == 1, [r.getMessage() for r in store_lines]
+        assert len([r for r in caplog.records if "history unavailable" in r.getMessage()]) == 1
+        for client in (svc.redis, svc.embedding_store.client):  # type: ignore[union-attr]
+            held = client.connection_pool  # type: ignore[union-attr]
+            assert len(held._available_connections) + len(held._in_use_connections) <= CONCURRENT + 1
+
+        caplog.clear()
+        deadline = time.monotonic() + 30
+        while [post(svc.port, r)[1]["scores"] for r in reqs] != [b["scores"] for _, b in healthy]:
+            assert time.monotonic() < deadline, "serving did not use Redis again after SIGCONT"
+            time.sleep(0.1)
+        assert len([r for r in caplog.records if "answers again" in r.getMessage()]) == 1
