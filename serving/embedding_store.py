@@ -74,6 +74,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -89,6 +90,7 @@ from redis.exceptions import AskError, ClusterError, ResponseError, TryAgainErro
 
 from learner.artifact import ArtifactError
 from serving.settings import RowDtype
+from stream.redis_deadline import replies_by
 
 log = logging.getLogger("streamrec.serve")
 
@@ -636,8 +638,12 @@ class RedisEmbeddingStore:
         t0 = time.perf_counter()
         deadline = float("inf") if self.timeout_s is None else self._clock() + self.timeout_s
         late = np.zeros(len(keys), dtype=bool)  # (M,) rows a split slot held, not read by the deadline
+        # the whole round trip's replies by timeout_s (a whole-reply client bounds each alone: a trickling Redis held
+        # pipelined MGETs one timeout each), on the monotonic clock the sockets read by (self._clock may be a test's)
+        by = math.inf if self.timeout_s is None else time.monotonic() + self.timeout_s
         try:
-            values = self._mget(keys, deadline, late)
+            with replies_by(by):
+                values = self._mget(keys, deadline, late)
             if len(values) != len(keys):
                 raise ValueError(f"{len(values)} answers to an MGET of {len(keys)} keys")
         except Exception as exc:  # noqa: BLE001 - refused, timed out, a broken answer: fallback rows

@@ -10,18 +10,38 @@ reply only what is left of it since the first, and a reply not complete by then 
 a Redis slower than its timeout.
 
 The common reply arrives in one read and costs nothing more (no ``settimeout`` call); only a reply in several reads
-shortens its socket's timeout, restored when the reply is read. A pipeline's replies are bounded one by one. Reads
-with a timeout of their own (redis-py's ``can_read``, pub/sub polls) are left as they are.
+shortens its socket's timeout, restored when the reply is read. A pipeline's replies are bounded one by one, unless
+the caller bounds them together (:func:`replies_by`: the layered row fetch, whose pipelined MGETs are one round trip
+of ``embedding_store_timeout_s``). Reads with a timeout of their own (redis-py's ``can_read``, pub/sub polls) are left
+as they are.
 
 :func:`stream.redis_client.connect` builds its clients with these classes where asked (``whole_reply=True``).
 """
 
 from __future__ import annotations
 
+import math
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
+
+_local = threading.local()  # .by: the deadline replies_by set on this thread (connections are one thread's at a time)
+
+
+@contextmanager
+def replies_by(deadline: float) -> Iterator[None]:
+    """Every reply a whole-reply connection reads on this thread inside the block completes by ``deadline`` (on
+    ``time.monotonic``) as well as within its own ``socket_timeout``: a pipeline's replies share one deadline."""
+    before = getattr(_local, "by", math.inf)
+    _local.by = min(before, deadline)
+    try:
+        yield
+    finally:
+        _local.by = before
 
 
 class _DeadlineSocket:
@@ -46,14 +66,18 @@ class _DeadlineSocket:
         self._reading, self._deadline, self._timeout = False, None, None
 
     def _bound(self) -> None:
-        """Before each read of a reply: the first sets the deadline, a later one waits only what is left of it."""
+        """Before each read of a reply: the first sets the deadline (and waits the socket's own timeout, unless
+        :func:`replies_by` leaves less), a later one waits only what is left of it."""
         if not self._reading:
             return
         now = time.monotonic()
         if self._deadline is None:
             timeout = self._sock.gettimeout()
-            if timeout is not None:  # no socket timeout: nothing to bound
-                self._deadline = now + timeout
+            own = math.inf if timeout is None else now + timeout  # no socket timeout: only replies_by bounds it
+            self._deadline = min(own, getattr(_local, "by", math.inf))
+            if self._deadline == own:
+                return
+        if self._deadline == math.inf:
             return
         left = self._deadline - now
         if left <= 0:

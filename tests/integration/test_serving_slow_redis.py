@@ -19,12 +19,14 @@ import numpy as np
 import pytest
 import redis
 
+from serving.embedding_store import RedisEmbeddingStore, StoreUnavailable, tag_key, write_version
 from serving.model import ScoringModel
 from serving.service import ScoringService
-from serving.settings import EmbeddingStore, ServeSettings
+from serving.settings import EmbeddingStore, RowDtype, ServeSettings
 from stream.config import RedisSettings
 from stream.features import hash_value
 from stream.history import UserHistory
+from stream.redis_client import connect
 from tests.integration.test_layered_serving import (  # noqa: F401 - own_redis is a fixture
     ADMITTED_USERS,
     NEW_ITEMS,
@@ -152,3 +154,34 @@ def test_a_frozen_redis_answers_every_concurrent_request_within_its_timeouts_log
             assert time.monotonic() < deadline, "serving did not use Redis again after SIGCONT"
             time.sleep(0.1)
         assert len([r for r in caplog.records if "answers again" in r.getMessage()]) == 1
+
+
+def test_a_trickling_redis_fails_a_pipelined_row_fetch_at_its_timeout_not_one_timeout_per_mget(
+        own_redis: tuple, tmp_path: Path) -> None:  # noqa: F811
+    """Past ``fetch_chunk`` keys a fetch is pipelined MGETs, one round trip: replies trickled so that each MGET's
+    reply alone comes within embedding_store_timeout_s, but all of them do not, fail the fetch (fallback rows) within
+    MARGIN x the timeout, not after one timeout per MGET."""
+    _, url = own_redis
+    timeout_s, rows = 0.5, 40
+    writer = redis.Redis.from_url(url)
+    table = np.arange(rows * 5, dtype=np.float32).reshape(rows, 5)
+    write_version(writer, "pipe", "v1", table, np.arange(rows), RowDtype.FLOAT32)
+    writer.close()
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with TrickleProxy(port, gap_s=0.002) as proxy:
+        client = connect(RedisSettings(url=proxy.url), timeout_s=timeout_s, retries=0, whole_reply=True)
+        store = RedisEmbeddingStore(client, "pipe", fetch_chunk=1, timeout_s=timeout_s)
+        try:
+            meta = store.open("v1", rows, 5)
+            assert meta is not None
+            key = tag_key("v1", RowDtype.FLOAT32)
+            got, bad = store.fetch("v1", np.arange(rows), 5, RowDtype.FLOAT32, key)  # healthy: every row
+            assert not bad.any() and np.array_equal(got, table)
+            proxy.trickling = True  # ~40 bytes a reply: ~0.1 s each, 40 of them
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                store.fetch("v1", np.arange(rows), 5, RowDtype.FLOAT32, key)
+            took = time.monotonic() - t0
+            assert took < MARGIN * timeout_s, f"the fetch took {took:.2f}s (timeout {timeout_s}s)"
+        finally:
+            client.close()
