@@ -8,8 +8,22 @@ Key layout::
 Cluster (``[redis] cluster``) the users' lists spread over every node's slots. A batch's appends and reads are one
 script call per hash slot (a script's keys must share one), all in one pipeline: one round trip per node holding
 any of the batch's users (on a single node, one script call for the whole batch, as before). Appends
-LPUSH and LTRIM the list to ``max_len`` in the same pipeline, so a list keeps the ``max_len`` most
+LPUSH and LTRIM the list to ``max_len`` in the same script, so a list keeps the ``max_len`` most
 recently *appended* clicks.
+
+Redo rule: an entry found among the list's newest ``n + REDO_SLACK`` entries (``n``: the user's entries in this
+batch) is not pushed again (one LPOS ... MAXLEN per entry, Redis >= 6.0.6; the stack, compose and the tests run
+6.2-7.2). A joiner batch is done again after a failure rewinds the worker, after a SIGKILL between its history write
+and its offset commit, and by the member a rebalance hands its partition to; each redo appended the batch's clicks
+again, and those copies took the room of the user's oldest clicks, which fell off the list early and were missing
+from later as-of reads (wrong features for training and serving, more with every redo of a crash-looping worker).
+An entry is a click's identity: the joiner joins one click per impression (a second click on it is counted as
+``duplicate_clicks`` and never appended), and two entries alike (the same item at the same millisecond) read as one
+click anyway. Only the list's head is searched: a redo comes right after its failure, so the clicks of the user
+appended meanwhile (by other partitions' workers) are few, and a search of the whole kept list cost 1.8-2.5x the
+append (bench/README.md, "history appends"). What it misses: a redo after more than ``REDO_SLACK`` newer clicks of
+that user were appended pushes copies, as every redo did before; readers still deduplicate (:func:`_parse`), so such
+a copy costs one older click its room, never a wrong feature.
 
 Expiry (``[redis] history_ttl_days``, ``ttl_days`` here): each append also sets its key to expire ``ttl_days`` from
 *now* (EXPIRE in the same script), a sliding expiry: an active user's list never expires, one idle that long is
@@ -43,6 +57,12 @@ from redis.crc import key_slot
 from stream.counts import DAY_S
 from stream.metrics import HISTORY_MALFORMED
 from stream.redis_client import Client, is_cluster, run_script
+
+# The redo rule's search depth beyond a user's own entries of the batch (module docstring): the newer clicks of the
+# user that may come between a batch and its redo. Each LPOS scans up to n + REDO_SLACK entries (at most the kept
+# list): measured, 0 / 16 / 32 / 64 cost 1.13 / 1.19-1.29 / 1.33-1.49 / 1.38-1.39x main's append on full lists
+# (scratch runs on a loaded machine; bench/README.md, "history appends"), 16 the most that kept within its 1.3x.
+REDO_SLACK = 16
 
 
 def _as_ints(name: str, values: Sequence[int] | np.ndarray) -> list[int]:
@@ -141,7 +161,8 @@ def _parse(entries: list[bytes | str]) -> tuple[list[int], list[int]]:
     Sorting is stable over the oldest-appended-first order, so equal click times keep append order.
     A malformed entry is skipped and counted (``streamrec_history_malformed_total``): one damaged
     entry must not fail a joiner batch or a serving request. A repeated entry (same click time and
-    item) is one click: appends are not idempotent, and a batch redone after a crash appends again.
+    item) is one click: lists written before the redo rule, and a batch redone after more than ``REDO_SLACK`` newer
+    clicks of the user, hold copies (module docstring).
     """
     # Long lists (a returning user's) the whole-list way; below ~16 entries its fixed cost is more than it saves.
     fast = _parse_well_formed(entries) if isinstance(entries, list) and len(entries) >= 16 else None
@@ -156,7 +177,7 @@ def _parse_each(entries: list[bytes | str]) -> tuple[list[int], list[int]]:
         if entry is None:
             HISTORY_MALFORMED.inc()
             continue
-        if entry not in seen:  # the same click appended twice (a batch done again after a crash)
+        if entry not in seen:  # the same click appended twice (a batch redone late: the redo rule, module docstring)
             seen.add(entry)
             pairs.append(entry)
     pairs.sort(key=lambda p: p[0])
@@ -275,9 +296,11 @@ class UserHistory:
     ) -> None:
         """Append one click per element, in the given order; one Redis round trip for the batch.
 
-        Per distinct user: one LPUSH with that user's entries in the given order (the same as one
-        LPUSH per entry), then one LTRIM to ``max_len`` and one EXPIRE to ``ttl_days`` from now, wall clock (PERSIST
-        where ``ttl_days`` is 0; module docstring); all in one script call (``_APPEND_MANY``). A key that is not a list
+        Per distinct user: one LPUSH with that user's entries in the given order (the same as one LPUSH per entry),
+        but for those among the list's newest ``n + REDO_SLACK`` or earlier in the batch (the redo rule, module
+        docstring: a batch appended again right after changes nothing), then one LTRIM to ``max_len`` (where the list
+        grew past it) and one EXPIRE to ``ttl_days`` from now, wall clock (PERSIST where ``ttl_days`` is 0; module
+        docstring); all in one script call (``_APPEND_MANY``). A key that is not a list
         fails its own append only (it is not trimmed, and its expiry is left as it was): the others are made, then
         ``redis.ResponseError`` is raised.
         """
@@ -287,9 +310,9 @@ class UserHistory:
         _same_length(user_hashes=users, item_hashes=items, click_ts=times)
         if not users:
             return
-        by_user: dict[int, list[str]] = {}
+        by_user: dict[int, dict[str, None]] = {}  # each user's entries in the given order, each once
         for u, item, ts in zip(users, items, times, strict=True):
-            by_user.setdefault(u, []).append(f"{ts}:{item}")
+            by_user.setdefault(u, {})[f"{ts}:{item}"] = None
         calls = []
         for group in self._by_slot(list(by_user)):
             args: list[int | str] = [self.max_len, self.ttl_days * DAY_S]
@@ -314,20 +337,28 @@ class UserHistory:
             groups.setdefault(key_slot(self.key(u).encode()), []).append(u)
         return list(groups.values())
 
-    # A batch's appends as one script: per key (KEYS) its count of entries and the entries (ARGV, after max_len and
-    # the expiry in seconds), one LPUSH of them (in slices: Lua's unpack has a stack limit), one LTRIM and one EXPIRE
-    # (PERSIST for 0). A redis-py pipeline spent ~5 us packing each of its two commands per user: for 3,400 clicks of
-    # ~2,800 users 28.9 ms a batch against 10.4 ms (the same lists). pcall: an error on one key (not a list) leaves
-    # the others' appends made, as a pipeline did; a key whose first LPUSH failed (not a list: not ours) is neither
-    # trimmed nor given an expiry, one that a later slice failed on (out of memory) is, as the entries pushed are.
+    # A batch's appends as one script: per key (KEYS) its count n of entries and the entries (ARGV, after max_len and
+    # the expiry in seconds), one LPOS per entry over the list's newest n + REDO_SLACK (the redo rule: an entry found
+    # is not pushed again), one LPUSH of the others (in slices: Lua's unpack has a stack limit), one LTRIM where the
+    # list grew past max_len and one EXPIRE (PERSIST for 0). A redis-py pipeline spent ~5 us packing each of its two
+    # commands per user: for 3,400 clicks of ~2,800 users 28.9 ms a batch against 10.4 ms (the same lists). One LRANGE
+    # of the head per user costs more than the LPOSes (each entry it returns becomes a Lua string: bench/README.md,
+    # "history appends"). pcall: an error on one key (not a list) leaves the others' appends made, as a pipeline did; a
+    # key whose LPOS or first LPUSH failed (not a list: not ours) is neither trimmed nor given an expiry, one that a
+    # later slice failed on (out of memory) is, as the entries pushed are.
     _APPEND_MANY = (
         "local max_len, ttl, at, errors = tonumber(ARGV[1]), tonumber(ARGV[2]), 3, {} "
         "for _, k in ipairs(KEYS) do "
-        "local n, ok = tonumber(ARGV[at]), true "
-        "for j = at + 1, at + n, 4000 do "
-        "local r = redis.pcall('LPUSH', k, unpack(ARGV, j, math.min(j + 3999, at + n))) "
-        "if type(r) == 'table' and r['err'] then errors[#errors + 1] = r['err'] ok = j > at + 1 break end end "
-        "if ok then redis.pcall('LTRIM', k, 0, max_len - 1) "
+        "local n, ok, fresh, len = tonumber(ARGV[at]), true, {}, 0 "
+        f"local within = tostring(n + {REDO_SLACK}) "
+        "for j = at + 1, at + n do "
+        "local r = redis.pcall('LPOS', k, ARGV[j], 'MAXLEN', within) "
+        "if type(r) == 'table' and r['err'] then errors[#errors + 1] = r['err'] ok = false break end "
+        "if not r then fresh[#fresh + 1] = ARGV[j] end end "
+        "for j = 1, ok and #fresh or 0, 4000 do "
+        "local r = redis.pcall('LPUSH', k, unpack(fresh, j, math.min(j + 3999, #fresh))) "
+        "if type(r) == 'table' and r['err'] then errors[#errors + 1] = r['err'] ok = j > 1 break end len = r end "
+        "if ok then if len > max_len then redis.pcall('LTRIM', k, 0, max_len - 1) end "
         "if ttl > 0 then redis.pcall('EXPIRE', k, ttl) else redis.pcall('PERSIST', k) end end "
         "at = at + n + 1 end "
         "return errors"

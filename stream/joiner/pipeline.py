@@ -1184,7 +1184,7 @@ class JoinPipeline:
         Both are kept apart for the batch until its state is durable (:meth:`_count_batch`): a batch that fails is
         done again from its input, and its counts must not be in the buffer twice (with a Redis outage retried five
         times, the first partition's counts were written six times). Its history appends are made now, and done
-        again with it: a click stored twice is read once (``stream/history.py``)."""
+        again with it: an entry stored already is not pushed again (``stream/history.py``, the redo rule)."""
         def buffer(kind: str, event: str, ids: list[int], ts: list[int]) -> None:
             _add_counts(self._batch_counts, {(kind, event): (ids, ts)})
 

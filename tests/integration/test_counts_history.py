@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from stream.counts import DAY_S, DailyCounts, day_of
-from stream.history import UserHistory
+from stream.history import REDO_SLACK, UserHistory
 
 
 def ms(y: int, mo: int, d: int, h: int = 0, mi: int = 0, s: int = 0, milli: int = 0) -> int:
@@ -298,6 +298,54 @@ def test_appends_and_reads_are_one_command_each_for_every_user(
     # the three users appended to and the four read
     assert spy.pipelines == [] and [c for c in spy.direct if c not in ("SCRIPT LOAD", "SCRIPT")] == ["EVALSHA"] * 2
     assert hist.as_of([], []) == []
+
+
+@pytest.mark.parametrize("appends", [2, 5])
+def test_a_batch_appended_again_takes_no_room_so_the_older_clicks_are_still_read(
+        redis_client: redis.Redis, prefix: str, appends: int) -> None:
+    """A joiner batch done again (a rewind after a failure, a crash between its history write and its commit, a
+    rebalance) appends its clicks again. They were pushed again: readers read each once, but the copies took the room
+    of the user's oldest clicks, which fell off the list (with one redo here, 10 and 11; with four, all of 10-13) and
+    which as-of reads then lost. A list appended the batch ``appends`` times now reads as appended once."""
+    h = UserHistory(redis_client, prefix=prefix, max_len=8)
+    t = ms(2000, 1, 1)
+    h.append_many([1] * 6, list(range(10, 16)), [t + i for i in range(6)])  # the list near max_len
+    batch = ([1, 2, 1], [16, 20, 17], [t + 6, t + 6, t + 7])
+    for _ in range(appends):
+        h.append_many(*batch)
+    every = list(range(10, 18))
+    assert h.as_of([1, 1, 2], [t + 100, t + 3, t + 100]) == [every, [10, 11, 12], [20]]
+    assert redis_client.llen(h.key(1)) == 8 and redis_client.llen(h.key(2)) == 1
+    flat, offsets = h.as_of_flat_later([1, 1], [t + 100, t + 3])()
+    assert flat.tolist() == [*every, 10, 11, 12] and offsets.tolist() == [0, 8, 11]
+    h.append_many([1], [18], [t + 8])  # a new click still pushes the oldest out
+    assert h.recent(1) == list(range(11, 19))
+
+
+def test_a_batch_redone_after_other_partitions_appended_clicks_of_the_user_is_found_up_to_redo_slack_of_them(
+        redis_client: redis.Redis, prefix: str) -> None:
+    """Between a batch and its redo other partitions' workers may append clicks of the same user: the redo rule
+    searches the list's newest n + REDO_SLACK entries, so with REDO_SLACK of them in between nothing is pushed again;
+    with one more, the batch's first click has left that head and is pushed again (the bound the module docstring
+    states), which readers still read once."""
+    h = UserHistory(redis_client, prefix=prefix, max_len=4 * REDO_SLACK)
+    batch = ([1, 1], [10, 11], [1, 2])
+    h.append_many(*batch)
+    h.append_many([1] * REDO_SLACK, list(range(100, 100 + REDO_SLACK)), list(range(3, 3 + REDO_SLACK)))
+    h.append_many(*batch)
+    assert redis_client.llen(h.key(1)) == 2 + REDO_SLACK
+    h.append_many([1], [99], [1000])  # one more newer click: "1:10" is now n + REDO_SLACK + 1 deep
+    h.append_many(*batch)
+    assert redis_client.lrange(h.key(1), 0, 0) == [b"1:10"] and redis_client.llen(h.key(1)) == 4 + REDO_SLACK
+    assert h.recent(1) == [10, 11, *range(100, 100 + REDO_SLACK), 99]
+
+
+def test_the_same_click_twice_in_one_batch_is_stored_once(redis_client: redis.Redis, prefix: str) -> None:
+    """Two entries alike (the same item at the same millisecond: two impressions of it clicked at once) are one click
+    for every reader (``_parse``), so the second takes no room either."""
+    h = UserHistory(redis_client, prefix=prefix, max_len=3)
+    h.append_many([1, 1, 1, 1, 1], [10, 11, 11, 12, 12], [1, 2, 2, 3, 3])
+    assert redis_client.lrange(h.key(1), 0, -1) == [b"3:12", b"2:11", b"1:10"]
 
 
 def test_out_of_order_appends_are_ordered_by_click_time(redis_client: redis.Redis, prefix: str) -> None:

@@ -198,6 +198,31 @@ def test_redis_failing_in_the_middle_of_a_batch_counts_the_batch_done_again_once
     assert counts.top("item", "click") == [(str(hash_value("i1")), 1.0)]
 
 
+def test_a_batch_done_again_after_a_crash_between_its_history_write_and_its_commit_stores_each_click_once(
+        kafka: KafkaSettings, make, redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process dies (a SIGKILL) after the batch's history appends reached Redis, before its state and offsets were
+    durable; the restarted worker does the batch again. Its clicks used to be pushed again, each a copy taking the room
+    of one of the user's older clicks (``stream/history.py``, the redo rule): the list held each click twice."""
+    first = make()
+    append = first.history.append_many
+
+    def append_then_die(*args: Any, **kwargs: Any) -> None:
+        append(*args, **kwargs)
+        raise Stopped
+
+    monkeypatch.setattr(first.history, "append_many", append_then_die)
+    batch = [imp(kafka, 0, 0, "a", T0, user="u1", item="i1"), imp(kafka, 0, 1, "b", T0 + 2, user="u1", item="i2"),
+             click(kafka, 0, 0, "a", T0 + 1), click(kafka, 0, 1, "b", T0 + 3)]
+    with pytest.raises(Stopped):
+        first.process(batch)
+    again = make()
+    again.process(batch)
+    again.close()
+    [key] = redis_client.scan_iter(match=f"{prefix}:history:*")
+    stored = redis_client.lrange(key, 0, -1)
+    assert sorted(stored) == sorted(set(stored)) and len(stored) == 2, stored
+
+
 class FailingCommits:
     """A consumer whose first ``fail`` commits fail (a rebalance under way); what it committed."""
 

@@ -143,6 +143,22 @@ def test_history_on_a_cluster_equals_a_single_nodes_and_spreads_users_over_the_n
     assert on_cluster.recent(5000) == [2]
 
 
+def test_a_batch_appended_again_on_a_cluster_is_stored_once_as_on_a_single_node(
+        clients: tuple[Any, redis.Redis], prefix: str) -> None:
+    """A joiner batch done again appends its clicks again; on a cluster (a script call per hash slot) as on a single
+    node, the copies are not pushed, so the users' older clicks stay in their lists."""
+    cluster, _ = clients
+    hist = UserHistory(cluster, prefix=prefix, max_len=4)
+    users = list(range(60))
+    hist.append_many(users * 3, users * 3, [1] * 60 + [2] * 60 + [3] * 60)  # each user's item u at 1, 2 and 3
+    batch = (users, [u + 1000 for u in users], [4] * 60)
+    for _ in range(3):
+        hist.append_many(*batch)
+    assert len({node_of(cluster, hist.key(u)) for u in users}) == 3
+    assert hist.as_of(users, [10] * 60) == [[u, u, u, u + 1000] for u in users]
+    assert {cluster.llen(hist.key(u)) for u in users} == {4}
+
+
 def test_history_appends_on_a_cluster_expire_every_users_list_ttl_days_from_now(
         clients: tuple[Any, redis.Redis], prefix: str) -> None:
     """The script call of each hash slot sets its own keys' expiry, as on a single node (used to be none: -1)."""
