@@ -61,7 +61,8 @@ from stream.redis_client import Client, is_cluster, run_script
 # The redo rule's search depth beyond a user's own entries of the batch (module docstring): the newer clicks of the
 # user that may come between a batch and its redo. Each LPOS scans up to n + REDO_SLACK entries (at most the kept
 # list): measured, 0 / 16 / 32 / 64 cost 1.13 / 1.19-1.29 / 1.33-1.49 / 1.38-1.39x main's append on full lists
-# (scratch runs on a loaded machine; bench/README.md, "history appends"), 16 the most that kept within its 1.3x.
+# (scratch runs on a loaded machine), 16 the most that looked within its 1.3x; bench/history_appends.py then measured
+# 16 at 1.26-1.39x (bench/README.md, "history appends").
 REDO_SLACK = 16
 
 
