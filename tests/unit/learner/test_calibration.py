@@ -164,3 +164,18 @@ def test_a_stretch_without_clicks_does_not_leave_the_calibration_serving_one_to_
     served = 1 / (1 + np.exp(-np.clip(cal.a * z + cal.b, -40, 40)))
     assert np.isfinite(cal.b) and abs(cal.b) < 5
     assert normalized_entropy(np.clip(served, 1e-7, 1 - 1e-7), y) < 0.95
+
+
+def test_a_scale_held_at_its_floor_leaves_the_shift_at_the_click_rate() -> None:
+    """Logits that rank backwards want ``a < 0``; ``a`` stops at ``min_scale``, and ``b`` took the step of the joint
+    Newton solve, which assumed ``a`` went negative: on a stream clicked at 22% the served mean fell to 5% and kept
+    falling fit after fit. With ``a`` held, ``b`` takes the best step for the ``a`` served."""
+    rng = np.random.default_rng(4)
+    z = rng.normal(-2.0, 2.0, 5_000)
+    y = (rng.random(5_000) < 1 / (1 + np.exp(z + 4.0))).astype(np.float64)  # clicks where the model says least
+    cal = OnlineCalibration()
+    for _ in range(6):
+        cal.fit(z, y)
+    served = 1 / (1 + np.exp(-(cal.a * z + cal.b)))
+    assert cal.a == cal.min_scale
+    assert served.mean() == pytest.approx(y.mean(), rel=0.1)
