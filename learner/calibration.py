@@ -67,6 +67,13 @@ from learner.event_clock import EventClock, FirstTime
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 
+# The logits a fit reads: those of probabilities in [1e-7, 1 - 1e-7], the range learner/evaluation/calibration.py fits
+# too. A row's pull on ``a`` is its residual times its logit, and a saturated row has no curvature to hold it back:
+# unclipped, one confidently wrong row at 1e4 (or float16's limit, from a diverging model under AMP) took ``a`` to its
+# floor, and one at bfloat16's limit put 4e42 into ``H``, freezing ``a`` for millions of rows.
+MAX_FIT_LOGIT = float(np.log((1 - 1e-7) / 1e-7))  # ~16.1
+
+
 def identity() -> torch.Tensor:
     """``(a, b) = (1, 0)``, shape ``(2,)``: the raw logit served as it is (a model or artifact from before
     calibration, or with it turned off)."""
@@ -165,10 +172,11 @@ class OnlineCalibration:
             self.fit(np.concatenate(zs), np.concatenate(ys))
 
     def fit(self, logits: np.ndarray, labels: np.ndarray) -> None:
-        """One recursive Newton step on held-out raw logits and their final labels, shapes ``(n,)``."""
+        """One recursive Newton step on held-out raw logits and their final labels, shapes ``(n,)`` (non-finite
+        logits skipped, the others read within ``MAX_FIT_LOGIT``)."""
         z, y = np.asarray(logits, np.float64), np.asarray(labels, np.float64)
         ok = np.isfinite(z)
-        z, y = z[ok], y[ok]
+        z, y = np.clip(z[ok], -MAX_FIT_LOGIT, MAX_FIT_LOGIT), y[ok]
         if not len(z):
             return
         s = 1.0 / (1.0 + np.exp(-np.clip(self.a * z + self.b, -40.0, 40.0)))

@@ -179,3 +179,29 @@ def test_a_scale_held_at_its_floor_leaves_the_shift_at_the_click_rate() -> None:
     served = 1 / (1 + np.exp(-(cal.a * z + cal.b)))
     assert cal.a == cal.min_scale
     assert served.mean() == pytest.approx(y.mean(), rel=0.1)
+
+
+@pytest.mark.parametrize(("logit", "label"), [(-1e4, 1.0), (65504.0, 0.0), (-3.38e38, 1.0)],
+                         ids=["1e4", "float16_max", "bfloat16_max"])
+def test_one_row_with_an_extreme_logit_neither_swings_nor_freezes_the_calibration(logit: float, label: float) -> None:
+    """A row's pull on ``a`` is its residual times its logit, and a saturated row has no curvature to hold it: one
+    confidently wrong row at 1e4 or at float16's limit (a diverging model under AMP), among 256, took a calibration
+    fitted on 50 k rows from ``a`` = 1 to ``min_scale`` and ``b`` to -1.3; one at bfloat16's limit put 4e42 into ``H``
+    instead, which froze ``a`` for millions of rows. The fit reads logits within the probabilities it can tell
+    apart (1e-7 to 1 - 1e-7)."""
+    rng = np.random.default_rng(5)
+
+    def rows(n: int, spread: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        t = rng.normal(-2.0, 1.0, n)  # clicks at sigmoid(t); the model says spread * t
+        return spread * t, (rng.random(n) < 1 / (1 + np.exp(-t))).astype(np.float64)
+
+    cal = OnlineCalibration()
+    for _ in range(50):
+        cal.fit(*rows(1000))
+    before = (cal.a, cal.b)
+    z, y = rows(256)
+    cal.fit(np.append(z, logit), np.append(y, label))
+    assert cal.a == pytest.approx(before[0], abs=0.02) and cal.b == pytest.approx(before[1], abs=0.05)
+    for _ in range(40):  # the model turns twice too confident: the calibration still follows
+        cal.fit(*rows(1000, spread=2.0))
+    assert cal.a < 0.75
