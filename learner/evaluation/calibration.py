@@ -13,10 +13,14 @@ import numpy as np
 
 def fit_platt(probs: np.ndarray, labels: np.ndarray, iters: int = 50) -> tuple[float, float]:
     """(a, b) minimising the logloss of sigmoid(a * logit(p) + b) on (probs, labels): Newton's method,
-    damped so that no step increases the loss."""
+    damped so that no step increases the loss. The labels are fitted as Platt's targets, (N+ + 1) / (N+ + 2) for
+    a positive and 1 / (N- + 2) for a negative: on scores that separate the labels the logloss of 0/1 targets falls
+    without end as ``a`` grows (a = 1151 on 100 such rows, every test probability served as 0 or 1)."""
     p = np.clip(probs.astype(np.float64), 1e-7, 1 - 1e-7)
     z = np.log(p / (1 - p))  # (N,) logits
-    y = labels.astype(np.float64)
+    pos = labels.astype(np.float64) > 0.5
+    n_pos = float(pos.sum())
+    y = np.where(pos, (n_pos + 1) / (n_pos + 2), 1 / (len(pos) - n_pos + 2))  # (N,) Platt's targets
 
     def loss(a: float, b: float) -> float:  # mean logloss of sigmoid(a z + b), computed stably
         t = a * z + b

@@ -312,3 +312,16 @@ def test_cold_start_variants_run_through_the_delayed_protocol() -> None:
     assert d["protocol"] == "cold-start/delayed" and set(d["variants"]) == {"zero", "buckets", "admission"}
     for v in d["variants"].values():
         assert v["all"]["samples"] == 6_000 and v["cold"]["samples"] == d["cold_samples"]
+
+
+def test_platt_on_separable_scores_does_not_saturate_them() -> None:
+    """On a valid split whose scores separate the labels the logloss falls without end as ``a`` grows: the fit
+    returned a = 1151, which served every test probability as 0 or 1 (a miss there costs ~16 nats). Platt's
+    targets, (N+ + 1) / (N+ + 2) and 1 / (N- + 2), bound it."""
+    rng = np.random.default_rng(1)
+    p = rng.random(100)
+    y = (p > 0.5).astype(np.float64)
+    a, b = fit_platt(p, y)
+    fitted = apply_platt(p, (a, b))
+    assert 0 < a < 10 and np.mean((fitted > 1e-3) & (fitted < 1 - 1e-3)) > 0.5  # a = 1151: none
+
