@@ -15,11 +15,19 @@ def fit_platt(probs: np.ndarray, labels: np.ndarray, iters: int = 50) -> tuple[f
     """(a, b) minimising the logloss of sigmoid(a * logit(p) + b) on (probs, labels): Newton's method,
     damped so that no step increases the loss. The labels are fitted as Platt's targets, (N+ + 1) / (N+ + 2) for
     a positive and 1 / (N- + 2) for a negative: on scores that separate the labels the logloss of 0/1 targets falls
-    without end as ``a`` grows (a = 1151 on 100 such rows, every test probability served as 0 or 1)."""
-    p = np.clip(probs.astype(np.float64), 1e-7, 1 - 1e-7)
+    without end as ``a`` grows (a = 1151 on 100 such rows, every test probability served as 0 or 1).
+
+    Returns the identity ``(1.0, 0.0)`` where the split cannot support a map that keeps the ranking: one class
+    (or one row), which leaves no slope to fit (all positives fitted a = -0.03, b = 26.6), or a fitted ``a <= 0``
+    (scores that rank backwards: a = -1155), which would invert it. Non-finite scores are skipped (one NaN made
+    ``(a, b)`` NaN)."""
+    ok = np.isfinite(probs)
+    p = np.clip(probs[ok].astype(np.float64), 1e-7, 1 - 1e-7)
     z = np.log(p / (1 - p))  # (N,) logits
-    pos = labels.astype(np.float64) > 0.5
+    pos = labels[ok].astype(np.float64) > 0.5
     n_pos = float(pos.sum())
+    if n_pos in (0, len(pos)):
+        return 1.0, 0.0
     y = np.where(pos, (n_pos + 1) / (n_pos + 2), 1 / (len(pos) - n_pos + 2))  # (N,) Platt's targets
 
     def loss(a: float, b: float) -> float:  # mean logloss of sigmoid(a z + b), computed stably
@@ -41,7 +49,7 @@ def fit_platt(probs: np.ndarray, labels: np.ndarray, iters: int = 50) -> tuple[f
         if cur - new < 1e-12:
             break
         cur = new
-    return float(a), float(b)
+    return (float(a), float(b)) if a > 0 else (1.0, 0.0)
 
 
 def apply_platt(probs: np.ndarray, ab: tuple[float, float]) -> np.ndarray:

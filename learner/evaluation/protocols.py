@@ -137,6 +137,8 @@ def _run_autoint(r: Ratings, features: str, seed: int, cfg: EvalConfig, log: Log
     p_te = predict(trainer, test, fcfg, cfg.eval_batch)
     # Calibration is fitted on the valid split only; the test split is touched once, here.
     ab = fit_platt(p_va, y_va) if cfg.calibrate and len(p_va) else (1.0, 0.0)
+    if cfg.calibrate and ab == (1.0, 0.0):  # fit_platt's refusal: the test split is scored as the model says
+        log("Platt: the valid split supports no increasing map (one class, or scores ranking backwards): identity")
     return {
         "n_train": n_tr, "n_valid": n_va, "n_test": len(te),
         "positive_rate": float(label[kept].mean()) if len(kept) else float("nan"),

@@ -325,3 +325,21 @@ def test_platt_on_separable_scores_does_not_saturate_them() -> None:
     fitted = apply_platt(p, (a, b))
     assert 0 < a < 10 and np.mean((fitted > 1e-3) & (fitted < 1 - 1e-3)) > 0.5  # a = 1151: none
 
+
+
+@pytest.mark.parametrize("labels", ["all_positive", "all_negative", "one_sample", "backwards", "nan_score"])
+def test_platt_keeps_the_identity_where_the_valid_split_cannot_support_a_fit(labels: str) -> None:
+    """A map fitted on one class, one sample or scores that rank backwards would invert the ranking or flatten it
+    (all positives: a = -0.03, b = 26.6; backwards: a = -1155), and one NaN score made (a, b) NaN: the fit keeps
+    the identity, and skips non-finite scores."""
+    rng = np.random.default_rng(2)
+    p = rng.random(200)
+    y = (rng.random(200) < p).astype(np.float64)
+    p, y = {"all_positive": (p, np.ones(200)), "all_negative": (p, np.zeros(200)), "one_sample": (p[:1], y[:1]),
+            "backwards": (p, (p < 0.5).astype(np.float64)), "nan_score": (np.append(p, np.nan), np.append(y, 1.0)),
+            }[labels]
+    a, b = fit_platt(p, y)
+    if labels == "nan_score":
+        assert (a, b) == pytest.approx(fit_platt(p[:-1], y[:-1])) and 0 < a < 4
+    else:
+        assert (a, b) == (1.0, 0.0)
