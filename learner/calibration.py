@@ -30,11 +30,14 @@ are not taken (a sample of the stream, never a pair fitted before it matured).
 
 **The fit.** Recursive Newton with forgetting (the Laplace approximation of online Bayesian logistic
 regression, as in Chapelle and Li, "An Empirical Evaluation of Thompson Sampling", NIPS 2011, Algorithm 3, here
-over two parameters with a forgetting factor): per group of matured pairs, with ``s_i = sigmoid(a z_i + b)``
-and ``x_i = (z_i, 1)``,
+over two parameters with a forgetting factor): per group of ``n`` matured pairs, with ``x_i = (z_i, 1)``,
 
-    H <- gamma^n H + (1 - gamma^n) H_0 + sum_i s_i (1 - s_i) x_i x_i^T        gamma = 2 ** (-1 / half_life_rows)
-    (a, b) <- (a, b) - H^-1 sum_i (s_i - y_i) x_i
+    P = gamma^n H + (1 - gamma^n) H_0                                          gamma = 2 ** (-1 / half_life_rows)
+    (a, b) <- argmin  sum_i logloss(sigmoid(a z_i + b), y_i) + 1/2 ((a, b) - (a, b)_old)^T P ((a, b) - (a, b)_old)
+    H <- P + sum_i s_i (1 - s_i) x_i x_i^T                                     s_i = sigmoid(a z_i + b), new (a, b)
+
+The mode is found by Newton's method damped so that no step increases it (``_mode``): a single undamped step from
+the old ``(a, b)`` overshot where the rows sit in the sigmoid's flat tails (a model 10 nats off: ``b`` to -166).
 
 ``H`` starts at ``H_0``, ``prior_rows`` rows' worth of curvature around the identity ``(1, 0)``, so a fresh model
 is served as it is until evidence builds up, and ``H``'s forgetting lets ``(a, b)`` follow a model that changes.
@@ -66,12 +69,22 @@ from torch import nn
 from learner.event_clock import EventClock, FirstTime
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
-
 # The logits a fit reads: those of probabilities in [1e-7, 1 - 1e-7], the range learner/evaluation/calibration.py fits
 # too. A row's pull on ``a`` is its residual times its logit, and a saturated row has no curvature to hold it back:
 # unclipped, one confidently wrong row at 1e4 (or float16's limit, from a diverging model under AMP) took ``a`` to its
 # floor, and one at bfloat16's limit put 4e42 into ``H``, freezing ``a`` for millions of rows.
 MAX_FIT_LOGIT = float(np.log((1 - 1e-7) / 1e-7))  # ~16.1
+MAX_NEWTON_STEPS = 30  # per group of matured pairs; a group of 256 typically takes 2-4
+
+
+def _sigmoid(t: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(t, -40.0, 40.0)))
+
+
+def _curvature(theta: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The logloss's Hessian (2, 2) at ``theta = (a, b)`` over rows ``x`` (2, n): ``sum_i s_i (1 - s_i) x_i x_i^T``."""
+    s = _sigmoid(theta @ x)
+    return (x * (s * (1.0 - s))) @ x.T
 
 
 def identity() -> torch.Tensor:
@@ -179,21 +192,43 @@ class OnlineCalibration:
         z, y = np.clip(z[ok], -MAX_FIT_LOGIT, MAX_FIT_LOGIT), y[ok]
         if not len(z):
             return
-        s = 1.0 / (1.0 + np.exp(-np.clip(self.a * z + self.b, -40.0, 40.0)))
-        c = s * (1.0 - s)
-        h_batch = np.array([[float((c * z * z).sum()), float((c * z).sum())],
-                            [float((c * z).sum()), float(c.sum())]])
-        r = s - y
-        grad = np.array([float((r * z).sum()), float(r.sum())])
+        x = np.stack([z, np.ones_like(z)])  # (2, n): each row's (z_i, 1)
         keep = 2.0 ** (-len(z) / self.half_life_rows)
-        self.h = self.h * keep + self.h0 * (1.0 - keep) + h_batch  # forgets toward the prior (module docstring)
-        a = float(np.clip(self.a - np.linalg.solve(self.h, grad)[0], self.min_scale, self.max_scale))
-        # b's best step for the a served (the quadratic model's minimum in b given a): the joint step's own when a is
-        # inside its bounds; when a is held at one, the joint step's b assumed an a beyond it (below min_scale: a
-        # backwards ranking's b, which took a 22% click rate to 5% served, and lower with every fit)
-        self.b = float(self.b - (grad[1] + self.h[1, 0] * (a - self.a)) / self.h[1, 1])
-        self.a = a
+        h_prior = self.h * keep + self.h0 * (1.0 - keep)  # forgets toward the prior (module docstring)
+        theta = self._mode(np.array([self.a, self.b]), h_prior, x, y)
+        self.h = h_prior + _curvature(theta, x)
+        self.a, self.b = float(theta[0]), float(theta[1])
         self.rows += len(z)
+
+    def _mode(self, theta0: np.ndarray, h_prior: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """``(a, b)`` (2,) minimising the group's logloss plus the prior ``1/2 (theta - theta0)^T h_prior (theta -
+        theta0)``: Newton's method, damped so that no step increases it, ``a`` kept in its bounds. One undamped step
+        (what was done) overshoots where the rows sit in the sigmoid's flat tails: logits 10 nats too high, 20 k rows
+        took ``b`` from 0 to -166 (every score served as 0), and smaller groups swung ``a`` from bound to bound."""
+
+        def objective(theta: np.ndarray) -> float:
+            t, d = theta @ x, theta - theta0  # (n,) fitted logits; (2,) distance from the prior's mean
+            return float((np.logaddexp(0.0, t) - y * t).sum() + 0.5 * d @ h_prior @ d)
+
+        theta, cur = theta0.copy(), objective(theta0)
+        for _ in range(MAX_NEWTON_STEPS):
+            grad = x @ (_sigmoid(theta @ x) - y) + h_prior @ (theta - theta0)
+            h = h_prior + _curvature(theta, x)
+            a = float(np.clip(theta[0] - np.linalg.solve(h, grad)[0], self.min_scale, self.max_scale))
+            # b's best step for that a (the quadratic model's minimum in b given a): the joint step's own when a is
+            # inside its bounds; when a is held at one, the joint step's b assumed an a beyond it (below min_scale: a
+            # backwards ranking's b, which took a 22% click rate to 5% served, and lower with every fit)
+            step = np.array([a - theta[0], -(grad[1] + h[1, 0] * (a - theta[0])) / h[1, 1]])
+            t = 1.0
+            while (new := objective(theta + t * step)) > cur:
+                t *= 0.5
+                if t < 1e-6:  # no step decreases it: the mode, as far as float64 tells
+                    return theta
+            theta = theta + t * step
+            if cur - new <= 1e-9 * max(cur, 1.0):
+                break
+            cur = new
+        return theta
 
     @property
     def params(self) -> torch.Tensor:

@@ -205,3 +205,30 @@ def test_one_row_with_an_extreme_logit_neither_swings_nor_freezes_the_calibratio
     for _ in range(40):  # the model turns twice too confident: the calibration still follows
         cal.fit(*rows(1000, spread=2.0))
     assert cal.a < 0.75
+
+
+@pytest.mark.parametrize("shift", [10.0, 6.0, -8.0])
+@pytest.mark.parametrize("first_group", [1_000, 20_000])
+def test_a_model_far_off_the_click_rate_is_calibrated_without_a_newton_swing(shift: float, first_group: int) -> None:
+    """Logits ``shift`` nats off the click rate (a model that learned through a click outage, or diverged): its rows
+    sit where the sigmoid saturates, with next to no curvature, and one undamped Newton step per group took ``b``
+    from 0 to -166 (shift 10, a group of 20 k rows: every score served as 0) and ``a`` from bound to bound, fit
+    after fit. The fit now finds each group's posterior mode (damped Newton, as the cited algorithm does): the
+    prior, cheap in ``a`` for logits far from 0, shrinks them first, and ``a`` comes back as evidence builds up."""
+    rng = np.random.default_rng(6)
+
+    def rows(n: int) -> tuple[np.ndarray, np.ndarray]:
+        t = rng.normal(-2.0, 1.0, n)  # clicks at sigmoid(t); the model says t + shift
+        return t + shift, (rng.random(n) < 1 / (1 + np.exp(-t))).astype(np.float64)
+
+    cal = OnlineCalibration()
+    cal.fit(*rows(first_group))
+    fits = [(cal.a, cal.b)]
+    for _ in range(10):
+        cal.fit(*rows(1_000))
+        fits.append((cal.a, cal.b))
+    a = np.array(fits)[:, 0]
+    assert np.all(np.diff(a) > -1e-3) and np.all(a < 1.5)  # a comes back toward 1 from where it went, no swing
+    z, y = rows(50_000)
+    served = 1 / (1 + np.exp(-(cal.a * z + cal.b)))
+    assert served.mean() == pytest.approx(y.mean(), rel=0.2) and np.median(served) > 0.05  # not all 0 (or 1)
