@@ -383,6 +383,15 @@ def test_a_cluster_node_restarted_empty_of_one_kinds_counts_publishes_with_a_war
     assert stage == "hot_set" and "no counted item" in message and "user" not in message.split("lost")[0]
 
 
+def _serving_partial_coverage(cluster_nodes: Any, prefix: str) -> Any:
+    """A client of ``cluster_nodes`` after each node was told to serve its slots with another node down
+    (``cluster-require-full-coverage no``), no retries."""
+    for k in range(3):
+        with contextlib.closing(cluster_nodes._admin(k)) as node:
+            node.config_set("cluster-require-full-coverage", "no")
+    return connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=5.0, retries=0)
+
+
 def test_lookup_counts_on_a_cluster_with_one_node_down_write_the_kinds_on_the_healthy_nodes(
         cluster_nodes: Any, prefix: str) -> None:
     # the item and user lookups on two nodes, the item node down (killed) while the cluster keeps serving the other
@@ -390,10 +399,7 @@ def test_lookup_counts_on_a_cluster_with_one_node_down_write_the_kinds_on_the_he
     # so the users' lookups (a healthy node's) were tried again behind the items and dropped with them
     from serving.lookup_counts import LookupCounts
 
-    for k in range(3):
-        with contextlib.closing(cluster_nodes._admin(k)) as node:
-            node.config_set("cluster-require-full-coverage", "no")
-    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=5.0, retries=0)
+    client = _serving_partial_coverage(cluster_nodes, prefix)
     try:
         counts = DailyCounts(client, prefix=prefix)
         item_node = cluster_nodes.index_of(counts.key("item", "lookup", "20010101"))
@@ -421,10 +427,7 @@ def test_counts_written_by_a_client_made_while_a_node_holding_no_counts_is_down_
         cluster_nodes: Any, prefix: str) -> None:
     # the counts script was loaded on every primary before its first use: with one node down (the cluster serving
     # the other slots, cluster-require-full-coverage no) a process started meanwhile wrote no counts at all
-    for k in range(3):
-        with contextlib.closing(cluster_nodes._admin(k)) as node:
-            node.config_set("cluster-require-full-coverage", "no")
-    client = connect(RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True), timeout_s=5.0, retries=0)
+    client = _serving_partial_coverage(cluster_nodes, prefix)
     try:
         counts = DailyCounts(client, prefix=prefix)
         held = {cluster_nodes.index_of(counts.key(kind, "impression", "20010101")) for kind in ("item", "user")}
