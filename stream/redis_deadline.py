@@ -61,7 +61,9 @@ class _DeadlineSocket:
         self._reading, self._deadline, self._timeout = True, None, None
 
     def end(self) -> None:
-        if self._timeout is not None:
+        """After a reply: the socket's own timeout back, unless a failed read closed it (redis-py disconnects before
+        the reply's error reaches here; ``settimeout`` on a closed socket would replace that error with EBADF)."""
+        if self._timeout is not None and self._sock.fileno() != -1:
             self._sock.settimeout(self._timeout)
         self._reading, self._deadline, self._timeout = False, None, None
 
