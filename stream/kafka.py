@@ -646,11 +646,12 @@ class AckedProducer:
         self._acked_before: dict[str, int] = {}  # acknowledged before the last failed flush
         self.report = DeliveryReport()
         # produced into / reported failed by the current client (:meth:`delivered`); why the broker is unreachable,
-        # as error_cb last said (all brokers down, a connection refused: :meth:`_on_client_error`), until the caller
+        # as error_cb last said (all brokers down: :meth:`_on_client_error`), until the caller
         # sees deliveries again and clears it; called while ``send`` waits on a full queue (a caller's broker watch)
         self._produced, self._failed_total = 0, 0
         self.timed_out = 0  # deliveries of the current client that ran out their delivery timeout
         self.unreachable: str | None = None
+        self._refused: str | None = None  # error_cb's last connection refused or not resolved (the reason said)
         self.waiting: Callable[[], None] = lambda: None
 
     def _client(self) -> Producer:
@@ -664,12 +665,15 @@ class AckedProducer:
             self._fatal = err
 
     def _on_client_error(self, err: KafkaError) -> None:
-        """librdkafka's ``error_cb``: a fatal error (:meth:`_on_fatal`), or the broker gone (every broker down, a
-        connection refused or not resolved), said the moment it happens, where a message waiting on it fails only at
-        its delivery timeout (300 s by default)."""
+        """librdkafka's ``error_cb``: a fatal error (:meth:`_on_fatal`), or the broker gone (every broker down), said
+        the moment it happens, where a message waiting on it fails only at its delivery timeout (300 s by default).
+        The reason given is the last connection refused or not resolved, where one came: one such alone is one broker
+        of several (a cluster with a broker down, a bootstrap list naming one), and the others acknowledge."""
         self._on_fatal(err)
-        if err.code() == KafkaError._ALL_BROKERS_DOWN or _unreachable([err]):
-            self.unreachable = _text(err)
+        if _unreachable([err]):
+            self._refused = _text(err)
+        if err.code() == KafkaError._ALL_BROKERS_DOWN:
+            self.unreachable = self._refused or _text(err)
 
     def delivered(self) -> tuple[int, int]:
         """``(delivered, outstanding)``: messages of the current client acknowledged so far (produced, not held, not

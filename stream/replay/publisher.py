@@ -186,7 +186,7 @@ class _BrokerWatch:
 
     librdkafka retries a message until its delivery timeout (300 s by default), and the replay said nothing that
     long: it seemed to run, or hang. Now a wait is said at once when librdkafka reports the broker unreachable
-    (``error_cb``: all brokers down, a connection refused), else once nothing was acknowledged for
+    (``error_cb``: all brokers down; one broker of several refusing is not), else once nothing was acknowledged for
     :data:`WAIT_TELL_S` while messages wait (a frozen broker keeps its connections); the progress line says it
     waits. A broker answering again within ``limit_s`` is said too, and the replay goes on: the idempotent
     producer's retries deliver each waiting message once, in order. Past ``limit_s`` without an acknowledgement,

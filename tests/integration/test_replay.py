@@ -739,3 +739,21 @@ def test_a_broker_frozen_and_thawed_within_broker_wait_s_loses_and_duplicates_no
     assert len(imps) == table.n_impressions and len(clicks) == table.n_clicks, (len(imps), len(clicks))
     assert len({r.value for r in imps}) == len(imps) and len({r.value for r in clicks}) == len(clicks)
     assert summary.acked == {own.clicks_topic: len(clicks), own.impressions_topic: len(imps)}
+
+
+def test_a_replay_whose_bootstrap_also_names_a_broker_down_does_not_say_it_waits_on_the_broker(
+        kafka: KafkaSettings, caplog: pytest.LogCaptureFixture) -> None:
+    """One broker of the bootstrap list refusing connections while another acknowledges every message (a cluster with
+    a broker down) is no broker gone: the replay says no wait and its progress line never waits. librdkafka's
+    error_cb reports each refused connection; connections to every broker listed (sparse connections off) make the
+    refusal certain to happen during the replay."""
+    table = build_synthetic(SyntheticSettings(impressions=200, base_ctr=0.05), ClickDelay(), seed=5)
+    bootstrap = f"{kafka.bootstrap_servers},127.0.0.1:{free_port()}"
+    settings = dataclasses.replace(kafka, bootstrap_servers=bootstrap,
+                                   extra={**kafka.extra, "enable.sparse.connections": "false"})
+    statuses: list[str | None] = []
+    with caplog.at_level(logging.WARNING, logger="streamrec.replay"):
+        summary = publish(table, settings, "synthetic", rate=100, broker_wait_s=60, status=statuses.append)
+    assert summary.impressions == table.n_impressions
+    assert "cannot be reached" not in caplog.text and "acknowledged nothing" not in caplog.text, caplog.text
+    assert not any(s and s.startswith("waiting for the broker") for s in statuses), statuses
