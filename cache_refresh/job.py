@@ -713,7 +713,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
 
         stage = begin("validate")
         t0 = time.monotonic()
-        new = ScoringModel.load(staged, signing_key=key)
+        new = ScoringModel.load(staged, signing_key=key, mapped=True)  # read about once: not copied
         stop.check()
         probe = validate.probe(new, ckpt, rs.probe_samples, rs.validate_tolerance, hot_rows=hs.rows,
                                between=stop.check)
@@ -1095,7 +1095,7 @@ def _live_model(root: Path, key: SigningKey | None = None) -> tuple[ScoringModel
     publish alerts (:func:`_published_warnings`)."""
     try:
         current = artifact.read_current(root)
-        return (ScoringModel.load(current, signing_key=key) if current is not None else None), None
+        return (ScoringModel.load(current, signing_key=key, mapped=True) if current is not None else None), None
     except artifact.ArtifactError as exc:
         log.warning("the live artifact does not load (%s); the holdout comparison is skipped", exc)
         return None, str(exc)

@@ -160,7 +160,7 @@ class ScoringModel:
         # is rebuilt from tensors by this code (learner/scorer_files.py), which takes the user-row layout.
         self.input_layout = self.spec.input_layout if self.format in ("torchscript", "export") else USER_ROW_LAYOUT
         self.device = torch.device(device)
-        self._cold = cold  # (num_rows, D + 1) float32: a copy (in_process) or a memmap (layered)
+        self._cold = cold  # (num_rows, D + 1) float32: a copy (in_process) or a memmap (layered, or ``mapped``)
         # the same memory as a plain array: a memmap's own indexing wraps every result (~6 us per request)
         self._cold_rows = cold.view(np.ndarray) if isinstance(cold, np.memmap) else cold
         hot_ids = dict(scorer.named_buffers())["hot_ids"] if self.format != "export" else None
@@ -201,12 +201,14 @@ class ScoringModel:
     @classmethod
     def load(cls, version_dir: Path, device: str = "cpu", verify_files: bool = True,
              smoke: bool = True, signing_key: SigningKey | None = None,
-             store: RedisEmbeddingStore | None = None) -> ScoringModel:
+             store: RedisEmbeddingStore | None = None, mapped: bool = False) -> ScoringModel:
         """Load (and by default verify, size and sha256 of every file) one artifact version.
 
         ``store``: the layered mode; cold rows come from it (and the version must be in it: a Redis that answers
         without the version's rows is an :class:`ArtifactError`; a Redis that does not answer is not, the model
         serves fallback rows until it does) instead of the artifact's file (then memory-mapped: read once, at load).
+        ``mapped``: the cold table memory-mapped too, for a caller that reads it about once (the refresh's validation
+        and Redis write): copied, each such load held the whole table in anonymous memory besides the checkpoint's.
 
         Every reason it cannot be used is an :class:`ArtifactError`: the manifest (:func:`decode_manifest`),
         with ``signing_key`` a manifest that is unsigned or whose signature does not match (checked right after
@@ -222,7 +224,8 @@ class ScoringModel:
         # a key: always every file's digest, after the manifest's signature; else digests unless verify_files=False
         # (no digests, but no file from outside the version either)
         # (in_process: the cold table's digest is taken from the bytes copied into memory, read_table)
-        own = (COLD_FILE,) if store is None else ()
+        copied = store is None and not mapped
+        own = (COLD_FILE,) if copied else ()
         with (open_artifact(version_dir, signing_key=signing_key, hashed_on_read=own) if signing_key is not None
               else open_artifact(version_dir, digests=verify_files, hashed_on_read=own)) as files:
             manifest = files.manifest
@@ -235,9 +238,9 @@ class ScoringModel:
             spec = ScorerSpec.from_dict(manifest["scorer"])
             try:
                 # in_process: read per request, so copied (a row of a mapped file truncated since is a SIGBUS);
-                # layered: read once here (its bucket rows), so mapped
+                # layered: read once here (its bucket rows), so mapped; so is a ``mapped`` load's (the refresh's)
                 digest = manifest["files"][COLD_FILE]["sha256"] if signing_key is not None or verify_files else None
-                cold = read_table(files[COLD_FILE], digest) if store is None else map_table(files[COLD_FILE])
+                cold = read_table(files[COLD_FILE], digest) if copied else map_table(files[COLD_FILE])
                 if cold.dtype != np.float32 or cold.shape != (cfg.num_rows, cfg.embedding_dim + 1):
                     raise ArtifactError(f"{version_dir / COLD_FILE}: {cold.dtype} {cold.shape}, expected float32 "
                                         f"({cfg.num_rows}, {cfg.embedding_dim + 1})")
@@ -392,7 +395,7 @@ class ScoringModel:
 
     @property
     def table(self) -> np.ndarray:
-        """The artifact's whole fused table (num_rows, D + 1) float32, read-only (a copy; the layered mode's a map)."""
+        """The whole fused table (num_rows, D + 1) float32, read-only: a copy (a map: layered, ``mapped``)."""
         return self._cold
 
     def non_hot_rows(self) -> np.ndarray:
