@@ -128,7 +128,9 @@ class DeepFM(nn.Module):
         super().__init__()
         self.cfg = cfg
         with torch.random.fork_rng(devices=[]):  # every draw below from ``seed``; the global generator untouched
-            torch.manual_seed(seed)  # the MLP (nn.Linear's own init) and EmbeddingBag's default init draw from it
+            # the MLP (nn.Linear's own init) and EmbeddingBag's default init draw from it; the CPU's alone (forked):
+            # torch.manual_seed also reseeded the caller's CUDA generators, which fork_rng(devices=[]) does not restore
+            torch.default_generator.manual_seed(seed)
             g = torch.Generator().manual_seed(seed)
             self.sparse = SparseArch(cfg.num_rows, cfg.embedding_dim, cfg.num_fields, generator=g)
             self.fm = FMInteraction()

@@ -203,9 +203,10 @@ def evaluate(dataset: str = "ml-1m", protocol: str = "autoint", features: str = 
     torch.set_num_threads(cfg.threads)
     try:
         # Dropout draws from torch's global generator: it is seeded for a run that is the same given ``seed``,
-        # and the caller's own stream is restored afterwards (an evaluation leaves no trace on it).
+        # and the caller's own stream is restored afterwards (an evaluation leaves no trace on it). The CPU's alone:
+        # torch.manual_seed also reseeded every CUDA generator of the caller, which fork_rng(devices=[]) leaves out.
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
             if dataset == "synthetic":
                 if protocol != "delayed":
                     raise ValueError("--dataset synthetic runs with --protocol delayed (and --cold-start)")

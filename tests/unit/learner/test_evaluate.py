@@ -326,7 +326,6 @@ def test_platt_on_separable_scores_does_not_saturate_them() -> None:
     assert 0 < a < 10 and np.mean((fitted > 1e-3) & (fitted < 1 - 1e-3)) > 0.5  # a = 1151: none
 
 
-
 @pytest.mark.parametrize("labels", ["all_positive", "all_negative", "one_sample", "backwards", "nan_score"])
 def test_platt_keeps_the_identity_where_the_valid_split_cannot_support_a_fit(labels: str) -> None:
     """A map fitted on one class, one sample or scores that rank backwards would invert the ranking or flatten it
@@ -343,3 +342,17 @@ def test_platt_keeps_the_identity_where_the_valid_split_cannot_support_a_fit(lab
         assert (a, b) == pytest.approx(fit_platt(p[:-1], y[:-1])) and 0 < a < 4
     else:
         assert (a, b) == (1.0, 0.0)
+
+
+def test_evaluate_reseeds_no_accelerator_generator_of_its_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The evaluation runs on the CPU and forks only the CPU generator (``fork_rng(devices=[])``); seeded with
+    ``torch.manual_seed`` it also reseeded every CUDA (and MPS, XPU) generator of the caller, never put back: a caller
+    training on a GPU had its stream changed. (This machine has no GPU: the seeders are watched instead.)"""
+    reseeded: list[str] = []
+    for name, module in (("cuda", torch.cuda), ("mps", torch.mps), ("xpu", torch.xpu)):
+        for fn in ("manual_seed", "manual_seed_all"):
+            if hasattr(module, fn):
+                monkeypatch.setattr(module, fn, lambda *_, _n=f"{name}.{fn}": reseeded.append(_n))
+    small = {"mlp": (16,), "dropout": 0.3, "batch_size": 256, "syn_impressions": 2_000, "threads": 1}
+    evaluate("synthetic", "delayed", config=small, seed=0)
+    assert reseeded == []
