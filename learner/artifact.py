@@ -920,18 +920,25 @@ def read_table(fh: BinaryIO, sha256: str | None = None) -> np.ndarray:
 
     ``sha256``: the manifest's digest of the file, checked on the bytes read (the header, the table as copied, any
     bytes past it): an ArtifactError when they differ (``open_artifact(hashed_on_read=...)``). One read of the file
-    instead of a hash pass and a copy pass, and no moment between the check and the read."""
-    shape, fortran, dtype, offset = _table_header(fh)
-    want = offset + math.prod(shape) * dtype.itemsize
-    if (size := os.fstat(fh.fileno()).st_size) < want:  # before allocating what a header claims
-        _short_table(fh, size, want, shape, dtype)
-    table = np.empty(shape, dtype, order="F" if fortran else "C")
-    into: Any = (table.T if fortran else table).reshape(-1).view(np.uint8)  # (bytes,) a view: the table, file order
-    got = 0
-    while got < len(into) and (n := os.preadv(fh.fileno(), [into[got:]], offset + got)):
-        got += n
-    if got < len(into):  # truncated while it was read
-        _short_table(fh, offset + got, want, shape, dtype)
+    instead of a hash pass and a copy pass, and no moment between the check and the read. A file refused for what its
+    bytes say (its header, its size) before that is refused for its digest when that does not match: a header damaged
+    in place was otherwise reported as a truncated file, the manifest's digest never named."""
+    try:
+        shape, fortran, dtype, offset = _table_header(fh)
+        want = offset + math.prod(shape) * dtype.itemsize
+        if (size := os.fstat(fh.fileno()).st_size) < want:  # before allocating what a header claims
+            _short_table(fh, size, want, shape, dtype)
+        table = np.empty(shape, dtype, order="F" if fortran else "C")
+        into: Any = (table.T if fortran else table).reshape(-1).view(np.uint8)  # (bytes,) a view: the table, file order
+        got = 0
+        while got < len(into) and (n := os.preadv(fh.fileno(), [into[got:]], offset + got)):
+            got += n
+        if got < len(into):  # truncated while it was read
+            _short_table(fh, offset + got, want, shape, dtype)
+    except ValueError:
+        if sha256 is not None:  # the whole file hashed (this error path only): not the manifest's, said so
+            _check_sha256(getattr(fh, "name", COLD_FILE), _digest_around(fh.fileno(), 0, b""), sha256)
+        raise
     if sha256 is not None:
         _check_sha256(getattr(fh, "name", COLD_FILE), _digest_around(fh.fileno(), offset, into), sha256)
     table.flags.writeable = False

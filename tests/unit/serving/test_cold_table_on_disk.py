@@ -119,3 +119,19 @@ def test_a_table_rewritten_in_place_after_its_check_is_refused_not_served(
     assert rewritten == [True]
     if got is not None:
         assert np.array_equal(got.table, want), "a table no manifest lists was loaded"
+
+
+def test_a_table_whose_header_was_corrupted_in_place_is_refused_for_its_sha256_not_as_truncated(
+        version: Path) -> None:
+    """The table's digest is taken as it is read (``read_table``), after its header is parsed: a header damaged in place
+    (same size, a shape of more rows than the file holds) was refused as "the file is truncated" (the header's size
+    against the file's), never naming the digest the manifest has for it, as the check at open did."""
+    path = version / A.COLD_FILE
+    raw = bytearray(path.read_bytes())
+    rows = int(np.load(path, mmap_mode="r").shape[0])
+    at = raw.index(f"({rows},".encode())
+    raw[at + 1:at + 1 + len(str(rows))] = b"9" * len(str(rows))  # more rows (rows < 10 ** digits - 1)
+    path.write_bytes(bytes(raw))  # the same size: the size check at open passes
+    with pytest.raises(ArtifactError) as err:
+        ScoringModel.load(version)
+    assert str(path) in str(err.value) and "sha256" in str(err.value) and "truncated" not in str(err.value), err.value
