@@ -90,7 +90,7 @@ class ShardedDeepFM(nn.Module):
         super().__init__()
         self.cfg = cfg
         with torch.random.fork_rng(devices=[]):  # the MLP's init from ``seed``; DDP then copies rank 0's to all
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # the CPU's alone: torch.manual_seed reseeded the CUDA ones too
             self.dense_arch = DenseArch(cfg.num_fields * cfg.embedding_dim + len(cfg.dense), mlp, dropout)
         self.sparse = ShardedSparseArch(cfg, table_device)
         self.fm = FMInteraction()
