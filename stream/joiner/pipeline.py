@@ -121,7 +121,7 @@ from stream.kafka import (
 )
 from stream.keyspace import KeyspaceWatch
 from stream.limits import DEFAULT_LIMITS, EventLimits
-from stream.redis_client import connect, eviction_advice
+from stream.redis_client import DEFAULT_TIMEOUT_S, connect, eviction_advice
 from stream.samples import DELAYED_POSITIVE, watermark_header
 from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 
@@ -144,6 +144,19 @@ def _add_counts(into: Counts, counts: Counts, ahead: bool = False) -> None:
         else:
             got[0].extend(ids)
             got[1].extend(ts)
+
+
+# The largest reply a joiner batch reads is its history read: up to batch_max distinct users, each up to 4 x
+# history_len entries. At the defaults (5,000 users x 200 entries, ~15 MB) it took 1.5 s on a loaded 2-core machine
+# against a local Redis, within DEFAULT_TIMEOUT_S (5 s) bounding the whole reply; settings that allow a larger reply
+# give every reply a timeout grown in proportion, so that a healthy batch is never failed for its size.
+_HISTORY_ENTRIES_PER_TIMEOUT = 5_000 * 200
+
+
+def _redis_timeout_s(batch_max: int, max_len: int) -> float:
+    """The joiner's Redis timeout (each whole reply): DEFAULT_TIMEOUT_S, longer where a batch's history read may be
+    larger than the defaults allow."""
+    return DEFAULT_TIMEOUT_S * max(1.0, batch_max * max_len / _HISTORY_ENTRIES_PER_TIMEOUT)
 
 
 @dataclass
@@ -398,8 +411,11 @@ class JoinPipeline:
             max_waiting=js.max_waiting_per_partition, policy=js.emission.value, elapsed_ms=int(js.elapsed_s * 1000),
         )
         # Credentials and TLS from [redis]; one PING first, so refused credentials end the worker at start with
-        # one line (RedisAuthError) instead of failing every batch.
-        self.redis = connect(redis_settings, check=True)
+        # one line (RedisAuthError) instead of failing every batch. The timeout bounds each whole reply
+        # (stream/redis_deadline.py): a Redis trickling its replies fails the batch into its rewind and retry instead
+        # of holding it for as long as it trickles (tests/integration/test_faults.py); _redis_timeout_s sizes it.
+        self.redis = connect(redis_settings, timeout_s=_redis_timeout_s(js.batch_max, 4 * redis_settings.history_len),
+                             check=True, whole_reply=True)
         advice = eviction_advice(self.redis, redis_settings, "the joiner's day counts, user click histories and poison "
                                  "strikes")
         if advice:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from stream.config import KafkaSettings
+from stream.config import KafkaSettings, RedisSettings
+from stream.joiner.pipeline import _redis_timeout_s
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
@@ -33,6 +34,7 @@ from tests.bounded_teardown import Reaper, kill_and_reap
 from tests.integration.test_joiner import expected_join, join_env, read_samples
 from tests.integration.test_learner import produce_samples
 from tests.kafka_io import read_topic
+from tests.trickle_proxy import TrickleProxy
 
 pytestmark = pytest.mark.faults
 
@@ -223,6 +225,63 @@ def test_a_frozen_redis_mid_stream_times_out_rewinds_and_loses_nothing(kafka: Ka
     assert "infrastructure failure (TimeoutError" in err, err[-3000:]
     dups = assert_joined_exactly(kafka, table, "frozen redis")
     print(f"\nfrozen redis: duplicate samples {dups}")
+
+
+def _stamped_lines(stream) -> tuple[list[tuple[float, str]], threading.Thread]:
+    """The lines of ``stream`` as a thread reads them, each with the ``time.monotonic()`` it arrived at."""
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        for line in stream:
+            lines.append((time.monotonic(), line))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return lines, t
+
+
+BATCH_MAX = 500
+
+
+def test_a_trickling_redis_mid_stream_fails_the_batch_within_its_timeout_and_loses_nothing(
+        kafka: KafkaSettings, own_redis: Service, group_id: str, reaper: Reaper) -> None:
+    """Redis trickles its replies a byte per 20 ms mid-stream (``tests/trickle_proxy.py``: a congested link, a
+    swapping server), which a per-read socket timeout never trips: the joiner's batch fails as a Redis timeout within
+    a few of its whole-reply timeouts (``stream.joiner.pipeline._redis_timeout_s``: 5 s at these settings; a batch's
+    replies come one after another, and the first that outlasts it fails the batch), it rewinds and retries, and once
+    the trickle stops every impression gets exactly its label. Before whole-reply deadlines it waited out the trickle
+    in silence."""
+    s = SyntheticSettings(impressions=8000, users=3000, items=600, impressions_per_s=40.0,
+                          attribution_window_s=WINDOW_S, malformed_share=0.0)
+    table = build_synthetic(s, ClickDelay(median_s=20.0), seed=24)
+    bound = 3 * _redis_timeout_s(BATCH_MAX, 4 * RedisSettings().history_len)
+    with TrickleProxy(own_redis.port) as proxy:
+        replay = paced_replay(table, kafka, seconds=12.0)
+        env = join_env(kafka, proxy.url, group_id)
+        env["STREAMREC_JOINER_BATCH_MAX"] = str(BATCH_MAX)
+        proc = reaper.add(subprocess.Popen(join_cmd(group_id, "kafka"), env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True))
+        lines, reader = _stamped_lines(proc.stderr)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(read_topic(kafka, kafka.samples_topic)) < 3:
+            time.sleep(0.2)
+        proxy.trickling = True
+        began = time.monotonic()
+        try:
+            while time.monotonic() < began + bound and not any("infrastructure failure" in x for _, x in lines):
+                time.sleep(0.1)
+        finally:
+            proxy.trickling = False
+        failed = [t for t, x in lines if "infrastructure failure (TimeoutError" in x]
+        assert failed and failed[0] - began < bound, (
+            f"no Redis timeout within {bound:.0f} s of the trickle: {''.join(x for _, x in lines)[-3000:]}")
+        replay.join()
+        proc.stdout.read()  # type: ignore[union-attr]
+        assert proc.wait(timeout=300) == 0
+        reader.join(10)
+    assert proc.returncode == 0, "".join(x for _, x in lines)[-3000:]
+    dups = assert_joined_exactly(kafka, table, "trickling redis")
+    print(f"\ntrickling redis: failed after {failed[0] - began:.1f} s, duplicate samples {dups}")
 
 
 def _join_through_broker_fault(kafka: KafkaSettings, stack, group_id: str, fault: Callable[[], None],
