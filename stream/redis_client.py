@@ -68,7 +68,7 @@ from stream.tls import client_context
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Client", "ClusterUnavailable", "LazyClient", "RedisAuthError", "RedisFailure",
            "connect", "describe", "eviction_advice", "failure", "is_cluster", "latency_advice", "run_script",
-           "unavailable", "verify", "wait_until_up"]
+           "scaled_timeout_s", "unavailable", "verify", "wait_until_up"]
 
 Client = redis.Redis | RedisCluster  # what connect() returns: a single node's client or a cluster's
 
@@ -215,6 +215,13 @@ def _tls_options(settings: RedisSettings) -> dict[str, Any]:
 # tests/integration/test_faults.py, the frozen Redis). 5 s is redis-py 8's own default, stated here so that no
 # redis-py version's default decides it; no command streamrec sends takes a healthy Redis more than milliseconds.
 DEFAULT_TIMEOUT_S = 5.0
+
+
+def scaled_timeout_s(base_s: float, size: float, size_per_base: float) -> float:
+    """A whole-reply timeout (``connect(..., whole_reply=True)``) for replies of up to ``size`` (entries, members)
+    where ``base_s`` was measured to cover ``size_per_base``: ``base_s``, grown in proportion past that, so that a
+    healthy reply is never failed for its size while a trickling one still fails within a bound."""
+    return base_s * max(1.0, size / size_per_base)
 
 
 def connect(settings: RedisSettings, *, timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float | None = None,

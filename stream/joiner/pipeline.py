@@ -121,7 +121,7 @@ from stream.kafka import (
 )
 from stream.keyspace import KeyspaceWatch
 from stream.limits import DEFAULT_LIMITS, EventLimits
-from stream.redis_client import DEFAULT_TIMEOUT_S, connect, eviction_advice
+from stream.redis_client import DEFAULT_TIMEOUT_S, connect, eviction_advice, scaled_timeout_s
 from stream.samples import DELAYED_POSITIVE, watermark_header
 from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 
@@ -156,7 +156,7 @@ _HISTORY_ENTRIES_PER_TIMEOUT = 5_000 * 200
 def _redis_timeout_s(batch_max: int, max_len: int) -> float:
     """The joiner's Redis timeout (each whole reply): DEFAULT_TIMEOUT_S, longer where a batch's history read may be
     larger than the defaults allow."""
-    return DEFAULT_TIMEOUT_S * max(1.0, batch_max * max_len / _HISTORY_ENTRIES_PER_TIMEOUT)
+    return scaled_timeout_s(DEFAULT_TIMEOUT_S, batch_max * max_len, _HISTORY_ENTRIES_PER_TIMEOUT)
 
 
 @dataclass

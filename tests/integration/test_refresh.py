@@ -44,6 +44,7 @@ from stream.samples import SampleBatch
 from streamrec.cli import main
 from streamrec.stack import free_port
 from tests.kafka_io import read_topic
+from tests.trickle_proxy import TrickleProxy
 
 CFG = default_config({"device": "single"}, buckets=2000, ctx_buckets=5, embedding_dim=8, dense=("age",))
 USERS = [stable_hash(f"u{i}") for i in range(40)]
@@ -303,6 +304,54 @@ def test_redis_unreachable_retries_with_backoff_then_fails(env, tmp_path: Path) 
     # the CLI says so and exits 1
     cfg = config_file(tmp_path / "dead.toml", rs, kafka, dead)
     assert main(["refresh", "--now", "--config", str(cfg)]) == 1
+
+
+def test_a_trickling_redis_fails_the_refresh_within_its_timeout_releases_the_lock_and_a_rerun_publishes(
+        env, stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Redis trickles its replies a byte per 20 ms (``tests/trickle_proxy.py``), which a per-read socket timeout never
+    trips: the refresh fails at its hot set within its attempts of its whole-reply timeout (``job.redis_timeout_s``),
+    with one line naming Redis and the timeout, and releases its lock, so a rerun once Redis is healthy publishes.
+    Before whole-reply timeouts the run waited out the trickle holding the lock: that night's run and the next."""
+    rs, kafka, rds = env
+    rs = dataclasses.replace(rs, redis_timeout_s=1.0, redis_attempts=2)
+    timeout_s = job.redis_timeout_s(rs)
+    bound = 3 * (rs.redis_attempts * timeout_s + rs.redis_backoff_s)  # the failure is due by 1/3 of this
+    with TrickleProxy(stack.s.redis_port) as proxy:
+        slow = dataclasses.replace(rds, url=proxy.url)
+        proxy.trickling = True
+        outcome: list[BaseException | dict] = []
+
+        def run() -> None:
+            try:
+                outcome.append(job.run_once(rs, kafka, slow))
+            except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+                outcome.append(exc)
+
+        runner = threading.Thread(target=run, daemon=True)
+        runner.start()
+        try:
+            runner.join(bound)
+            done = not runner.is_alive()
+        finally:
+            proxy.trickling = False  # a run still held ends now: the test fails instead of hanging
+            runner.join()
+        assert done, f"the refresh was still running {bound:.1f} s into a trickling Redis: {outcome}"
+        assert isinstance(outcome[0], job.RefreshError), outcome
+        assert "at hot_set" in str(outcome[0]) and f"{timeout_s:g} s" in str(outcome[0]), outcome[0]
+        assert artifact.read_current(rs.publish_root) is None  # nothing published
+
+        proxy.trickling = True  # the CLI: exit 1, one line naming Redis and the timeout
+        cfg = config_file(tmp_path / "slow.toml", rs, kafka, slow)
+        try:
+            assert main(["refresh", "--now", "--config", str(cfg)]) == 1
+        finally:
+            proxy.trickling = False
+        said = [x for x in capsys.readouterr().err.splitlines() if "refresh failed at hot_set" in x]
+        assert len(said) == 1 and "Redis" in said[0] and f"{timeout_s:g} s" in said[0], said
+
+        summary = job.run_once(rs, kafka, slow)  # Redis healthy again: the lock was released, the rerun publishes
+    assert artifact.read_current(rs.publish_root) == Path(summary["path"])
+    print(f"\ntrickling redis: {said[0]}")
 
 
 def test_no_checkpoint_is_a_clear_failure(env, tmp_path: Path) -> None:
