@@ -67,7 +67,7 @@ NAME_MAX_CHARS = 4096
 
 
 class RedisUnavailable(StreamrecError):
-    """Redis did not answer after every retry."""
+    """Redis did not answer after every retry (unreachable, or slower than its timeout: the message says which)."""
 
 
 def with_retries(what: str, fn: Callable[[], T], attempts: int, backoff_s: float,
@@ -95,6 +95,8 @@ def with_retries(what: str, fn: Callable[[], T], attempts: int, backoff_s: float
                 on_retry(warning)
             between()
             sleep(wait)
+    if isinstance(last, redis.TimeoutError):  # up and slow (a trickling reply, a read past its timeout): not "down"
+        raise RedisUnavailable(f"{what}: Redis did not answer within its timeout in {attempts} attempt(s): {last}")
     raise RedisUnavailable(f"{what}: Redis unreachable after {attempts} attempt(s): {last}")
 
 
