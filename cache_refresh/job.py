@@ -107,7 +107,7 @@ from serving import embedding_store
 from serving.model import ScoringModel
 from serving.settings import EmbeddingStore
 from stream.config import KafkaSettings, RedisSettings
-from stream.counts import _TOP_PAGE
+from stream.counts import TOP_PAGE
 from stream.errors import ConfigError, StreamrecError
 from stream.files import MAX_STATE_FILE_BYTES, describe_os_error, finite_json, read_regular, write_atomic
 from stream.redis_client import RedisAuthError, connect, describe, scaled_timeout_s, verify
@@ -312,7 +312,7 @@ def read_last_ran(root: Path, now: float | None = None) -> dt.datetime | None:
 
 # -- the job -------------------------------------------------------------------------------------
 # The largest reply a refresh reads is a top-ids read of the hot set (DailyCounts.top: ZREVRANGE of up to twice
-# hot_items members, ZMSCORE of as many; a window's page reads, up to days x _TOP_PAGE members). At the defaults
+# hot_items members, ZMSCORE of as many; a window's page reads, up to days x TOP_PAGE members). At the defaults
 # (200,000 members) it takes ~0.7 s on a loaded 2-core machine against a local Redis (measured: 100,000 members 0.35 s,
 # 1,000,000 3.4 to 5.4 s), within redis_timeout_s (5 s) bounding the whole reply; larger settings grow it in proportion.
 _REPLY_MEMBERS_PER_TIMEOUT = 200_000
@@ -321,7 +321,7 @@ _REPLY_MEMBERS_PER_TIMEOUT = 200_000
 def redis_timeout_s(rs: RefreshSettings) -> float:
     """The refresh's Redis timeout, bounding each whole reply: ``redis_timeout_s``, longer where ``hot_items``,
     ``hot_users`` or ``days`` allow a larger top-ids reply than the defaults."""
-    members = max(2 * max(rs.hot_items, rs.hot_users), rs.days * _TOP_PAGE)
+    members = max(2 * max(rs.hot_items, rs.hot_users), rs.days * TOP_PAGE)
     return scaled_timeout_s(rs.redis_timeout_s, members, _REPLY_MEMBERS_PER_TIMEOUT)
 
 

@@ -153,7 +153,7 @@ _COUNTS_KEY_RE = re.compile(r"(?:\{(?P<kind>" + "|".join(KINDS) + r")\}|(?P<lega
                             r"(?P<event>" + "|".join(EVENTS) + r"):(?P<day>[0-9]{8})")
 _SLOT_TRIES = 20  # DailyCounts._slot_keys: tries while a resharding moves a kind's slot (~10 s of waits in all)
 _SLOT_KEYS_MAX = 1_000_000  # keys listed from a kind's slot (a day has 7 of each kind; other prefixes share it)
-_TOP_PAGE = 10_000  # the most members DailyCounts.top reads from one key in one command (a window of several days)
+TOP_PAGE = 10_000  # the most members DailyCounts.top reads from one key in one command (a window of several days)
 log = logging.getLogger("streamrec.counts")
 _NAMES_DAYS_PER_TRIP = 32  # days of names DailyCounts.names asks in one pipelined round trip
 
@@ -651,7 +651,7 @@ class DailyCounts:
         The union on the server read every member of every day in one command: 7 days of 300,000 members outlasted
         ``redis_timeout_s`` (the hot set failed as "Redis unreachable") and blocked Redis for every other client
         meanwhile. Not one snapshot: a count written between two rounds may be read in one and not the other."""
-        page = min(max(2 * k, 1000), _TOP_PAGE)
+        page = min(max(2 * k, 1000), TOP_PAGE)
         read: list[dict[bytes, float]] = [{} for _ in keys]  # every (member, score) read of each key
         sums: dict[bytes, float] = {}
         bound = [math.inf] * len(keys)  # the last score read of each key: no unread member of it scores more
