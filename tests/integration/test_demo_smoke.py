@@ -23,13 +23,18 @@ BIN = Path(sys.executable).parent
 LIMIT = 50_000  # impressions replayed (of 100,000): ~78,000 samples to train instead of ~155,000
 
 
+def demo_env(stack: LocalStack, run: Path, limit: int) -> dict[str, str]:
+    """demo.sh's settings for a run on the session's stack, on ports and in a directory of its own."""
+    return {**os.environ, "DEMO_DATASET": "ml-100k", "DEMO_STACK": "0", "DEMO_DIR": str(run), "DEMO_LIMIT": str(limit),
+            "DEMO_JOIN_PORT": str(free_port()), "DEMO_LEARNER_PORT": str(free_port()),
+            "DEMO_SERVE_PORT": str(free_port()), "SR": str(BIN / "streamrec"), "PY": sys.executable,
+            "STREAMREC_KAFKA_BOOTSTRAP_SERVERS": stack.bootstrap_servers, "STREAMREC_REDIS_URL": stack.redis_url}
+
+
 def test_the_demo_runs_end_to_end_and_writes_a_report_with_every_plot(stack: LocalStack, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
-    env = {**os.environ, "DEMO_DATASET": "ml-100k", "DEMO_STACK": "0", "DEMO_DIR": str(run), "DEMO_LIMIT": str(LIMIT),
-           "DEMO_JOIN_PORT": str(free_port()), "DEMO_LEARNER_PORT": str(free_port()),
-           "DEMO_SERVE_PORT": str(free_port()), "SR": str(BIN / "streamrec"), "PY": sys.executable,
-           "STREAMREC_KAFKA_BOOTSTRAP_SERVERS": stack.bootstrap_servers, "STREAMREC_REDIS_URL": stack.redis_url}
+    env = demo_env(stack, run, LIMIT)
     proc = subprocess.run(["bash", str(ROOT / "streamrec" / "demo.sh")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=420)
     out = proc.stdout + proc.stderr
@@ -53,3 +58,27 @@ def test_the_demo_runs_end_to_end_and_writes_a_report_with_every_plot(stack: Loc
         assert json.loads((run / f"{stage}.json").read_text()), stage
     sources = {json.loads(line).get("source") for line in (run / "run-log.jsonl").read_text().splitlines()}
     assert {"joiner", "learner", "serving"} <= sources
+
+
+def test_a_monitor_that_ended_early_is_reported_and_the_demo_still_writes_its_report(stack: LocalStack,
+                                                                                     tmp_path: Path) -> None:
+    """The monitor runs in the background; killed (or crashed) mid-run, the demo's bare `kill` of it failed under
+    set -e at the very end: exit 1, "kill: (pid) - No such process", no report of the run that had finished."""
+    pytest.importorskip("matplotlib")
+    psutil = pytest.importorskip("psutil")
+    run = tmp_path / "run"
+    proc = subprocess.Popen(["bash", str(ROOT / "streamrec" / "demo.sh")], cwd=ROOT, env=demo_env(stack, run, 5_000),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    out = []
+    for line in proc.stdout:  # the monitor is up from before the replay: kill it once training has begun
+        out.append(line)
+        if line.startswith("== train"):
+            break
+    monitor, = [p for p in psutil.Process(proc.pid).children() if "monitor" in p.cmdline()]
+    monitor.kill()
+    out.append(proc.stdout.read())
+    text = "".join(out)
+    assert proc.wait() == 0, text[-6000:]
+    assert "demo: the monitor ended before the run did (exit 137" in text, text[-3000:]
+    assert (run / "report.html").is_file() and not (run / "monitor.json").exists()
