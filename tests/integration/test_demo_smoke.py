@@ -10,6 +10,7 @@ import base64
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +66,6 @@ def test_a_monitor_that_ended_early_is_reported_and_the_demo_still_writes_its_re
     """The monitor runs in the background; killed (or crashed) mid-run, the demo's bare `kill` of it failed under
     set -e at the very end: exit 1, "kill: (pid) - No such process", no report of the run that had finished."""
     pytest.importorskip("matplotlib")
-    psutil = pytest.importorskip("psutil")
     run = tmp_path / "run"
     proc = subprocess.Popen(["bash", str(ROOT / "streamrec" / "demo.sh")], cwd=ROOT, env=demo_env(stack, run, 5_000),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -75,8 +75,9 @@ def test_a_monitor_that_ended_early_is_reported_and_the_demo_still_writes_its_re
         out.append(line)
         if line.startswith("== train"):
             break
-    monitor, = [p for p in psutil.Process(proc.pid).children() if "monitor" in p.cmdline()]
-    monitor.kill()
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    monitor, = [int(c) for c in children if b"monitor" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    os.kill(monitor, signal.SIGKILL)
     out.append(proc.stdout.read())
     text = "".join(out)
     assert proc.wait() == 0, text[-6000:]
