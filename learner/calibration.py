@@ -251,10 +251,31 @@ class OnlineCalibration:
                 "pending_chunks": [len(c[0]) for c in self.chunks],
                 "clicked": sorted(self.clicked)}
 
+    def max_curvature(self) -> float:
+        """The largest ``H[0, 0]`` fits of rows read within ``MAX_FIT_LOGIT`` can build: each row adds at most
+        ``0.25 * MAX_FIT_LOGIT^2`` and forgetting holds at most ``half_life_rows / ln 2`` rows' worth plus one group
+        (at most ``max_pending`` rows)."""
+        return float(self.h0[0, 0] + 0.25 * MAX_FIT_LOGIT ** 2 * (self.half_life_rows / np.log(2) + self.max_pending))
+
+    def _restored(self, a: float, b: float, h: np.ndarray | None) -> tuple[float, float, np.ndarray]:
+        """``(a, b, H)`` of a saved state, or what replaces a part no fit of this code could have made: a
+        non-finite ``(a, b)`` serves the identity, ``a`` is held in its bounds, and an ``H`` that is not finite,
+        not positive definite or beyond :meth:`max_curvature` restarts from the prior. Such an ``H`` came from a
+        checkpoint of a version without the logit clip (a bfloat16-limit logit put 4e42 there): kept, it froze
+        ``a`` for good after the upgrade, since each fit moves ``(a, b)`` by ``H``'s inverse."""
+        if not (np.isfinite(a) and np.isfinite(b)):
+            a, b = 1.0, 0.0
+        a = float(np.clip(a, self.min_scale, self.max_scale))
+        if h is None:
+            return a, b, self.h0.copy()
+        sane = (np.isfinite(h).all() and h[0, 0] > 0 and h[1, 1] > 0 and np.linalg.det(h) > 0
+                and abs(h[0, 1] - h[1, 0]) <= 1e-6 * max(abs(h[0, 1]), 1.0)
+                and h[0, 0] <= self.max_curvature() and h[1, 1] <= self.max_curvature())
+        return a, b, (h if sane else self.h0.copy())
+
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        self.a, self.b = float(d.get("a", 1.0)), float(d.get("b", 0.0))
-        if "h" in d:
-            self.h = np.asarray(d["h"], np.float64).reshape(2, 2)
+        h = np.asarray(d["h"], np.float64).reshape(2, 2) if "h" in d else None
+        self.a, self.b, self.h = self._restored(float(d.get("a", 1.0)), float(d.get("b", 0.0)), h)
         self.rows = int(d.get("rows", 0))
         self.clock.load(d.get("clock"), None if d.get("now_ms") is None else int(d["now_ms"]))
         self.first_times.load(d.get("first_ms"))

@@ -232,3 +232,37 @@ def test_a_model_far_off_the_click_rate_is_calibrated_without_a_newton_swing(shi
     z, y = rows(50_000)
     served = 1 / (1 + np.exp(-(cal.a * z + cal.b)))
     assert served.mean() == pytest.approx(y.mean(), rel=0.2) and np.median(served) > 0.05  # not all 0 (or 1)
+
+
+@pytest.mark.parametrize("h", [[[4e42, 0.0], [0.0, 4e42]], [[np.nan, 0.0], [0.0, 1.0]]])
+def test_a_checkpointed_curvature_no_fit_can_make_is_restarted_from_the_prior_not_kept_frozen(h) -> None:
+    """A checkpoint of a version without the logit clip could hold ``H`` ~4e42 (one bfloat16-limit logit): loaded as
+    it was, each fit moved ``(a, b)`` by its inverse (nothing) and the calibration stayed frozen after the upgrade.
+    A non-finite ``H`` is no better. Such an ``H`` restarts from the prior; ``(a, b)`` are kept."""
+    rng = np.random.default_rng(11)
+    cal = OnlineCalibration()
+    cal.load_state_dict({"a": 1.0, "b": -0.1, "h": h, "rows": 5_000_000})
+    assert (cal.a, cal.b) == (1.0, -0.1)
+    for _ in range(40):  # the model turns twice too confident: the calibration follows
+        t = rng.normal(-2.0, 1.0, 1000)
+        cal.fit(2.0 * t, (rng.random(1000) < 1 / (1 + np.exp(-t))).astype(np.float64))
+    assert cal.a < 0.75
+
+
+def test_a_checkpointed_scale_and_shift_that_cannot_be_served_load_as_the_identity_or_within_bounds() -> None:
+    cal = OnlineCalibration()
+    cal.load_state_dict({"a": float("nan"), "b": 0.3})
+    assert (cal.a, cal.b) == (1.0, 0.0)
+    cal.load_state_dict({"a": 40.0, "b": 0.3})
+    assert (cal.a, cal.b) == (cal.max_scale, 0.3)
+
+
+def test_a_curvature_built_by_fits_round_trips_unchanged() -> None:
+    rng = np.random.default_rng(12)
+    cal = OnlineCalibration()
+    for _ in range(30):
+        t = rng.normal(-2.0, 1.0, 4000)
+        cal.fit(np.clip(t * 50, -40, 40), (rng.random(4000) < 1 / (1 + np.exp(-t))).astype(np.float64))
+    copy = OnlineCalibration()
+    copy.load_state_dict(cal.state_dict())
+    assert np.array_equal(copy.h, cal.h) and cal.h[0, 0] <= cal.max_curvature()
