@@ -849,13 +849,15 @@ def _with_url(rs: RedisSettings, url: str) -> RedisSettings:
 def redis_notifier(target: RedisSettings | str, channel: str) -> Callable[[int], None]:
     """``PUBLISH channel seq`` on the Redis of ``target`` (the [redis] settings with their credentials and TLS,
     or a bare url); the client connects lazily and reconnects. A failed PUBLISH raises a
-    :class:`~stream.redis_client.RedisFailure` whose one line names the Redis (url redacted) and the cause."""
+    :class:`~stream.redis_client.RedisFailure` whose one line names the Redis (url redacted) and the cause. The
+    timeout bounds each whole reply (``whole_reply``): a Redis trickling its replies held the learner's training step
+    for as long as it trickled (each read within the timeout), and now fails the announcement after 1 s a try."""
     import redis
 
     from stream.redis_client import connect, failure
 
     settings = target if isinstance(target, RedisSettings) else RedisSettings(url=target)
-    client = connect(settings, timeout_s=1.0, retries=1)
+    client = connect(settings, timeout_s=1.0, retries=1, whole_reply=True)
 
     def notify(seq: int) -> None:
         try:

@@ -17,7 +17,9 @@ from learner.daemon import Learner
 from learner.deltas import DeltaReader, DeltaWriter, list_deltas, load_delta, redis_notifier
 from learner.model import DeepFM
 from stream.config import KafkaSettings
+from stream.redis_client import RedisFailure
 from tests.integration.test_serving import CFG, TinyLearner
+from tests.trickle_proxy import TrickleProxy
 
 
 class FakeClock:
@@ -280,6 +282,24 @@ def test_a_fresh_model_counts_the_deltas_pruned_between_its_source_checkpoint_an
     assert served is not None and served.source_delta_seq == 2 and served.delta_seq == 6
     assert updater.metrics.delta_gaps._value.get() == 2
     assert sum("deltas 3..4 were pruned" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_announcement_to_a_trickling_redis_fails_at_its_timeout_instead_of_waiting_out_the_trickle(stack) -> None:
+    """Redis trickles its replies a byte per 0.6 s (``tests/trickle_proxy.py``): no read waits the notifier's 1 s
+    timeout, so with a per-read timeout the PUBLISH's 4-byte reply took 1.8 s a try (the learner's step held for it,
+    and for as long as any longer trickle lasts). Bounded as a whole reply, each try fails at 1 s and the announcement
+    fails as a Redis that did not answer in time; once the trickle stops the next one goes through."""
+    channel = f"t{uuid.uuid4().hex[:8]}:model-deltas"
+    with TrickleProxy(stack.s.redis_port, gap_s=0.6) as proxy:
+        notify = redis_notifier(proxy.url, channel)
+        notify(1)  # connected while Redis is healthy
+        proxy.trickling = True
+        try:
+            with pytest.raises(RedisFailure, match="did not answer in time"):
+                notify(2)
+        finally:
+            proxy.trickling = False
+        notify(3)
 
 
 def test_writer_announces_each_delta_on_redis(stack, tmp_path: Path) -> None:
