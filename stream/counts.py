@@ -140,6 +140,7 @@ from redis.exceptions import NoPermissionError
 
 from stream.errors import clip
 from stream.redis_client import Client, ClusterUnavailable, is_cluster, run_script, unavailable
+from stream.redis_deadline import replies_by
 
 KINDS = ("item", "user")
 EVENTS = ("impression", "click", "lookup")
@@ -318,11 +319,16 @@ class DailyCounts:
     """Item and user occurrence counts per UTC day (see the module docstring for keys and expiry)."""
 
     def __init__(self, client: Client, prefix: str = "streamrec", ttl_days: int = 8,
-                 future_s: float = 3600.0) -> None:
+                 future_s: float = 3600.0, write_timeout_s: float | None = None) -> None:
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"argument 'prefix': got {prefix!r}, expected a non-empty string")
         _check_positive_int("ttl_days", ttl_days)
         self.client = client
+        # Each write's whole MULTI/EXEC completes within it where the client bounds whole replies (connect(...,
+        # whole_reply=True)): its replies (MULTI's, a QUEUED per script call, EXEC's) share one deadline
+        # (stream.redis_deadline.replies_by). Bounded one by one, a Redis trickling them held a write of many days one
+        # timeout per reply. None: each reply bounded alone.
+        self.write_timeout_s = write_timeout_s
         self.prefix = prefix
         self.ttl_days = int(ttl_days)
         self.future_s = float(future_s)
@@ -527,8 +533,10 @@ class DailyCounts:
             self._zincr_many = self.client.register_script(_ZINCR_MANY)
         acked = self._acked.pop(kind, {})
         forget = [([key] * 3, [0, "", 0, *fields]) for key, fields in acked.items()]
+        by = math.inf if self.write_timeout_s is None else time.monotonic() + self.write_timeout_s
         try:
-            results = run_script(self.client, self._zincr_many, forget + calls, transaction=True)
+            with replies_by(by):  # the transaction's replies by one deadline (write_timeout_s)
+                results = run_script(self.client, self._zincr_many, forget + calls, transaction=True)
         except BaseException:
             self._acked[kind] = acked
             raise

@@ -414,16 +414,18 @@ class JoinPipeline:
         # one line (RedisAuthError) instead of failing every batch. The timeout bounds each whole reply
         # (stream/redis_deadline.py): a Redis trickling its replies fails the batch into its rewind and retry instead
         # of holding it for as long as it trickles (tests/integration/test_faults.py); _redis_timeout_s sizes it.
-        self.redis = connect(redis_settings, timeout_s=_redis_timeout_s(js.batch_max, 4 * redis_settings.history_len),
-                             check=True, whole_reply=True)
+        timeout_s = _redis_timeout_s(js.batch_max, 4 * redis_settings.history_len)
+        self.redis = connect(redis_settings, timeout_s=timeout_s, check=True, whole_reply=True)
         advice = eviction_advice(self.redis, redis_settings, "the joiner's day counts, user click histories and poison "
                                  "strikes")
         if advice:
             log.warning("%s", advice)
         self.strikes = Strikes(RedisStrikes(self.redis, f"{redis_settings.prefix}:strikes:{js.app_id}"),
                                js.poison_after)
+        # a counts write (one MULTI/EXEC) bounded as a whole, as one reply is: a trickling Redis fails the flush, and
+        # the batch that finds it rewinds, within the timeout
         self.counts = DailyCounts(self.redis, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days,
-                                  future_s=limits.future_ts_s)
+                                  future_s=limits.future_ts_s, write_timeout_s=timeout_s)
         # Redis keeps more than history_len clicks per user: a sample emitted up to a window after its
         # impression still finds the clicks before it when the user clicked more in between.
         self.history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len,

@@ -25,12 +25,15 @@ from redis.retry import Retry
 
 from serving.lookup_counts import LookupCounts
 from stream import counts as counts_module
+from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DAY_MS, DAY_S, DailyCounts, day_of, new_write_id
 from stream.errors import ConfigError
-from stream.joiner.pipeline import JoinPipeline, _add_counts
+from stream.joiner.config import JoinerSettings
+from stream.joiner.pipeline import JoinPipeline, _add_counts, _redis_timeout_s
 from stream.keyspace import KeyspaceWatch
 from stream.strikes import is_infrastructure
 from streamrec.stack import LocalStack
+from tests.trickle_proxy import TrickleProxy
 
 
 @pytest.fixture
@@ -138,6 +141,39 @@ def test_a_record_cut_off_mid_pipeline_writes_no_day_so_writing_it_again_counts_
     assert redis_client.zscore(counts.key("item", "impression", day_of(now_ms - DAY_MS)), "7") == 1.0
     assert redis_client.zscore(counts.key("item", "impression", day_of(now_ms)), "8") == 1.0
     assert not redis_client.exists(counts.key("item", "lookup", day_of(now_ms)))  # neither chunk written
+
+
+def test_a_joiner_counts_write_trickled_past_its_redis_timeout_fails_the_flush_and_its_retry_counts_once(
+        stack: LocalStack, kafka: KafkaSettings, redis_client: redis.Redis, prefix: str, group_id: str) -> None:
+    """Redis trickles its replies (``tests/trickle_proxy.py``) while the joiner writes a flush of 60 days (after one of
+    60 days: 60 markers to forget too), one MULTI/EXEC of 120 script calls: each reply (+OK, a QUEUED per call, the
+    EXEC's array) arrives within the joiner's Redis timeout, the whole transaction in ~1.8 of it. The flush fails as a
+    Redis timeout once the timeout has passed (the batch that finds it rewinds); the write bounded reply by reply waited
+    out the whole trickle, one timeout per reply at most. Once Redis is healthy the retry counts every day once."""
+    days = 60
+    timeout_s = _redis_timeout_s(JoinerSettings().batch_max, 4 * RedisSettings().history_len)
+    now_ms = int(time.time() * 1000)
+    ts = [now_ms - d * DAY_MS for d in range(days)]
+    # the EXEC's reply (*120 and 120 x ":0") is ~490 bytes, the transaction's replies ~1,590: at timeout_s / 900 a byte
+    # the EXEC's takes ~0.54 x timeout_s and the whole ~1.77 x
+    with TrickleProxy(stack.s.redis_port, gap_s=timeout_s / 900) as proxy:
+        p = JoinPipeline(kafka, RedisSettings(url=proxy.url, prefix=prefix), JoinerSettings(app_id=group_id))
+        try:
+            p._counts_buffer[("item", "impression")] = ([5] * days, ts)
+            p.flush_counts()  # healthy: the script loaded, the keyspace markers set
+            p._counts_buffer[("item", "impression")] = ([7] * days, ts)
+            proxy.trickling = True
+            try:
+                with pytest.raises(redis.TimeoutError):
+                    p.flush_counts()
+            finally:
+                proxy.trickling = False
+            assert p._failed_write is not None  # kept, under its write id, for the retry
+            p.flush_counts()  # the retry: Redis may have run the EXEC whose reply trickled
+        finally:
+            p.close()
+    for day in {day_of(t) for t in ts}:
+        assert scores(redis_client, p.counts.key("item", "impression", day)) == {"5": 1.0, "7": 1.0}, day
 
 
 class LoseExecReply(redis.Connection):
