@@ -641,10 +641,29 @@ class DailyCounts:
             return []
         rows: list[tuple[bytes, float]]  # (member, score), highest first
         if len(keys) == 1:
-            rows = self.client.zrevrange(keys[0], 0, int(k) - 1, withscores=True)  # type: ignore[assignment]
+            rows = self._top_of_one(keys[0], int(k))
         else:
             rows = self._top_of_sum(keys, int(k))
         return [(_text(member), float(score)) for member, score in rows]
+
+    def _top_of_one(self, key: str, k: int) -> list[tuple[bytes, float]]:
+        """The ``k`` highest members of one key, by score then member descending, read ``TOP_PAGE`` members per command
+        (ZREVRANGE), as :meth:`_top_of_sum` reads a window: one ZREVRANGE of ``k`` was one reply of ``k`` members, and
+        the hot set asks ``k`` again, doubled, past a head of refused members (``cache_refresh/hot_set.py``,
+        ``top_ids``): a day of a million refused at the head read them in one reply, past ``redis_timeout_s``. Not one
+        snapshot: a member a write moved up across a page boundary between two reads is read twice (kept once)."""
+        rows: dict[bytes, float] = {}
+        start = 0
+        while start < k:
+            asked = min(TOP_PAGE, k - start)
+            page = cast("list[tuple[bytes, float]]", self.client.zrevrange(key, start, start + asked - 1,
+                                                                           withscores=True))
+            for member, score in page:
+                rows.setdefault(member, float(score))
+            start += asked
+            if len(page) < asked:
+                break
+        return list(rows.items())
 
     def _top_of_sum(self, keys: list[str], k: int) -> list[tuple[bytes, float]]:
         """The ``k`` members with the highest sum of their scores in ``keys``, ranked as ZUNIONSTORE (SUM) and

@@ -13,8 +13,13 @@ import pytest
 import redis
 
 from cache_refresh import hot_set
+from stream import counts as counts_module
+from stream.config import RedisSettings
 from stream.counts import DailyCounts
+from stream.redis_client import connect
+from streamrec.stack import LocalStack
 from tests.integration.test_refresh import CFG
+from tests.trickle_proxy import TrickleProxy
 
 DAY = "20030228"
 
@@ -54,6 +59,29 @@ def test_an_infinite_count_at_the_head_gives_its_place_to_the_next_valid_id(
     _items(redis_client, prefix, {"1": float("inf"), "2": 9, "3": 8, "4": 7})
     hs = _hot_items(redis_client, prefix, k=2)
     assert [r["hash"] for r in hs.stats["top_items"]] == ["2", "3"]
+
+
+def test_a_days_head_of_refused_members_is_read_a_page_per_reply_so_a_trickling_redis_does_not_time_it_out(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One day's counts (a window of one key) whose first pages are all refused members (not a stable hash's text):
+    the hot set asks for k, then twice as many until k valid ids come, and each read ranks the day again. With the
+    refresh's whole-reply timeout and Redis trickling a byte per 2 ms, a page (TOP_PAGE = 2: ~40 bytes) is well within
+    it; the read of 32 members in one reply (~600 bytes, 1.2 s) was not, and the hot set failed as a Redis timeout
+    (at the real TOP_PAGE: a day with a million refused members at its head)."""
+    monkeypatch.setattr(counts_module, "TOP_PAGE", 2)
+    refused = {f"x{i:02d}": 1000.0 - i for i in range(30)}
+    _items(redis_client, prefix, {**refused, "1": 5.0, "2": 4.0, "3": 3.0})
+    with TrickleProxy(stack.s.redis_port, gap_s=0.002) as proxy:
+        client = connect(RedisSettings(url=proxy.url), timeout_s=0.45, retries=0, whole_reply=True)
+        try:
+            counts = DailyCounts(client, prefix=prefix)
+            proxy.trickling = True
+            top, day = hot_set.top_ids(counts, "item", "impression", days=1, k=2,
+                                       available={("item", "impression"): [DAY]})
+        finally:
+            proxy.trickling = False
+            client.close()
+    assert (top, day) == ([("1", 5.0), ("2", 4.0)], DAY)
 
 
 def test_a_member_that_is_not_utf8_is_left_out_not_a_failed_refresh(redis_client: redis.Redis, prefix: str) -> None:

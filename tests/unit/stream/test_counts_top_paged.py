@@ -106,6 +106,17 @@ def test_no_command_reads_more_than_a_page_whatever_the_window_holds() -> None:
     assert client.largest <= PAGE_MAX * len(DAYS) and "zunionstore" not in client.commands
 
 
+def test_one_days_top_is_read_a_page_per_command_as_redis_ranks_it() -> None:
+    """A window of one key was one ZREVRANGE of k: a hot set asking again past refused members read them all in one."""
+    rng = random.Random(2)
+    sets = {key(DAYS[0]): {str(rng.randrange(10**9)).encode(): float(rng.randint(1, 1000)) for _ in range(25_000)}}
+    client = Days(sets)
+    counts = DailyCounts(client, prefix="p")  # type: ignore[arg-type]
+    assert counts.top("item", "lookup", day=DAYS[0], days=1, k=30_000) == brute(sets, 30_000)
+    assert counts.top("item", "lookup", day=DAYS[0], days=1, k=PAGE_MAX + 1) == brute(sets, PAGE_MAX + 1)
+    assert client.largest <= PAGE_MAX
+
+
 def test_equal_sums_at_the_cut_are_ranked_as_redis_ranks_them() -> None:
     # every member sums to 2: the order is by member, descending, however they lie in the days
     sets = {key(DAYS[0]): {b"1": 1.0, b"3": 2.0, b"5": 1.0}, key(DAYS[1]): {b"1": 1.0, b"5": 1.0, b"9": 2.0}}
