@@ -30,6 +30,12 @@ encoder), so no answer is left unread on a pooled connection.
 
 Logs are rate-limited (one line per kind every ``log_every_s``): a bad list of a busy user must not
 flood the log.
+
+**Redis emptied** (restarted without persistence, a FLUSHALL): every read answers an empty history, which is also
+what a new user reads, so nothing above tells; every user is scored as if cold until the joiner records clicks again.
+:class:`EmptiedRedisWatch` reads the joiner's keyspace markers (``stream/keyspace.py``, ``KeyspaceWatch.changed``)
+every ``KEYSPACE_CHECK_S`` on a thread of its own, never on the request path, and says each loss once: a WARNING and
+``streamrec_serving_redis_emptied_total{tag}``, as the joiner says it (``streamrec_join_redis_emptied_total``).
 """
 
 from __future__ import annotations
@@ -38,14 +44,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
 from serving.metrics import ServingMetrics
 from stream.history import UserHistory
+from stream.keyspace import KeyspaceWatch
 
 log = logging.getLogger("streamrec.serve")
 
+# How often serving looks at the keyspace markers: one pipelined pair of GETs per process every 10 s costs Redis
+# nothing, and an emptied Redis is said within 10 s of the joiner noticing (or of the markers going)
+KEYSPACE_CHECK_S = 10.0
 _FAR_FUTURE_MS = 2**62  # history "as of" the far future: every stored click
 _INT64 = (-(2**63), 2**63 - 1)
 # Refused credentials (AuthenticationError, a ConnectionError) and a missing ACL permission (NoPermissionError,
@@ -177,3 +188,47 @@ class HistoryReader:
                 h = []
             got[u] = h[-self.history_len:]
         return [got[u] for u in users]
+
+
+class EmptiedRedisWatch:
+    """Says a Redis that lost the joiner's keys (module docstring, "Redis emptied"): :meth:`check` every ``every_s``
+    on a thread between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, client: Any, prefix: str, metrics: ServingMetrics, every_s: float = KEYSPACE_CHECK_S) -> None:
+        self.watch, self.metrics, self.every_s = KeyspaceWatch(client, prefix), metrics, every_s
+        self.prefix = prefix
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check(self) -> list[str]:
+        """One look at the markers: the tags lost since the last look, each said (a WARNING, the metric). A Redis that
+        fails the look (down, slow) is the history reads' to report: logged at debug, tried again next time."""
+        try:
+            lost = self.watch.changed()
+        except (redis.RedisError, OSError) as exc:
+            log.debug("the Redis keyspace markers were not read: %s", exc)
+            return []
+        for tag in lost:
+            self.metrics.redis_emptied.labels(tag).inc()
+            log.warning("Redis lost the keys under prefix %r (the joiner's %s marker is gone or set anew: restarted "
+                        "without persistence, flushed, or on a Redis Cluster the node of the {%s} slot restarted "
+                        "empty): users' click histories are empty until the joiner records clicks again, so users "
+                        "are scored as if cold; enable persistence (appendonly)", self.prefix, self.watch.keys[tag],
+                        tag)
+        return lost
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="streamrec-keyspace-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        self.check()  # the first look: the markers as they are (no loss yet)
+        while not self._stop.wait(self.every_s):
+            self.check()

@@ -34,6 +34,10 @@
                                                             refusing or slower than redis_timeout_s
     streamrec_serving_history_malformed_total               users whose history read failed on its data
                                                             (reader error, not Redis down): no history
+    streamrec_serving_redis_emptied_total{tag}              times Redis was found to have lost the joiner's keys
+                                                            (stream/keyspace.py: restarted without persistence,
+                                                            flushed): histories empty, every user scored as cold
+                                                            until the joiner refills them; item | user (the marker)
     streamrec_history_malformed_total                       malformed history entries skipped by the shared
                                                             parser (stream/history.py) since this service
                                                             started (a process-wide count: serving processes
@@ -71,6 +75,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from stream.keyspace import TAGS
 from stream.metrics import HISTORY_MALFORMED
 
 LATENCY_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05,
@@ -248,6 +253,12 @@ class ServingMetrics:
                                            "history because Redis was down, refused or timed out.", registry=r)
         self.history_malformed = Counter("streamrec_serving_history_malformed", "Users whose Redis history read failed "
                                          "on its data (not Redis being down); scored without history.", registry=r)
+        self.redis_emptied = Counter("streamrec_serving_redis_emptied", "Times Redis was found to have lost the "
+                                     "joiner's keys under the prefix (restarted without persistence, flushed): users' "
+                                     "histories are empty until the joiner refills them; by marker tag.", ["tag"],
+                                     registry=r)
+        for tag in TAGS:
+            self.redis_emptied.labels(tag)
         r.register(_SinceStart("streamrec_history_malformed", "Malformed entries in users' Redis click histories, "
                                "skipped when read (as the joiner skips them), since this service started.",
                                HISTORY_MALFORMED))  # type: ignore[arg-type]

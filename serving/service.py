@@ -19,6 +19,7 @@ import torch
 from learner.tensorpack import load_signing_key
 from serving.app import ScoringApp
 from serving.embedding_store import RedisEmbeddingStore
+from serving.history import EmptiedRedisWatch
 from serving.http_server import Server, make_server
 from serving.lookup_counts import LookupCounts
 from serving.metrics import ServingMetrics
@@ -71,6 +72,7 @@ class ScoringService:
         self.holder = ModelHolder()
         self.metrics = ServingMetrics(self.holder.model)
         history = None
+        self.emptied: EmptiedRedisWatch | None = None
         self.redis: redis.Redis | None = None
         self.pubsub_redis: redis.Redis | None = None
         prefix = "streamrec"
@@ -86,6 +88,8 @@ class ScoringService:
             self.redis = connect(redis_settings, timeout_s=settings.redis_timeout_s, retries=0, whole_reply=True)
             # The joiner keeps 4 x history_len clicks per user and attaches the last history_len.
             history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len)
+            # An emptied Redis said, off the request path (serving/history.py, "Redis emptied")
+            self.emptied = EmptiedRedisWatch(self.redis, redis_settings.prefix, self.metrics)
             # The update channels: reads bounded by the default command timeout, redis-py's retries.
             self.pubsub_redis = connect(redis_settings, connect_timeout_s=2.0)
         signing_key = load_signing_key(settings.signing_key_file)
@@ -127,6 +131,8 @@ class ScoringService:
         never calls ``__exit__`` when ``__enter__`` raised."""
         try:
             self._check_redis()
+            if self.emptied is not None:
+                self.emptied.start()
             self.updater.start()
             if self.lookups is not None:
                 self.lookups.start()
@@ -170,6 +176,8 @@ class ScoringService:
             server = self.server
             steps.append(lambda: server.stop(grace_s))
         steps.append(self.updater.stop)
+        if self.emptied is not None:
+            steps.append(self.emptied.stop)
         if self.lookups is not None:
             steps += [self.lookups.stop, self.lookups.counts.client.close]
         store_client = self.embedding_store.client if self.embedding_store is not None else None

@@ -14,6 +14,11 @@ last check; :meth:`check` names its tag, and the caller says what that costs its
 (two keys per prefix); at the first check a marker missing is a keyspace new to this process, not counted as lost (a
 Redis emptied while no writer ran is not told from a new deployment). Histories carry no hash tag and spread over
 every node: a cluster node restarted empty that holds neither tag's slot loses some users' histories unseen here.
+
+A reader of those keys (serving: its click histories) calls :meth:`KeyspaceWatch.changed` instead: it only reads the
+markers (a pipelined GET each), so it needs no write permission and never sets a marker again itself, which would hide
+the loss from the writer (the first SET NX after a loss tells it; the writer's own check would then find it there). A
+marker gone, or set anew (its value changed: the writer found it gone first), since the reader's last look is a loss.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class KeyspaceWatch:
         self.client = client
         self.keys = {tag: f"{prefix}:keyspace:{{{tag}}}" for tag in TAGS}
         self._seen = False  # a check has run: every marker was there or set by it
+        self._read: dict[str, bytes | None] = {}  # changed(): each marker's value at the last look (None: missing)
 
     def check(self) -> list[str]:
         """The tags whose marker is gone since the last check (their Redis, or cluster node, lost its keys), each set
@@ -41,4 +47,16 @@ class KeyspaceWatch:
         created = pipe.execute()  # True: the marker was missing and is set now
         lost = [tag for tag, new in zip(self.keys, created, strict=True) if new] if self._seen else []
         self._seen = True
+        return lost
+
+    def changed(self) -> list[str]:
+        """A reader's check, writing nothing: the tags whose marker was there at the last look and is gone or holds
+        another value now (set anew by the writer after a loss); empty at the first look, and for a marker never set
+        (no writer yet). Raises what the client raises."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in self.keys.values():
+            pipe.get(key)
+        now = dict(zip(self.keys, pipe.execute(), strict=True))
+        lost = [tag for tag, value in now.items() if self._read.get(tag) is not None and value != self._read[tag]]
+        self._read = now
         return lost

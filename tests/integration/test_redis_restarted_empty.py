@@ -19,6 +19,8 @@ import redis
 from prometheus_client import REGISTRY
 from redis.crc import key_slot
 
+from serving.service import ScoringService
+from serving.settings import ServeSettings
 from stream.config import RedisSettings
 from stream.counts import DailyCounts
 from stream.joiner.pipeline import JoinPipeline
@@ -74,6 +76,45 @@ def test_a_joiner_flush_after_its_redis_restarted_empty_warns_and_counts_the_los
     assert {tag: emptied(tag) - before[tag] for tag in before} == {"item": 1.0, "user": 1.0}
     lost = [r.getMessage() for r in caplog.records if "lost the keys" in r.getMessage()]
     assert len(lost) == 2 and all(prefix in m and "click histories" in m for m in lost), lost
+
+
+def test_serving_says_once_per_loss_that_the_redis_it_reads_histories_from_restarted_empty(
+        empty_on_restart: Service, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Serving reads the click histories the joiner writes: after Redis restarted empty every user reads as cold. Its
+    keyspace watch (``serving.history.EmptiedRedisWatch``, on the service's history client) reads the joiner's markers
+    without setting them: a marker gone (serving looked first) or set anew (the joiner did) is one loss, said once with
+    a WARNING and ``streamrec_serving_redis_emptied_total{tag}``; the joiner still says it too (serving's look does
+    not hide it from the joiner's SET NX)."""
+    prefix = f"e{uuid.uuid4().hex[:8]}"
+    url = f"redis://127.0.0.1:{empty_on_restart.port}/0"
+    svc = ScoringService(ServeSettings(port=0, publish_root=tmp_path, poll_s=3600, lookup_counts=False),
+                         RedisSettings(url=url, prefix=prefix))
+    with contextlib.closing(redis.Redis(port=empty_on_restart.port)) as client:
+        p = joiner_counting(DailyCounts(client, prefix=prefix))
+        before = {tag: emptied(tag) for tag in ("item", "user")}
+        try:
+            assert svc.emptied is not None
+            flush(p)  # the joiner sets the markers
+            assert svc.emptied.check() == []  # serving's first look
+            empty_on_restart.stop()
+            empty_on_restart.start()
+            with caplog.at_level(logging.WARNING, logger="streamrec.serve"):
+                assert sorted(svc.emptied.check()) == ["item", "user"]  # gone, before the joiner wrote again
+            flush(p)  # the joiner finds them gone and sets them anew: the same loss, for serving
+            assert svc.emptied.check() == []
+            assert {tag: emptied(tag) - before[tag] for tag in before} == {"item": 1.0, "user": 1.0}
+            empty_on_restart.stop()
+            empty_on_restart.start()
+            flush(p)  # the joiner first, this time: serving finds the markers set anew
+            assert sorted(svc.emptied.check()) == ["item", "user"]
+            assert svc.emptied.check() == []
+        finally:
+            p._counts_writer.shutdown(wait=True)
+            svc.stop()
+    # two losses, each said once per tag
+    said = [r.getMessage() for r in caplog.records if "lost the keys" in r.getMessage() and r.name == "streamrec.serve"]
+    assert len(said) == 4 and all(prefix in m and "scored as if cold" in m for m in said), said
+    assert [svc.metrics.redis_emptied.labels(tag)._value.get() for tag in ("item", "user")] == [2.0, 2.0]  # 2 losses
 
 
 def test_a_joiner_flush_after_the_cluster_node_of_one_kinds_counts_restarted_empty_reports_that_kind_alone(
