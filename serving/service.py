@@ -106,7 +106,8 @@ class ScoringService:
             # Its own client: a flush of many ids may take longer than the request path's timeout; no retries
             # (a failed flush is dropped and counted, the next one comes flush_s later).
             client = connect(redis_settings, timeout_s=settings.lookup_counts_timeout_s, retries=0, whole_reply=True)
-            counts = DailyCounts(client, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days)
+            counts = DailyCounts(client, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days,
+                                 write_timeout_s=settings.lookup_counts_timeout_s)  # each MULTI/EXEC as a whole
             self.lookups = LookupCounts(counts, self.metrics, flush_s=settings.lookup_counts_flush_s,
                                         flush_ids=settings.lookup_counts_flush_ids,
                                         max_pending=settings.lookup_counts_max_pending,

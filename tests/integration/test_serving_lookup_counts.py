@@ -28,8 +28,9 @@ from stream.config import RedisSettings
 from stream.counts import DAY_MS, DailyCounts, day_of
 from stream.features import hash_value
 from stream.history import UserHistory
-from streamrec.stack import free_port
+from streamrec.stack import LocalStack, free_port
 from tests.integration.test_serving import CFG, HISTORY_READ_S, TinyLearner, connect, post, publish_version
+from tests.trickle_proxy import TrickleProxy
 
 
 @pytest.fixture
@@ -91,6 +92,33 @@ def test_redis_down_answers_every_request_and_counts_the_lookups_dropped_after_t
 
 def _members(ids: Sequence[object]) -> list[int]:
     return [hash_value(x) for x in ids]
+
+
+def test_a_lookup_counts_write_trickled_past_its_timeout_fails_as_a_timeout_not_one_timeout_per_reply(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    """Redis trickles its replies (``tests/trickle_proxy.py``) under a lookup counts write of 120 chunks (one
+    MULTI/EXEC): each reply (a QUEUED per chunk, the EXEC's array of ~490 bytes) arrives within
+    ``lookup_counts_timeout_s``, the transaction's ~1,600 bytes in ~1.8 of it. Serving's counts client bounds the
+    whole transaction: the write fails as a Redis timeout (the flush keeps it for its one retry) instead of holding the
+    flush thread one timeout per reply."""
+    timeout_s = ServeSettings().lookup_counts_timeout_s
+    members, ones = np.arange(1, 121), np.ones(120, dtype=np.int64)
+    day = int(time.time() * 1000) // DAY_MS
+    with TrickleProxy(stack.s.redis_port, gap_s=timeout_s / 900) as proxy:
+        svc = ScoringService(ServeSettings(port=0, publish_root=tmp_path, poll_s=3600),
+                             RedisSettings(url=proxy.url, prefix=prefix))
+        try:
+            assert svc.lookups is not None
+            counts = svc.lookups.counts
+            counts.add_counts("item", "lookup", members, ones, day, chunk=1)  # healthy: the script loaded
+            proxy.trickling = True
+            try:
+                with pytest.raises(redis.TimeoutError):
+                    counts.add_counts("item", "lookup", members, ones, day, chunk=1)
+            finally:
+                proxy.trickling = False
+        finally:
+            svc.stop()
 
 
 def test_the_hot_set_ranks_by_lookups_and_fills_from_impressions(redis_client: redis.Redis, prefix: str) -> None:
