@@ -171,7 +171,8 @@ def click_room(cap: int, waiting: int) -> int:
     The gate's pause acts between batches and only on what the consumer has not fetched yet; what is in hand already
     (the rest of a fetch a batch had no room for, the clicks a hold kept past their frontier) still came after the pause
     and joined in full, so a hostile stream's waiting clicks passed the cap by up to a batch and a fetch: faust's driver
-    gave up 24 clicks as overflow in one CI run of three. Counted in clicks, each of which adds at most one waiting id,
+    gave up 24 clicks as overflow in one CI run of three. Counted in the clicks that add a waiting id (none adds more
+    than one; one on an impression held or closed or an id waiting adds none: ``PartitionJoin.clicks_within``),
     this holds the cap exactly. It cannot stop the join: while a partition's waiting count is at the cap its clicks are
     paused by the gate and do not hold its impressions back (:meth:`InputPauses.holds_back`), so the impressions are
     read and joined. The watermark that expires orphans does not move meanwhile (it is the slower input's time, and the

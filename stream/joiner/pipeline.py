@@ -62,7 +62,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import compress, groupby, repeat
+from itertools import compress, groupby, islice, repeat
 from operator import attrgetter, is_, itemgetter
 from typing import Any, NamedTuple
 
@@ -180,6 +180,7 @@ class StateTooLarge(StreamError):
 
 _USER_ID, _ITEM_ID = attrgetter("user_id"), attrgetter("item_id")
 _TS_OF = attrgetter("ts")  # of an event or a Pending
+_IMPRESSION_ID = attrgetter("impression_id")  # of a Click
 _PENDING, _USER = attrgetter("pending"), attrgetter("user")  # of a Sample; of a Pending
 _LABEL, _KIND = attrgetter("label"), attrgetter("kind")  # of a Sample
 _TOPIC, _OFFSET, _KEY, _VALUE, _STAMP = itemgetter(0), itemgetter(2), itemgetter(3), itemgetter(4), itemgetter(5)
@@ -940,12 +941,9 @@ class JoinPipeline:
             engine = self.engines[tp[1]]
             room = len(h.ts) if limit is None else engine.within(_ENGINE_INPUT[key[0]], h.ts, limit)
             if key[0] == CLICKS and behind(IMPRESSIONS, tp[1]):  # never past the waiting cap while impressions come
-                cap = engine.cfg.max_waiting
-                if click_room(cap, len(engine.waiting)) < room:  # full: the clicks past hope leave it first (engine)
-                    capped = click_room(cap, len(engine.waiting) - len(engine.hopeless()))
-                    if capped < room:
-                        self.totals.counts["clicks_held_at_cap"] += room - capped  # held by the cap, not by time
-                        room = capped
+                capped = self._within_cap(engine, h, room)
+                self.totals.counts["clicks_held_at_cap"] += room - capped  # held by the cap, not by time
+                room = capped
             if room >= len(h.ts):  # nothing past the frontier: all of it, bad records after the last good one too
                 cut = len(h)
             else:  # up to the first held good record
@@ -954,6 +952,20 @@ class JoinPipeline:
                 groups[tp] = h.take(cut)
             self.totals.counts["held_back"] += len(h)
         return groups
+
+    @staticmethod
+    def _within_cap(engine: PartitionJoin, h: Held, room: int) -> int:
+        """How many of the first ``room`` good clicks held in ``h`` fit the waiting cap's room (``click_room``). Only
+        the clicks that add a waiting id take a place (``PartitionJoin.clicks_within``): counted one each, the clicks of
+        a full cap on impressions already held (joining at once, duplicates, late) were held back with the new ones."""
+        cap, waiting = engine.cfg.max_waiting, len(engine.waiting)
+        if click_room(cap, waiting) >= room:  # room for all: none adds more than one
+            return room
+        hopeless = set(engine.hopeless())  # full: the clicks past hope leave it first (engine)
+        free = click_room(cap, waiting - len(hopeless))
+        events = islice(h.events, h.lo, None)  # not copied: many may be held
+        good = events if h.clean else (e for e in events if not isinstance(e, BadMessage))
+        return engine.clicks_within(map(_IMPRESSION_ID, islice(good, room)), free, hopeless)
 
     def drain(self) -> None:
         """End of input: expire every pending impression of the partitions this worker holds."""

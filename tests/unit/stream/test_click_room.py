@@ -6,6 +6,7 @@ engine, no broker."""
 from __future__ import annotations
 
 from stream.config import KafkaSettings
+from stream.errors import BadMessage
 from stream.events import Click, Impression
 from stream.joiner.backpressure import IMPRESSIONS, click_room
 from stream.joiner.config import JoinerSettings
@@ -17,13 +18,14 @@ CAP = 10
 S = 1000  # ms
 
 
-def _pipeline(waiting: int) -> JoinPipeline:
+def _pipeline(waiting: int, max_pending: int = 500_000) -> JoinPipeline:
     """A JoinPipeline with only what the hold reads, its partition 0 engine already holding ``waiting`` impression ids
     whose clicks wait for them."""
     p = JoinPipeline.__new__(JoinPipeline)
     p.kafka, p.js = KAFKA, JoinerSettings(max_input_drift_s=3600.0, max_waiting_per_partition=CAP)
     # (an hour's lateness: nothing expires in the test)
-    engine = PartitionJoin(0, JoinConfig(watermark_quorum=1, max_waiting=CAP, lateness_ms=3600 * S))
+    engine = PartitionJoin(0, JoinConfig(watermark_quorum=1, max_waiting=CAP, lateness_ms=3600 * S,
+                                         max_pending=max_pending))
     # an impression read well ahead (its input's time is known: the frontier does not hold the clicks back), then
     # clicks whose impressions have not come
     ahead = [(0, Impression("ahead", 500 * S, "u", "i"))]
@@ -117,3 +119,45 @@ def test_one_click_past_hope_frees_one_place_not_the_whole_cap() -> None:
     assert taken == list(range(100, 110)) and p.totals.counts["clicks_held_at_cap"] == 20
     res = engine.apply([], [(o, Click(f"late-{o}", o * S)) for o in taken])
     assert [u.impression_id for u in res.unjoined] == ["early-0"] and len(engine.waiting) == CAP
+
+
+
+def _hold(p: JoinPipeline, clicks: list[tuple[int, str, int]]) -> list[tuple[int, Click]]:
+    """Hold ``(offset, impression_id, ts in s)`` clicks of partition 0, as a fetch brings them; returns them as the
+    engine takes them."""
+    pairs = [(o, Click(i, t * S)) for o, i, t in clicks]
+    p._held_groups_add([Record(KAFKA.clicks_topic, 0, o, None, None) for o, _ in pairs], [c for _, c in pairs])
+    return pairs
+
+
+def test_clicks_that_add_no_waiting_id_take_no_place_at_a_full_cap() -> None:
+    # Counted one each, a full cap held back every click, also those that cannot add a waiting id: the clicks on an
+    # impression held (they join at once), a second click of an id already waiting, a click on an impression closed
+    # (late: evicted by the pending cap), a record that is not a click (dead-lettered), the second click of a new id.
+    # Only the new ids take places: one is left, so the first new id's clicks are joined and the next one held.
+    p = _pipeline(waiting=9, max_pending=2)
+    engine = p.engines[0]
+    res = engine.apply([(1, Impression("closed", 0, "u", "i")), (2, Impression("held", 499 * S, "u", "i"))], [])
+    assert res.stats["evicted_impressions"] == 1 and "closed" in engine.finalized
+    pairs = _hold(p, [(100, "held", 499), (101, "ahead", 500), (102, "early-3", 3), (103, "closed", 1)])
+    p._held_groups_add([Record(KAFKA.clicks_topic, 0, 104, None, None)], [BadMessage("not json")])
+    pairs += _hold(p, [(105, "new", 9), (106, "new", 10), (107, "other", 9)])
+    assert _taken_clicks(p, impressions_behind=True) == [100, 101, 102, 103, 104, 105, 106]
+    assert p.totals.counts["clicks_held_at_cap"] == 1  # "other": it would be the eleventh waiting id
+    res = engine.apply([], [pair for pair in pairs if pair[0] < 107])
+    assert len(engine.waiting) == CAP and res.stats["overflow_clicks"] == 0
+    assert res.stats["joined_clicks"] == 2 and res.stats["late_clicks"] == 1
+
+
+def test_a_new_click_of_a_click_past_hope_takes_the_place_its_id_would_have_left() -> None:
+    # A waiting id past hope is counted as leaving the cap; a newer click of it keeps it (no longer past hope), so the
+    # click takes a place as a new id does, and the room stays safe: nothing is given up as overflow.
+    p = _pipeline(waiting=10)
+    engine = p.engines[0]
+    engine.apply([(1, Impression("later", 3600 * S + 5 * S, "u", "i"))], [])  # early-0..4 past hope
+    assert sorted(engine.hopeless()) == [f"early-{o}" for o in range(5)]
+    pairs = _hold(p, [(100, "early-0", 3600), *((100 + n, f"new-{n}", 3600) for n in range(1, 6))])
+    assert _taken_clicks(p, impressions_behind=True) == list(range(100, 105))  # 5 places: early-0 and new-1..4
+    res = engine.apply([], pairs[:5])
+    assert len(engine.waiting) == CAP and sorted(u.impression_id for u in res.unjoined) == [
+        f"early-{o}" for o in range(1, 5)]
