@@ -213,6 +213,7 @@ class PartitionJoin:
         self._final_order = ForgetRuns(cfg.window_ms + cfg.late_retention_ms)  # finalized ids, by ts
         self.waiting: dict[str, list[int]] = {}  # impression_id -> click ts, impression not seen yet
         self._waiting_heap: list[tuple[int, str]] = []
+        self._hopeless: list[str] | None = None  # what hopeless() is now, where known (None: scan; apply drops it)
         self.max_ts: int | None = None  # the watermark's event time (before lateness)
         self.topic_max: list[int | None] = [None, None]  # event time per input topic (k-th largest seen)
         self._top: list[list[int]] = [[], []]  # per input: min-heap of the k largest event times
@@ -238,12 +239,13 @@ class PartitionJoin:
         less the allowed lateness, has passed the newest of them (an impression at or before a click's time would come
         later than the lateness allows). They would expire as orphans once the click input's time moved on too; the
         waiting cap gives them up first (:meth:`_enforce_caps`), and ``backpressure.click_room`` does not count them.
-        Scans the waiting clicks: asked only while the cap is full."""
-        imp_time = self.topic_max[IMPRESSIONS]
-        if imp_time is None:
-            return []
-        past = imp_time - self.cfg.lateness_ms
-        return [imp_id for imp_id, ts in self.waiting.items() if past > max(ts)]
+        Scans the waiting clicks (asked only while the cap is full), once between two batches: ``_take`` asks after a
+        batch whose cap gave them up, and then none is left (``_enforce_caps`` keeps that), or asks again in a batch."""
+        if self._hopeless is None:
+            imp_time = self.topic_max[IMPRESSIONS]
+            past = None if imp_time is None else imp_time - self.cfg.lateness_ms
+            self._hopeless = [] if past is None else [imp_id for imp_id, ts in self.waiting.items() if past > max(ts)]
+        return list(self._hopeless)
 
     def clicks_within(self, ids: Iterable[str], free: int, hopeless: Collection[str] = ()) -> int:
         """How many of a batch's clicks (their impression ids, in offset order) can be joined while they add no more
@@ -291,6 +293,7 @@ class PartitionJoin:
         impressions alone drive event time.
         """
         out = BatchResult()
+        self._hopeless = None  # the batch changes what waits, and the impressions' time
         seq, max_ts = self.next_seq, self.max_ts  # (a batch with no new event may still move event time: clicks_idle)
         added: list[Pending] = []
         joined: list[tuple[str, int]] = []
@@ -433,6 +436,7 @@ class PartitionJoin:
                 for cts in self.waiting.pop(imp_id):
                     unwaited.append((imp_id, cts))
                     self._unjoined(out, imp_id, cts, "overflow")
+            self._hopeless = []  # all given up; nothing after this in the batch adds a waiting id or moves the time
         return evicted, unwaited
 
     def _finalize_all(self, ps: list[Pending], out: BatchResult) -> None:

@@ -339,3 +339,29 @@ def test_a_restore_takes_the_offsets_of_the_newest_chunks_topic_not_a_larger_one
     assert back.offsets == [_NO_OFFSET, 410] and back.topic_ids == ["new", "clicks-id"]
     later = dataclasses.replace(new, seq=3, offsets=(50, 420))
     assert PartitionJoin.restore(0, CFG, [old, later, new]).offsets == [50, 420]
+
+
+class _ScanCount(dict):
+    """``waiting`` that counts the scans of it (``items()``): hopeless() is the only reader that walks it."""
+
+    scans = 0
+
+    def items(self):  # type: ignore[override]
+        self.scans += 1
+        return super().items()
+
+
+def test_hopeless_is_scanned_once_between_batches_and_never_stale() -> None:
+    # While the cap is full, the pipeline's room asks hopeless() before each batch and the cap asks it in the batch:
+    # after a batch whose cap gave the hopeless up, none is left until the next batch, so the room's ask scans nothing.
+    cfg = JoinConfig(window_ms=W, lateness_ms=10, late_retention_ms=5000, watermark_quorum=1, max_waiting=3)
+    j = PartitionJoin(0, cfg)
+    j.apply([(0, imp("first", 0))], [(o, Click(f"w{o}", 100 + o)) for o in range(3)])
+    j.waiting = waiting = _ScanCount(j.waiting)
+    # Impressions pass w0 and w1 by the lateness (hopeless); a fourth waiting id pushes the cap over: both go.
+    res = j.apply([(1, imp("later", 112))], [(3, Click("w3", 103))])
+    assert sorted(u.impression_id for u in res.unjoined) == ["w0", "w1"] and waiting.scans == 1
+    assert j.hopeless() == [] and waiting.scans == 1  # the pipeline's next ask: known, not scanned
+    j.apply([(2, imp("again", 114))], [])  # the impressions' time moves: w2 and w3 are past hope now
+    assert sorted(j.hopeless()) == ["w2", "w3"] and waiting.scans == 2
+    assert sorted(j.hopeless()) == ["w2", "w3"] and waiting.scans == 2  # asked again before a batch: known
