@@ -365,3 +365,43 @@ def test_hopeless_is_scanned_once_between_batches_and_never_stale() -> None:
     j.apply([(2, imp("again", 114))], [])  # the impressions' time moves: w2 and w3 are past hope now
     assert sorted(j.hopeless()) == ["w2", "w3"] and waiting.scans == 2
     assert sorted(j.hopeless()) == ["w2", "w3"] and waiting.scans == 2  # asked again before a batch: known
+
+
+
+Q16 = dataclasses.replace(CFG, watermark_quorum=16, max_waiting=3)
+
+
+def test_before_its_impressions_quorum_a_partition_closes_nothing_and_only_the_cap_bounds_its_waiting_clicks() -> None:
+    # Fewer than 16 impressions: their input's time is not known, so event time has not started (one early event with
+    # a wrong clock must not close every window). Nothing expires, whatever the clicks' time or idleness, and no
+    # waiting click is an orphan or past hope: the cap gives up the furthest (reported, as "overflow"), and the 16th
+    # impression starts event time. Pinned as right: a partition is held only until its quorum, or the drain.
+    j, f = PartitionJoin(0, Q16), Feed()
+    res = j.apply(f.imps(*(imp(f"a{n}", 10 * n) for n in range(15))),
+                  f.clicks(*(Click(f"o{n}", 100 + n) for n in range(5)), *(Click("x", 10**6 + n) for n in range(16))))
+    assert sorted((u.impression_id, u.reason) for u in res.unjoined) == sorted(
+        [("o2", "overflow"), ("o3", "overflow"), ("o4", "overflow")] + [("x", "overflow")] * 16)
+    res2 = j.apply([], f.clicks(Click("o1", 10**7)), clicks_idle=True)  # clicks idle: impressions alone would steer
+    assert j.topic_max == [None, 10**6 + 1] and j.watermark is None and j.hopeless() == []
+    assert res.samples == res2.samples == [] and res2.unjoined == [] and len(j.pending) == 15
+    assert sorted(j.waiting) == ["o0", "o1"]
+    res = j.apply(f.imps(imp("a15", 5000)), [])  # the 16th: event time starts at the oldest of the 16 (0)
+    assert j.topic_max[0] == 0 and j.watermark == -1 and res.unjoined == []
+    res = j.apply(f.imps(*(imp(f"b{n}", 5000 + n) for n in range(16))), [], clicks_idle=True)  # impressions steer
+    assert sorted(s.pending.impression_id for s in res.samples) == sorted(f"a{n}" for n in range(15))
+    assert sorted((u.impression_id, u.reason) for u in res.unjoined) == [("o0", "orphan"), ("o1", "orphan")]
+
+
+def test_a_restored_partition_keeps_the_events_it_counted_toward_its_quorum() -> None:
+    # A restart before the quorum does not start the count again (the events before it are not delivered again): the
+    # restored partition reaches its quorum at the same event as one never restarted.
+    imps = Feed().imps(*(imp(f"a{n}", 10 * n) for n in range(16)))
+    j = PartitionJoin(0, Q16)
+    chunk = j.apply(imps[:10], Feed().clicks(*(Click("z", 1) for _ in range(16)))).chunk
+    assert chunk is not None and j.topic_max == [None, 1]
+    back = PartitionJoin.restore(0, Q16, [decode_chunk(encode_chunk(chunk))])
+    for eng in (j, back):
+        eng.apply(imps[10:15], [])
+        assert eng.topic_max[0] is None  # 15 seen
+        eng.apply(imps[15:], [])
+        assert eng.topic_max[0] == 0  # the 16th
