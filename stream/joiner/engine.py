@@ -247,18 +247,20 @@ class PartitionJoin:
             self._hopeless = [] if past is None else [imp_id for imp_id, ts in self.waiting.items() if past > max(ts)]
         return list(self._hopeless)
 
-    def clicks_within(self, ids: Iterable[str], free: int, hopeless: Collection[str] = ()) -> int:
-        """How many of a batch's clicks (their impression ids, in offset order) can be joined while they add no more
-        than ``free`` impression ids to :attr:`waiting` (``backpressure.click_room``). None adds more than one, and none
-        adds one whose impression is held (it joins, or is a duplicate, late or before it) or closed and remembered,
-        whose id already waits, or whose id an earlier click of the batch added: nothing in :meth:`apply`'s loop takes
-        an impression out of ``pending`` or ``finalized``, and an id leaves ``waiting`` there only for ``pending``. An
-        id in ``hopeless`` counts as not waiting: the cap gives it up first, unless this click (newer) keeps it, and
-        then it holds a place. Safely high, never low: a click whose impression comes in the same batch is counted."""
+    def clicks_within(self, clicks: Iterable[tuple[int, Click]], free: int, hopeless: Collection[str] = ()) -> int:
+        """How many of a batch's clicks (``(offset, Click)`` pairs, as :meth:`apply` takes them) can be joined while
+        they add no more than ``free`` impression ids to :attr:`waiting` (``backpressure.click_room``). None adds more
+        than one, and none adds one that is redelivered (skipped), whose impression is held (it joins, or is a
+        duplicate, late or before it) or closed and remembered, whose id already waits, or whose id an earlier click of
+        the batch added: nothing in :meth:`apply`'s loop takes an impression out of ``pending`` or ``finalized``, and an
+        id leaves ``waiting`` there only for ``pending``. An id in ``hopeless`` counts as not waiting: the cap gives it
+        up first, unless this click (newer) keeps it, and then it holds a place. Safely high, never low: a click whose
+        impression comes in the same batch is counted."""
         pending, finalized, waiting, seen = self.pending, self.finalized, self.waiting, set()
-        n = -1
-        for n, imp_id in enumerate(ids):
-            if imp_id not in seen:
+        applied, n = self.offsets[CLICKS], -1
+        for n, (offset, click) in enumerate(clicks):
+            imp_id = click.impression_id
+            if offset > applied and imp_id not in seen:
                 seen.add(imp_id)
                 if imp_id in hopeless or not (imp_id in pending or imp_id in finalized or imp_id in waiting):
                     if free == 0:

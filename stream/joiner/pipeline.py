@@ -180,7 +180,6 @@ class StateTooLarge(StreamError):
 
 _USER_ID, _ITEM_ID = attrgetter("user_id"), attrgetter("item_id")
 _TS_OF = attrgetter("ts")  # of an event or a Pending
-_IMPRESSION_ID = attrgetter("impression_id")  # of a Click
 _PENDING, _USER = attrgetter("pending"), attrgetter("user")  # of a Sample; of a Pending
 _LABEL, _KIND = attrgetter("label"), attrgetter("kind")  # of a Sample
 _TOPIC, _OFFSET, _KEY, _VALUE, _STAMP = itemgetter(0), itemgetter(2), itemgetter(3), itemgetter(4), itemgetter(5)
@@ -963,9 +962,9 @@ class JoinPipeline:
             return room
         hopeless = set(engine.hopeless())  # full: the clicks past hope leave it first (engine)
         free = click_room(cap, waiting - len(hopeless))
-        events = islice(h.events, h.lo, None)  # not copied: many may be held
-        good = events if h.clean else (e for e in events if not isinstance(e, BadMessage))
-        return engine.clicks_within(map(_IMPRESSION_ID, islice(good, room)), free, hopeless)
+        pairs = zip(map(_OFFSET, islice(h.records, h.lo, None)), islice(h.events, h.lo, None), strict=True)  # uncopied
+        good = pairs if h.clean else ((o, e) for o, e in pairs if not isinstance(e, BadMessage))
+        return engine.clicks_within(islice(good, room), free, hopeless)  # type: ignore[arg-type]  # (clicks)
 
     def drain(self) -> None:
         """End of input: expire every pending impression of the partitions this worker holds."""

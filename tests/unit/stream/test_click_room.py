@@ -161,3 +161,12 @@ def test_a_new_click_of_a_click_past_hope_takes_the_place_its_id_would_have_left
     res = engine.apply([], pairs[:5])
     assert len(engine.waiting) == CAP and sorted(u.impression_id for u in res.unjoined) == [
         f"early-{o}" for o in range(1, 5)]
+
+
+def test_clicks_redelivered_after_a_restart_take_no_place_at_a_full_cap() -> None:
+    # Records at or below the engine's applied click offset (read again after a restart) are skipped by the join: they
+    # add no waiting id, so a full cap does not hold them (nor the clicks behind them) back.
+    p = _pipeline(waiting=9)  # clicks 0..8 applied
+    _hold(p, [(o, f"again-{o}", 100) for o in range(5, 9)] + [(9, "new", 100), (10, "other", 100)])
+    assert _taken_clicks(p, impressions_behind=True) == [5, 6, 7, 8, 9]
+    assert p.totals.counts["clicks_held_at_cap"] == 1
