@@ -50,7 +50,25 @@ follow() {
   local pid=$!
   pids+=("$pid")
   "$SR" report --run-log "$run/run-log.jsonl" --follow "$source" --pid "$pid"
-  wait "$pid"
+  local rc=0
+  wait "$pid" || rc=$?
+  halt_on_signal "$source" "$rc" "$out"
+}
+# A stage a signal ended (killed by it: 128+n) or stopped (it took a SIGINT/SIGTERM, saved what it had and exited 0,
+# "reason": "signal" in its summary): the demo goes no further, or it refreshed and served a partly trained model.
+# The demo itself never sees that SIGINT: started in the background by a non-interactive shell, it ignores it, and a
+# signal ignored at a shell's start cannot be trapped.
+halt_on_signal() {
+  local stage=$1 rc=$2 out=$3
+  if ((rc > 128)); then
+    echo "demo: the $stage was ended by signal $((rc - 128)) (SIG$(kill -l "$rc")): stopping here" >&2; exit "$rc"
+  elif ((rc != 0)); then
+    echo "demo: the $stage failed (exit $rc): stopping here" >&2; exit "$rc"
+  elif "$PY" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1])).get("reason") != "signal")' "$out"; then
+    echo "demo: the $stage was stopped by a signal (SIGINT/SIGTERM) before its input ended: stopping here," \
+      "nothing partly done is refreshed or served ($out)" >&2
+    exit 1
+  fi
 }
 
 if [[ ${DEMO_STACK:-1} == 1 ]]; then step "local stack"; "$SR" stack up; fi

@@ -424,3 +424,9 @@ class KafkaJoinWorker:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True
+
+    @property
+    def stop_reason(self) -> str:
+        """Why :meth:`run` ended, for the summary: "signal" (SIGTERM/SIGINT: the input may not have been read to its
+        end, nor drained) or "input idle". A caller that goes on to the next stage (the demo) tells them apart."""
+        return "signal" if self._stop else "input idle"

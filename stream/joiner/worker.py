@@ -459,6 +459,12 @@ class FaustJoinWorker:
         return faust.Worker(self.app, loglevel="warn" if level == "warning" else level, quiet=True,
                             redirect_stdouts=False, stdout=sys.stderr, override_logging=False)
 
+    @property
+    def stop_reason(self) -> str:
+        """As :attr:`KafkaJoinWorker.stop_reason`: the idle exit sets ``_stopping``; faust's worker ends otherwise only
+        on a signal (or a crash, which raises)."""
+        return "input idle" if self._stopping else "signal"
+
     def run(self) -> int:
         """Run until SIGTERM/SIGINT, or until idle when ``exit_when_idle_s`` is set."""
         self.worker = self._faust_worker()

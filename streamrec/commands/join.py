@@ -111,6 +111,6 @@ def run(args: argparse.Namespace) -> int:
     pipeline.close()
     summary = pipeline.totals.summary()
     summary.update(group=js.app_id, driver=js.driver, records_acked=pipeline.producer.acked_total,
-                   input_pauses=dict(worker.gate.pauses))
+                   input_pauses=dict(worker.gate.pauses), reason=worker.stop_reason)
     emit(args, summary, lambda d: "join summary\n" + kv_lines(d))
     return code

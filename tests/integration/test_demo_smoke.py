@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,49 @@ def test_a_monitor_that_ended_early_is_reported_and_the_demo_still_writes_its_re
     assert proc.wait() == 0, text[-6000:]
     assert "demo: the monitor ended before the run did (exit 137" in text, text[-3000:]
     assert (run / "report.html").is_file() and not (run / "monitor.json").exists()
+
+
+def _catches_sigint(pid: int) -> bool:
+    """Whether ``pid`` has a handler on SIGINT now (/proc: the SigCgt mask, bit n-1 for signal n)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signal.SIGINT - 1) & 1)
+
+
+def _child_running(parent: int, word: bytes) -> int:
+    """The child of ``parent`` whose command line has ``word`` as an argument, once it is there."""
+    while True:
+        for c in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+            try:
+                if word in Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0"):
+                    return int(c)
+            except FileNotFoundError:  # a short-lived child (the stage's `report --follow`, a digest) gone already
+                pass
+        time.sleep(0.02)
+
+
+def test_a_sigint_that_stops_the_learner_stops_the_backgrounded_demo_before_it_refreshes_or_serves(
+        stack: LocalStack, tmp_path: Path) -> None:
+    """Backgrounded by a non-interactive shell, the demo ignores SIGINT (inherited SIG_IGN, which bash cannot trap);
+    the learner takes it, saves what it trained and exits 0 ("reason": "signal"). A Ctrl-C to the group stopped the
+    learner, and the demo went on to refresh and serve the partly trained model, exit 0."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(["bash", str(ROOT / "streamrec" / "demo.sh")], cwd=ROOT, env=demo_env(stack, run, 5_000),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert proc.stdout is not None
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("== train"):
+            break
+    learner = _child_running(proc.pid, b"train")
+    while not _catches_sigint(learner):  # its run() has taken SIGINT: before that it ignores it, as the demo does
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)  # what a Ctrl-C sends: the whole group
+    out.append(proc.stdout.read())
+    text = "".join(out)
+    assert proc.wait() == 1, text[-6000:]
+    assert "demo: the learner was stopped by a signal" in text, text[-3000:]
+    assert "== refresh" not in text and "== serve" not in text and not (run / "serving").exists()
+    assert json.loads((run / "train.json").read_text())["reason"] == "signal"
