@@ -784,8 +784,9 @@ class AckedProducer:
         self._failed.clear()
         self._produced, self._failed_total, self.timed_out = 0, 0, 0
 
-    def poll(self) -> None:
-        self._producer.poll(0)
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Serve the delivery reports in (waiting up to ``timeout_s`` for one); raise a fatal error they brought."""
+        self._producer.poll(timeout_s)
         self._renew_if_fatal()
 
     def flush_answered(self) -> DeliveryReport:

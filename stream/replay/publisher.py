@@ -60,6 +60,7 @@ from stream.errors import BrokerUnreachable, ConfigError, MessageLimitError, Mes
 from stream.joiner.partitions import ensure_inputs
 from stream.kafka import (
     AckedProducer,
+    DeliveryReport,
     MessageLimit,
     ensure_topics,
     message_limits,
@@ -201,6 +202,7 @@ class _BrokerWatch:
         limit_s = self._limit_s = producer.delivery_timeout_s
         self._delivered, self._since, self._told = 0, time.monotonic(), False
         self._tell_s = min(WAIT_TELL_S, limit_s / 2)
+        self.where = ""  # the replay's phase, in what is said: " at its final flush" once every event was sent
 
     def check(self) -> None:
         """After callbacks were served: say, clear or give up on a wait (class docstring). A message that ran out its
@@ -223,17 +225,18 @@ class _BrokerWatch:
         waited = now - self._since
         if not self._told and (why is not None or timed_out or waited >= self._tell_s):
             self._told = True
-            log.warning("[replay] Kafka at %s %s; %d message(s) wait for it: the replay waits up to %g s for an "
+            log.warning("[replay] Kafka at %s %s; %d message(s) wait for it%s: the replay waits up to %g s for an "
                         "acknowledgement (%s), then stops", self._bootstrap,
                         f"cannot be reached ({why})" if why else f"has acknowledged nothing for {waited:.0f} s",
-                        outstanding, self._limit_s, self._setting)
+                        outstanding, self.where, self._limit_s, self._setting)
         if self._told:
             self._status(f"waiting for the broker {waited:.0f}/{self._limit_s:g} s")
         if timed_out or (outstanding and waited >= self._limit_s):
             raise BrokerUnreachable(
                 f"Kafka at {self._bootstrap} acknowledged nothing for {waited:.0f} s and messages waited the replay's "
                 f"limit ({self._setting} = {self._limit_s:g} s){f': {why}' if why else ''}; "
-                f"the replay stopped with {outstanding + timed_out} message(s) unacknowledged. Is the broker up "
+                f"the replay stopped{self.where} with {outstanding + timed_out} message(s) unacknowledged. Is the "
+                "broker up "
                 "(`streamrec stack status`)? A rerun starts from the first event again")
 
 
@@ -388,8 +391,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
             _poll(producer, limits, watch)
             tracker.to(stop)
 
-        with _refused(limits):  # a broker away for minutes at the end: every message answered, none left unsure
-            report = producer.flush_answered()
+        report = _final_flush(producer, limits, watch)
     except BaseException as exc:  # an error, Ctrl-C, SIGTERM: what went out is flushed and counted (module docstring)
         _stopped(exc, producer, len(kinds))
         raise
@@ -473,13 +475,32 @@ def _count_events(imp_topic: str, click_topic: str, is_imp: np.ndarray, is_click
     EVENTS.labels("replay", click_topic).inc(int(np.count_nonzero(is_click)))
 
 
-def _poll(producer: AckedProducer, limits: Mapping[str, MessageLimit], watch: _BrokerWatch) -> None:
+FINAL_POLL_S = 0.5  # the final flush's wait for reports between two looks of the broker watch
+
+
+def _final_flush(producer: AckedProducer, limits: Mapping[str, MessageLimit], watch: _BrokerWatch) -> DeliveryReport:
+    """The replay's last flush, every event sent, under the broker watch. ``flush_answered`` alone waited up to the
+    delivery timeout and a margin with nothing of the replay's said, and a broker gone meanwhile ended the replay as
+    the timeouts' generic DeliveryFailed, whose stop then waited :data:`STOP_FLUSH_S` more. Polled until librdkafka
+    holds nothing, the watch says the wait once (at its final flush) and gives up as BrokerUnreachable, naming the
+    messages left unacknowledged; the flush after waits for nothing, and settles the report (a broker away for
+    minutes at the end: every message answered, none left unsure)."""
+    watch.where = " at its final flush"
+    while producer.delivered()[1]:
+        _poll(producer, limits, watch, FINAL_POLL_S)
+    with _refused(limits):
+        return producer.flush_answered()
+
+
+def _poll(producer: AckedProducer, limits: Mapping[str, MessageLimit], watch: _BrokerWatch,
+          wait_s: float = 0.0) -> None:
     """Serve the producer's callbacks, and stop the replay at a delivery already reported failed (refused as too
     large, denied by an ACL, a partition missing, timed out against a broker gone): with the error its last flush
     would raise (``AckedProducer.raise_failed``), now rather than after hours of a paced replay sending into a topic
     it cannot write. Called per paced sleep (at least every :data:`SERVE_S`) and per unpaced chunk, never per event.
-    The broker watch first: a broker silent past the limit is said as such, not as the timeouts it caused."""
-    producer.poll()
+    The broker watch first: a broker silent past the limit is said as such, not as the timeouts it caused. ``wait_s``:
+    how long the poll may wait for a report (the final flush's)."""
+    producer.poll(wait_s)
     watch.check()
     with _refused(limits):
         producer.raise_failed()

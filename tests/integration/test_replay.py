@@ -757,3 +757,32 @@ def test_a_replay_whose_bootstrap_also_names_a_broker_down_does_not_say_it_waits
     assert summary.impressions == table.n_impressions
     assert "cannot be reached" not in caplog.text and "acknowledged nothing" not in caplog.text, caplog.text
     assert not any(s and s.startswith("waiting for the broker") for s in statuses), statuses
+
+
+def test_a_broker_frozen_at_the_replays_final_flush_is_said_once_and_ends_it_as_unreachable_naming_the_unacked(
+        kafka: KafkaSettings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Every event handed to the producer, its broker frozen (SIGSTOP) before they were acknowledged: the final flush
+    (``flush_answered``) waited without the broker watch, so the replay said nothing of its own while it waited, and
+    gave up with the timeouts' generic DeliveryFailed, whose stop then waited :data:`STOP_FLUSH_S` more. Now the final
+    flush is watched: one line says it waits for the broker at the final flush, and the watch's BrokerUnreachable,
+    naming how many messages were not acknowledged, ends it (exit 1 from the CLI, as for a broker gone mid-replay)."""
+    monkeypatch.setattr(publisher_module, "CHUNK", 100)  # the broker frozen after the first of three chunks
+    table = build_synthetic(SyntheticSettings(impressions=300, base_ctr=0.0001), ClickDelay(), seed=1)
+    with _own_broker(kafka) as (broker, own):
+        assert broker.proc is not None
+        proc = broker.proc
+        frozen: list[int] = []
+
+        def freeze_once(n: int) -> None:  # progress, after a chunk went out: the rest is sent to a frozen broker
+            if not frozen:
+                frozen.append(n)
+                _freeze(proc)
+
+        with pytest.raises(BrokerUnreachable) as caught:
+            publish(table, own, "synthetic", broker_wait_s=3, progress=freeze_once)
+    unacked = re.search(r"the replay stopped at its final flush with (\d+) message\(s\) unacknowledged",
+                        str(caught.value))
+    assert unacked and int(unacked[1]) >= 200, caught.value  # the two chunks sent to the frozen broker at least
+    said = [r.getMessage() for r in caplog.records if "at its final flush" in r.getMessage()]
+    assert len(said) == 1 and re.match(rf"\[replay\] Kafka at {own.bootstrap_servers} has acknowledged nothing for "
+                                       r"\d+ s; \d+ message\(s\) wait for it at its final flush", said[0]), said
