@@ -43,7 +43,9 @@ message and dead-letters it, and lets every other exception propagate. Libraries
 
 from __future__ import annotations
 
+import logging
 import reprlib
+from collections.abc import Callable
 from typing import Any
 
 _SHOW = reprlib.Repr()
@@ -69,6 +71,16 @@ def shown(value: Any, limit: int = 80) -> str:
 def clip(text: str, limit: int = 200) -> str:
     """``text`` cut to at most ``limit`` characters (a message from a library may quote the input)."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def close_after_error(close: Callable[[], object], what: str, log: logging.Logger) -> None:
+    """``close()`` on the way out of an error (an ``except BaseException:`` that re-raises): a close that fails too
+    is logged, naming ``what``, not raised. Raised, it replaced the error that ended the run, and the one line a
+    command prints at exit named the second error and hid the real cause."""
+    try:
+        close()
+    except Exception:  # noqa: BLE001 - the error being raised is the one to report
+        log.exception("%s after the error below failed too", what)
 
 
 class StreamrecError(Exception):

@@ -47,7 +47,7 @@ from typing import Any, cast
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from stream.config import KafkaSettings
-from stream.errors import BadMessage, clip
+from stream.errors import BadMessage, clip, close_after_error
 from stream.idle_clock import IdleClock
 from stream.joiner.backpressure import (
     CLICKS,
@@ -302,8 +302,12 @@ class KafkaJoinWorker:
                 self.pipeline.restore(self._assigned)
                 self.pipeline.drain()
             self._commit()
-        finally:
+        except BaseException:  # a close that fails too (its revocation callback) must not replace the error
+            close_after_error(self.consumer.close, "closing the joiner's consumer", log)
+            raise
+        else:
             self.consumer.close()
+        finally:  # whatever the close raised: left installed, a later SIGTERM went to this finished worker
             put_back_signals(handlers)
         return status
 

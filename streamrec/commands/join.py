@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from stream.config import RedisSettings
+from stream.errors import close_after_error
 from stream.joiner.config import Driver, EmissionPolicy, JoinerSettings
 from streamrec.commands.common import (
     add_common,
@@ -100,13 +101,8 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     try:
         code = worker.run()
-    except BaseException:
-        # Stopping on an error: a close that fails too (Redis away while flushing the counts) is logged, not raised
-        # in its place, or the line printed at exit names the second error and hides the first.
-        try:
-            pipeline.close()
-        except Exception:  # noqa: BLE001
-            logging.getLogger("streamrec.join").exception("closing the joiner after the error below failed too")
+    except BaseException:  # a close that fails too (Redis away while flushing the counts) is logged, not raised
+        close_after_error(pipeline.close, "closing the joiner", logging.getLogger("streamrec.join"))
         raise
     pipeline.close()
     summary = pipeline.totals.summary()

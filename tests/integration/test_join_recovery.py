@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
+import signal
 import time
 from typing import Any
 
@@ -901,3 +902,41 @@ def test_a_restart_under_another_emission_policy_with_impressions_pending_is_ref
     again = make()
     again.restore({0})
     assert set(again.engines[0].pending) == {"a"}
+
+
+class ClosingFails:
+    """A consumer whose ``close()`` closes it and then fails (its revocation callback raising, say)."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+
+    def close(self) -> None:
+        self.consumer.close()
+        raise KafkaException(KafkaError(KafkaError._FAIL, "the close failed"))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.consumer, name)
+
+
+def test_an_error_that_ends_the_kafka_driver_is_raised_and_its_signals_put_back_when_its_consumers_close_fails_too(
+        kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The run's ``finally:`` closed the consumer, then put the signal handlers back: a close that failed too replaced
+    the error that ended the run (the line printed at exit named the close, not the cause) and left the worker's
+    SIGTERM/SIGINT handlers installed. Now the close's failure is logged and the cause raised, handlers put back."""
+    producer = AckedProducer(kafka)
+    p = make(exit_when_idle_s=30.0)  # creates the topics
+    r = imp(kafka, 0, 0, "a", T0)
+    producer.send(r.topic, r.value, r.key, partition=r.partition)
+    producer.flush()
+
+    def broken(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("the real cause")
+
+    monkeypatch.setattr(p, "process_new", broken)
+    w = KafkaJoinWorker(p, kafka, p.js)
+    w.consumer = ClosingFails(w.consumer)  # type: ignore[assignment]
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with pytest.raises(RuntimeError, match="the real cause"):
+        w.run()
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    assert "closing the joiner's consumer after the error below failed too" in caplog.text
