@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import logging
 import os
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 from learner.config import LearnerSettings
 from stream.config import RedisSettings
+from stream.errors import close_after_error
 from stream.limits import EventLimits
 from streamrec.commands.common import (
     EXIT_FAILED,
@@ -138,8 +140,10 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     try:
         summary = learner.run()
-    finally:
-        learner.close()
+    except BaseException:  # a close that fails too is logged, not raised in the place of what ended the run
+        close_after_error(learner.close, "closing the learner", logging.getLogger("streamrec.train"))
+        raise
+    learner.close()
     emit(args, summary, _describe)
     return EXIT_OK
 

@@ -8,7 +8,7 @@ import errno
 from pathlib import Path
 
 import pytest
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from learner import checkpoint
 from learner.config import LearnerSettings
@@ -84,3 +84,38 @@ def test_a_full_disk_at_the_exit_checkpoint_is_one_line_naming_the_path_and_errn
     assert "Traceback" not in err, err
     line = next(ln for ln in err.splitlines() if ln.startswith("streamrec train: error:"))
     assert str(ckpt) in line and "[errno ENOSPC]" in line and "the file system is full" in line, line
+
+
+@pytest.mark.usefixtures("environ_restored")  # the command sets MALLOC_* for its children
+def test_a_learner_close_that_fails_after_the_exit_checkpoint_failed_does_not_hide_the_checkpoints_error(
+        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``streamrec train`` closed the learner in a ``finally:``: a close that failed too (its consumer's) replaced the
+    run's error, and the one line printed named the close, not the full disk. Now the close's failure is logged and
+    the line names the cause."""
+    ensure_topics(kafka, [kafka.samples_topic], partitions=4)
+    produce_samples(kafka, 4, 20, 0.0)
+    ckpt = tmp_path / "ckpt"
+    cfg = tmp_path / "train.toml"
+    cfg.write_text(f'[kafka]\nbootstrap_servers = "{kafka.bootstrap_servers}"\n'
+                   f'samples_topic = "{kafka.samples_topic}"\n'
+                   f'[learner]\ncheckpoint_dir = "{ckpt}"\nmlp = "16"\nbuckets = 500\nctx_buckets = 50\n'
+                   f'embedding_dim = 4\ngroup_id = "g-{kafka.samples_topic}"\nbatch_rows = 20\n')
+
+    def full_disk(directory: Path, state: dict, meta: dict, keep: int = 3) -> Path:
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "ckpt-x.pt"))
+
+    close = Learner.close
+
+    def close_fails(self: Learner) -> None:
+        close(self)
+        raise KafkaException(KafkaError(KafkaError._FAIL, "the close failed"))
+
+    monkeypatch.setattr(checkpoint, "save", full_disk)
+    monkeypatch.setattr(Learner, "close", close_fails)
+    rc = main(["train", "--config", str(cfg), "--exit-when-idle", "2"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    line = next(ln for ln in err.splitlines() if ln.startswith("streamrec train: error:"))
+    assert str(ckpt) in line and "[errno ENOSPC]" in line and "the close failed" not in line, line
+    assert "closing the learner after the error below failed too" in caplog.text
