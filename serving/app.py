@@ -47,7 +47,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-import torch
 
 from serving.history import HistoryReader
 from serving.lookup_counts import LookupCounts
@@ -272,8 +271,7 @@ class ScoringApp:
         encoded = [live.encoder.rows(one, pin) for one in checked]
         out = []
         for values, offsets, dense in encoded:  # (N,), (F+F*B+1,), (B, Dd)
-            scores = pin.score_request(torch.from_numpy(values), torch.from_numpy(offsets),
-                                       torch.from_numpy(dense)).numpy()  # (B,)
+            scores = pin.score_arrays(values, offsets, dense)  # (B,)
             if not np.isfinite(scores).all():  # orjson writes NaN as null: never a 200 with null scores
                 raise self._nonfinite(live, pin.delta_seq, scores)
             out.append({"scores": scores.astype(np.float64, copy=False), "model_version": live.model.version,

@@ -140,6 +140,9 @@ class PinnedModel:
     def score_request(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         return self.model.score_request(values, offsets, dense, live=self._live)
 
+    def score_arrays(self, values: np.ndarray, offsets: np.ndarray, dense: np.ndarray) -> np.ndarray:
+        return self.model.score_arrays(values, offsets, dense, live=self._live)
+
 
 class ScoringModel:
     """A loaded artifact: hot rows on ``device``, cold rows in memory (the layered mode: Redis), delta overrides on top.
@@ -496,6 +499,26 @@ class ScoringModel:
             values, offsets = torch.from_numpy(v), torch.from_numpy(o)  # (N',), (F*B + 1,)
         return self._forward(values, offsets, dense, fp32, live)
 
+    def score_arrays(self, values: np.ndarray, offsets: np.ndarray, dense: np.ndarray,
+                     live: _Live | None = None) -> np.ndarray:
+        """:meth:`score_request` on the encoder's numpy arrays, probabilities (B,) float32 out: serving's request
+        path. An ONNX pooling graph takes the arrays as they are: wrapping each in a tensor for
+        :meth:`score_request` and unwrapping it again for ONNX Runtime cost ~10-20 us a request (8 conversions of
+        ~1.5-3 us, ``bench/README.md``). Every other scorer goes through :meth:`score_request`, the same scores."""
+        live = live or self._live
+        lean = self._lean(live)
+        if lean is not None and self.input_layout != CANDIDATE_ROWS_LAYOUT:
+            return lean(*self._given_at(live, values), offsets, dense.astype(np.float32, copy=False))
+        return self.score_request(torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(dense),
+                                  live=live).cpu().numpy()
+
+    @staticmethod
+    def _lean(live: _Live) -> Any:
+        """``live``'s ONNX pooling graph call (``OnnxScorer.score_rows``: numpy in, one ONNX Runtime call, numpy
+        out), or None where its scorer is not one."""
+        lean = getattr(live.scorer, "score_rows", None)
+        return lean if lean is not None and live.scorer.pools else None
+
     def _forward(self, values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, fp32: bool,
                  live: _Live | None = None) -> torch.Tensor:
         """The scorer of ``live`` (the live snapshot by default) on inputs in its own layout, given the rows it does
@@ -504,8 +527,8 @@ class ScoringModel:
         live = live or self._live
         v = values.cpu().numpy() if values.device.type != "cpu" else values.numpy()
         pos, given, mask = self._given_at(live, v)
-        lean = None if fp32 else getattr(live.scorer, "score_rows", None)
-        if lean is not None and live.scorer.pools:  # an ONNX pooling graph: numpy in, one call, numpy out
+        lean = None if fp32 else self._lean(live)
+        if lean is not None:  # an ONNX pooling graph: numpy in, one call, numpy out
             return torch.from_numpy(lean(pos, given, mask, offsets.cpu().numpy(), dense.cpu().float().numpy()))
         dev = self.device
         run = getattr(live.scorer, "torch_forward", live.scorer) if fp32 else live.scorer
