@@ -263,10 +263,12 @@ class ScoringApp:
         # scored with the same id maps
         pin = live.model.pinned()
         checked, spent = [], 0  # max_request_values holds for the call: a batch's requests share it
+        last = len(reqs) - 1
         for i, r in enumerate(reqs):  # every request checked before any row is looked up: a refused call has none
             one = live.encoder.check(r, lambda i=i: collect()[i], observe,  # type: ignore[misc]
                                      self.s.max_request_values, spent)
-            spent += live.encoder.request_values(r, one[1])
+            if i < last:  # what the next request may still spend (no one reads it after the last: /v1/score's one)
+                spent += live.encoder.request_values(r, one[1])
             checked.append(one)
         encoded = [live.encoder.rows(one, pin) for one in checked]
         out = []
