@@ -7,15 +7,16 @@ threading server, as ``streamrec serve`` does) in a process of its own, drives i
 ``perf_counter``, p50/p99 over the measured requests). The same server in three modes, one after the other:
 
 * ``real``: the service as it serves.
-* ``noop``: the model's ``score_request`` returns zeros: HTTP, JSON, validation, encoding, the history read and the
-  metrics are left.
+* ``noop``: the model's ``score_arrays`` (``score_request`` before it) returns zeros: HTTP, JSON, validation,
+  encoding, the history read and the metrics are left.
 * ``fixed``: ``ScoringApp.handle`` returns a fixed answer of the real size: the HTTP server alone.
 
 Stages (nested: ``request`` holds the others): ``request`` (``_Handler._one_request``: request line to answer
 written), ``head`` (request line and headers), ``app`` (``ScoringApp.handle``), ``json_in`` (JSON decode +
-validation), ``hist_send`` (``HistoryReader.start``: the Redis read sent), ``encode`` (which ends by collecting the
-history), ``history`` (inside ``encode``: waiting for Redis's answer and parsing it, ``HistoryReader._finish``),
-``score`` (``ScoringModel.score_request``), inside it ``rows`` (``ScoringModel._given_at``: the hot/cold/override
+validation), ``hist_send`` (``HistoryReader.start``: the Redis read sent), ``encode`` (``FeatureEncoder.check``,
+which ends by collecting the history; ``encode`` before the split), ``history`` (inside ``encode``: waiting for
+Redis's answer and parsing it, ``HistoryReader._finish``), ``score`` (``ScoringModel.score_arrays``, what the app
+scores with; ``score_request`` before it), inside it ``rows`` (``ScoringModel._given_at``: the hot/cold/override
 lookup) and ``ort`` (``OnnxScorer.score_rows``: the ONNX formats' one ONNX Runtime call), ``send`` (writing the
 answer: on a busy machine this includes the client being scheduled on its wake-up). Run in a checkout from before
 the read was split, ``history`` is the whole read.
@@ -130,10 +131,15 @@ def serve(publish_root: str, mode: str, redis_url: str) -> int:
         app_mod.read_request = _timed(times, "json_in", app_mod.read_request, record)
     else:  # a checkout from before: json.loads in the app, then the checks
         app_mod.parse_request = _timed(times, "json_in", app_mod.parse_request, record)
-    FeatureEncoder.encode = _timed(times, "encode", FeatureEncoder.encode, record)  # type: ignore[method-assign]
+    step = "check" if hasattr(FeatureEncoder, "check") else "encode"  # the app calls check, then rows (the lookups)
+    setattr(FeatureEncoder, step, _timed(times, "encode", getattr(FeatureEncoder, step), record))
+    # what the app scores with: score_arrays (numpy in and out) where it exists, score_request before it
+    entry = "score_arrays" if hasattr(ScoringModel, "score_arrays") else "score_request"
     if mode == "noop":
-        ScoringModel.score_request = lambda self, v, o, dense, fp32=False: torch.zeros(dense.shape[0])  # type: ignore
-    ScoringModel.score_request = _timed(times, "score", ScoringModel.score_request, record)  # type: ignore[method-assign]
+        zeros = (lambda self, v, o, dense, **_: np.zeros(len(dense), np.float32)) if entry == "score_arrays" else (
+            lambda self, v, o, dense, **_: torch.zeros(dense.shape[0]))
+        setattr(ScoringModel, entry, zeros)
+    setattr(ScoringModel, entry, _timed(times, "score", getattr(ScoringModel, entry), record))
     ScoringModel._given_at = _timed(times, "rows", ScoringModel._given_at, record)  # type: ignore[method-assign]
     try:
         from learner.onnx_scorer import OnnxScorer
