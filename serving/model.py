@@ -12,12 +12,12 @@ snapshots. ``serving/swap.py`` holds the live one and swaps in the next.
 
 Two entry points score, one per input layout (``learner/scorer.py``): :meth:`ScoringModel.score_request` takes a
 request as ``serving.features.FeatureEncoder.encode`` lays it out (the user row's bags once, then the candidates'),
-what serving runs; :meth:`ScoringModel.score` a training batch (every bag per sample: ``learner.batch.TensorBatch``),
-what the refresh validates with. Artifacts published before the user-row layout (manifest without
-``scorer.input_layout``) keep loading and scoring: their TorchScript/export program takes the per-candidate layout,
-into which :meth:`score_request` expands a request (``learner.scorer.to_candidate_rows``: as slow as before, and the
-same scores); the other formats are rebuilt from their tensors by this code, in the new layout. A ``streamrec
-refresh --now`` republishes them in the new layout.
+what serving runs (:meth:`ScoringModel.score_arrays`: the same on numpy arrays); :meth:`ScoringModel.score` a
+training batch (every bag per sample: ``learner.batch.TensorBatch``), what the refresh validates with. Artifacts
+published before the user-row layout (manifest without ``scorer.input_layout``) keep loading and scoring: their
+TorchScript/export program takes the per-candidate layout, into which :meth:`score_request` expands a request
+(``learner.scorer.to_candidate_rows``: as slow as before, and the same scores); the other formats are rebuilt from
+their tensors by this code, in the new layout. A ``streamrec refresh --now`` republishes them in the new layout.
 """
 
 from __future__ import annotations
@@ -121,10 +121,11 @@ class _Live:
 
 class PinnedModel:
     """One snapshot of a :class:`ScoringModel` for one call (``ScoringModel.pinned``): its ids are mapped to rows
-    (``map_rows``, the encoder's) and those rows scored (``score_request``) with the same id maps, overrides and
-    scorer. Read apart, a delta applied between the two could give the row an id was mapped to a new id (the old one
-    evicted) and the request scored the stranger's vector. In the layered mode a row the snapshot does not override
-    is the artifact's (Redis holds no delta rows), and one Redis cannot give falls back by the snapshot's row keys."""
+    (``map_rows``, the encoder's) and those rows scored (``score_request``, ``score_arrays``) with the same id maps,
+    overrides and scorer. Read apart, a delta applied between the two could give the row an id was mapped to a new id
+    (the old one evicted) and the request scored the stranger's vector. In the layered mode a row the snapshot does
+    not override is the artifact's (Redis holds no delta rows), and one Redis cannot give falls back by the snapshot's
+    row keys."""
 
     def __init__(self, model: ScoringModel, live: _Live) -> None:
         self.model, self._live = model, live

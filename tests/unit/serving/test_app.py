@@ -394,13 +394,13 @@ def test_a_call_refused_while_encoded_scores_counts_and_reports_nothing(publishe
     app = make_app(published, lookups=lookups, max_request_values=10)
     forward_passes: list[int] = []
     model = app.holder.live.model  # type: ignore[union-attr]
-    score_request = model.score_request
+    score_arrays = model.score_arrays  # what the app scores with (serving/app.py _run)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         forward_passes.append(1)
-        return score_request(*args, **kwargs)
+        return score_arrays(*args, **kwargs)
 
-    monkeypatch.setattr(model, "score_request", counted)
+    monkeypatch.setattr(model, "score_arrays", counted)
     refused = [("/v1/score:batch", {"requests": [SIMPLE, {"user_id": "a", "items": [1], "context": {"zz": 1}}]}),
                ("/v1/score", {"user_id": "a", "items": [{"item_id": 0, "context": {"genres": ["Drama"]}}, 1, 2],
                               "context": {"genres": [f"g{i}" for i in range(9)]}})]
