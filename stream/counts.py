@@ -140,7 +140,7 @@ from redis.exceptions import NoPermissionError
 
 from stream.errors import clip
 from stream.redis_client import Client, ClusterUnavailable, is_cluster, run_script, unavailable
-from stream.redis_deadline import replies_by
+from stream.redis_deadline import replies_by, round_trip
 
 KINDS = ("item", "user")
 EVENTS = ("impression", "click", "lookup")
@@ -677,7 +677,11 @@ class DailyCounts:
         bounds summed, no unread member can rank. No command asks for more than ``page`` members per key of the window.
         The union on the server read every member of every day in one command: 7 days of 300,000 members outlasted
         ``redis_timeout_s`` (the hot set failed as "Redis unreachable") and blocked Redis for every other client
-        meanwhile. Not one snapshot: a count written between two rounds may be read in one and not the other."""
+        meanwhile. Not one snapshot: a count written between two rounds may be read in one and not the other.
+
+        Each of a round's two pipelines (a read per live key) completes within the client's timeout as a whole
+        (:func:`~stream.redis_deadline.round_trip`, where the client bounds whole replies: the refresh's): bounded reply
+        by reply, a Redis trickling them held one round of a 7-day window up to 7 timeouts."""
         page = min(max(2 * k, 1000), TOP_PAGE)
         read: list[dict[bytes, float]] = [{} for _ in keys]  # every (member, score) read of each key
         sums: dict[bytes, float] = {}
@@ -690,7 +694,9 @@ class DailyCounts:
             for i in live:
                 pipe.zrevrange(keys[i], depth, depth + page - 1, withscores=True)
             fresh: dict[bytes, None] = {}
-            for i, rows in zip(live, pipe.execute(), strict=True):
+            with round_trip(self.client):  # the round's reads by one timeout, not one each (a trickling Redis: 7)
+                pages = pipe.execute()
+            for i, rows in zip(live, pages, strict=True):
                 done[i] = len(rows) < page
                 if rows:
                     bound[i] = float(rows[-1][1])
@@ -703,7 +709,9 @@ class DailyCounts:
             pipe = self.client.pipeline(transaction=False)
             for i, members in asked:
                 pipe.zmscore(keys[i], cast("list[str]", members))  # the members as read: bytes, sent as they are
-            for (i, members), scores in zip(asked, pipe.execute() if asked else (), strict=True):
+            with round_trip(self.client):
+                replies = pipe.execute() if asked else []
+            for (i, members), scores in zip(asked, replies, strict=True):
                 read[i].update((m, float(score)) for m, score in zip(members, scores, strict=True) if score is not None)
             for m in new:
                 total = 0.0

@@ -12,7 +12,7 @@ a Redis slower than its timeout.
 The common reply arrives in one read and costs nothing more (no ``settimeout`` call); only a reply in several reads
 shortens its socket's timeout, restored when the reply is read. A pipeline's replies are bounded one by one, unless
 the caller bounds them together (:func:`replies_by`: the layered row fetch, whose pipelined MGETs are one round trip
-of ``embedding_store_timeout_s``). Reads with a timeout of their own (redis-py's ``can_read``, pub/sub polls) are left
+of ``embedding_store_timeout_s``; :func:`round_trip`: a pipeline of the client's own timeout). Reads with a timeout of their own (redis-py's ``can_read``, pub/sub polls) are left
 as they are.
 
 :func:`stream.redis_client.connect` builds its clients with these classes where asked (``whole_reply=True``).
@@ -42,6 +42,16 @@ def replies_by(deadline: float) -> Iterator[None]:
         yield
     finally:
         _local.by = before
+
+
+@contextmanager
+def round_trip(client: Any) -> Iterator[None]:
+    """Every reply read inside the block completes within one ``socket_timeout`` of ``client`` (a single node's or a
+    cluster's client) from now: a pipeline of several replies bounded as one reply is (:func:`replies_by`). A client
+    with no timeout, or not whole-reply, is left as it is."""
+    timeout = client.get_connection_kwargs().get("socket_timeout")
+    with replies_by(math.inf if timeout is None else time.monotonic() + float(timeout)):
+        yield
 
 
 class _DeadlineSocket:

@@ -84,6 +84,27 @@ def test_a_days_head_of_refused_members_is_read_a_page_per_reply_so_a_trickling_
     assert (top, day) == ([("1", 5.0), ("2", 4.0)], DAY)
 
 
+def test_a_window_of_days_trickled_past_the_clients_timeout_fails_as_a_timeout_not_one_timeout_per_day(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str) -> None:
+    """The top of a 7-day window reads a page of every day in one pipeline per round. Redis trickles its replies a
+    byte per 2 ms: each day's page (5 members, ~175 bytes) arrives well within the refresh client's whole-reply
+    timeout, the round's 7 in ~2.5 of it. The read fails as a Redis timeout (what the hot set's retries handle);
+    bounded reply by reply it waited out the whole trickle, up to one timeout per day of every round."""
+    days = [f"200302{d:02d}" for d in range(22, 29)]
+    for day in days:
+        _items(redis_client, prefix, {f"{10**18 + i}{day[-1]}": 1.0 for i in range(5)}, day)
+    with TrickleProxy(stack.s.redis_port, gap_s=0.002) as proxy:
+        client = connect(RedisSettings(url=proxy.url), timeout_s=1.0, retries=0, whole_reply=True)
+        try:
+            counts = DailyCounts(client, prefix=prefix)
+            proxy.trickling = True
+            with pytest.raises(redis.TimeoutError):
+                counts.top("item", "impression", day=DAY, days=7, k=3)
+        finally:
+            proxy.trickling = False
+            client.close()
+
+
 def test_a_member_that_is_not_utf8_is_left_out_not_a_failed_refresh(redis_client: redis.Redis, prefix: str) -> None:
     _items(redis_client, prefix, {b"\xff\xfe1": 50, "456": 3})  # type: ignore[dict-item]
     hs = _hot_items(redis_client, prefix)
