@@ -7,7 +7,10 @@ Key layout::
 ``user_hash`` and ``item_hash`` are ``stream.ids.stable_hash`` values (the caller hashes). No hash tag: on a Redis
 Cluster (``[redis] cluster``) the users' lists spread over every node's slots. A batch's appends and reads are one
 script call per hash slot (a script's keys must share one), all in one pipeline: one round trip per node holding
-any of the batch's users (on a single node, one script call for the whole batch, as before). Appends
+any of the batch's users (on a single node, one script call for the whole batch, as before), its replies bounded
+together by the client's timeout (``stream.redis_deadline.round_trip``, a whole-reply client's: the joiner's):
+bounded reply by reply, a node trickling its replies held a batch one timeout per hash slot of the batch's users on
+it (tests/integration/test_redis_cluster.py, 40 slots in ~6 timeouts, none failed). Appends
 LPUSH and LTRIM the list to ``max_len`` in the same script, so a list keeps the ``max_len`` most
 recently *appended* clicks.
 
@@ -57,6 +60,7 @@ from redis.crc import key_slot
 from stream.counts import DAY_S
 from stream.metrics import HISTORY_MALFORMED
 from stream.redis_client import Client, is_cluster, run_script
+from stream.redis_deadline import round_trip
 
 # The redo rule's search depth beyond a user's own entries of the batch (module docstring): the newer clicks of the
 # user that may come between a batch and its redo. Each LPOS scans up to n + REDO_SLACK entries (at most the kept
@@ -323,7 +327,9 @@ class UserHistory:
             calls.append(([self.key(u) for u in group], args))
         if self._append_many is None:
             self._append_many = self.client.register_script(self._APPEND_MANY)
-        errors = [e for got in run_script(self.client, self._append_many, calls, transaction=False) for e in got]
+        with round_trip(self.client):  # a cluster's script calls (one per slot) by one timeout (module docstring)
+            replies = run_script(self.client, self._append_many, calls, transaction=False)
+        errors = [e for got in replies for e in got]
         if errors:
             first = errors[0]
             raise redis.ResponseError(first.decode() if isinstance(first, bytes) else str(first))
@@ -384,8 +390,9 @@ class UserHistory:
         """The stored entries of each user (newest appended first), in the order of ``distinct``: one script call
         for all (one per hash slot on a cluster, pipelined)."""
         groups = self._by_slot(distinct)
-        got = run_script(self.client, self._script(), [([self.key(u) for u in g], [self.max_len - 1]) for g in groups],
-                         transaction=False)
+        with round_trip(self.client):  # a cluster's script calls (one per slot) by one timeout (module docstring)
+            got = run_script(self.client, self._script(), [([self.key(u) for u in g], [self.max_len - 1])
+                                                           for g in groups], transaction=False)
         if len(groups) == 1:
             return cast("list[list[bytes | str]]", got[0])
         by_user = {u: entries for group, lists in zip(groups, got, strict=True)

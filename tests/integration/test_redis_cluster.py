@@ -16,7 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.crc import key_slot
+from redis.retry import Retry
 
 from cache_refresh import hot_set
 from learner.deltas import redis_notifier
@@ -24,9 +27,11 @@ from learner.features import FeatureConfig, FieldSpec
 from stream.config import RedisSettings
 from stream.counts import DAY_MS, DailyCounts
 from stream.history import UserHistory
-from stream.redis_client import connect, is_cluster
-from stream.strikes import RedisStrikes
+from stream.redis_client import LazyClient, connect, is_cluster
+from stream.redis_deadline import WholeReplyConnection
+from stream.strikes import RedisStrikes, is_infrastructure
 from streamrec.stack import LocalStack
+from tests.trickle_proxy import TrickleProxy
 
 CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "single", 40)), embedding_dim=4)
 
@@ -171,6 +176,39 @@ def test_history_appends_on_a_cluster_expire_every_users_list_ttl_days_from_now(
     assert all(2 * 86_400 - 60 < t <= 2 * 86_400 for t in ttls), sorted(set(ttls))[:5]
     UserHistory(cluster, prefix=prefix, max_len=8, ttl_days=0).append_many(users, users, [1] * len(users))
     assert {cluster.ttl(hist.key(u)) for u in users} == {-1}
+
+
+def test_a_history_read_on_a_cluster_with_a_trickling_node_fails_as_an_outage_not_one_timeout_per_hash_slot(
+        cluster_nodes: Any, prefix: str) -> None:
+    """A batch's history read is a script call per hash slot, pipelined, one batch of replies per node. One node's
+    replies trickle (``tests/trickle_proxy.py`` in front of it, the client sent there by ``address_remap``: the
+    cluster's own replies name the node's real port) a byte per 20 ms: each slot's reply (8 bytes) arrives well within
+    the whole-reply timeout, the node's 40 in ~6 of it. The read fails once the timeout has passed, as an outage (the
+    joiner's batch then rewinds): redis-py's topology refresh after the timeout runs inside the same spent deadline,
+    reaches no node and makes it a ClusterUnavailable, not a TimeoutError. Bounded reply by reply the trickle held
+    the batch one timeout per slot of that node, and the read succeeded."""
+    slow = 1
+    with TrickleProxy(cluster_nodes.ports[slow]) as proxy:
+        via = ("127.0.0.1", int(proxy.url.rsplit(":", 1)[1].split("/")[0]))
+        cluster = LazyClient(lambda: RedisCluster(  # as connect() builds the joiner's, but for address_remap
+            host="127.0.0.1", port=cluster_nodes.ports[0], socket_timeout=1.0, connection_class=WholeReplyConnection,
+            retry=Retry(NoBackoff(), 0), address_remap=lambda a: via if a[1] == cluster_nodes.ports[slow] else a),
+            cluster=True)
+        try:
+            hist = UserHistory(cluster, prefix=prefix)
+            slots: dict[int, int] = {}  # slot -> a user whose list is there, on the slow node
+            for u in range(100_000):
+                if len(slots) < 40 and cluster_nodes.index_of(hist.key(u)) == slow:
+                    slots.setdefault(key_slot(hist.key(u).encode()), u)
+            users = list(slots.values())
+            assert hist.as_of(users, [1] * len(users)) == [[] for _ in users]  # healthy: the script loaded
+            proxy.trickling = True
+            with pytest.raises((redis.TimeoutError, redis.ConnectionError)) as failed:
+                hist.as_of(users, [1] * len(users))
+            assert is_infrastructure(failed.value)  # the joiner's rewind and retry
+        finally:
+            proxy.trickling = False
+            cluster.close()
 
 
 def test_strikes_on_a_cluster_round_trip(clients: tuple[Any, redis.Redis], prefix: str) -> None:
