@@ -82,6 +82,7 @@ from stream.errors import (
     PartitionMissing,
     StreamError,
     clip,
+    close_after_error,
     shown,
 )
 from stream.event_batch import decode_events
@@ -500,16 +501,21 @@ class JoinPipeline:
     def close(self) -> None:
         """The last flush of the day counts, then Redis and the writer closed. A write in flight that failed on an
         outage gets the one retry a next flush would give it (under its write id, with the counts buffered since);
-        only a failure of that last flush is raised (it used to lose both at the first, with every batch durable)."""
+        only a failure of that last flush is raised (it used to lose both at the first, with every batch durable). Redis
+        is closed whatever the flush raised (it was left open, its connections with it), the flush's error raised."""
         try:
             try:
-                self._finish_flush()
-            except Exception as exc:
-                if not is_infrastructure(exc):
-                    raise
-                log.warning("a day counts write failed (%s: %s); retried with the last flush", type(exc).__name__,
-                            clip(str(exc)))
-            self.flush_counts()
+                try:
+                    self._finish_flush()
+                except Exception as exc:
+                    if not is_infrastructure(exc):
+                        raise
+                    log.warning("a day counts write failed (%s: %s); retried with the last flush",
+                                type(exc).__name__, clip(str(exc)))
+                self.flush_counts()
+            except BaseException:
+                close_after_error(self.redis.close, "closing the joiner's Redis client", log)
+                raise
             self.redis.close()
         finally:
             self._counts_writer.shutdown(wait=True)

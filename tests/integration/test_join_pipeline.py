@@ -10,6 +10,7 @@ infrastructure failure, ``totals.summary()`` and ``close()``.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -500,6 +501,34 @@ def test_close_flushes_the_buffered_day_counts_and_may_be_called_twice(kafka: Ka
                                                                (str(hash_value("u2")), 1.0)])
     p.close()  # again (the fixture closes it a third time): nothing more is written, no error
     assert counts.top("item", "impression") == [(str(hash_value("i1")), 2.0)]
+
+
+@pytest.mark.parametrize("close_fails", [False, True])
+def test_close_closes_redis_when_its_last_flush_fails_and_raises_the_flushs_error(
+        kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        close_fails: bool) -> None:
+    """A last flush that fails (Redis down at shutdown) left the client open, its connection pool with it. The client
+    is closed all the same; the error raised is the flush's, also where the close fails too (that one is logged)."""
+    p = make()
+    closed = []
+    real_close = p.redis.close
+
+    def flush_fails() -> None:
+        raise redis.ConnectionError("Redis is down")
+
+    def spy() -> None:
+        closed.append(True)
+        real_close()
+        if close_fails:
+            raise OSError("close failed")
+
+    monkeypatch.setattr(p, "flush_counts", flush_fails)
+    monkeypatch.setattr(p.redis, "close", spy)
+    with caplog.at_level(logging.ERROR, logger="streamrec.join"), pytest.raises(redis.ConnectionError,
+                                                                                match="Redis is down"):
+        p.close()
+    assert closed == [True]
+    assert ("closing the joiner's Redis client after the error below failed too" in caplog.text) == close_fails
 
 
 @pytest.mark.parametrize("held", [True, False])
