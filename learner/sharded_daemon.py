@@ -136,7 +136,7 @@ from learner.sharded_model import ShardedDeepFM, feature_names, fused_state, sha
 from learner.sharded_trainer import ShardedTrainer
 from learner.worker_counters import count_worker_counters
 from stream.config import KafkaSettings, RedisSettings
-from stream.errors import ConfigError, shown
+from stream.errors import ConfigError, close_after_error, shown
 from stream.files import NotDurable, describe_os_error, write_atomic
 from stream.joiner.partitions import ensure_samples
 from stream.kafka import new_consumer, topic_identity
@@ -991,8 +991,11 @@ def _train(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
             print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers} on {ctx.world_size} ranks "
                   f"({ctx.backend}), checkpoints in {ls.checkpoint_dir}", file=sys.stderr)
         try:
-            return learner.run()
-        finally:
-            learner.close()
+            summary = learner.run()
+        except BaseException:  # a close that fails too is logged, not raised in the place of what ended the run
+            close_after_error(learner.close, "closing the learner", log)
+            raise
+        learner.close()
+        return summary
     finally:
         checkpoint.release_directory(lock)

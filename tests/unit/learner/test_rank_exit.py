@@ -1,12 +1,19 @@
 """A rank's exit (learner/sharded_daemon.py ``run_ranks``): nothing of the learner may outlive the ``except`` that
-runs before ``destroy_process_group``, not even through an exception chained to the one being raised."""
+runs before ``destroy_process_group``, not even through an exception chained to the one being raised; and the error a
+rank raises is its run's, not its learner close's (``_train``)."""
 
 from __future__ import annotations
 
 import gc
+import logging
 import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from learner.sharded_daemon import clear_chained_frames
+from tests.unit.learner.test_sharded_directory_lock import train
 
 
 class _Learner:
@@ -63,3 +70,26 @@ def test_a_chain_that_loops_is_cleared_once_per_exception() -> None:
     clear_chained_frames(exc)  # returns: each exception is visited once
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_rank_whose_run_fails_and_whose_learner_close_fails_too_raises_the_runs_error_and_logs_the_closes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``_train`` closed the learner in a bare ``finally``: a close failing after the run had failed (a full disk)
+    replaced the run's error, and the rank's exit named the close. As ``streamrec train`` (close_after_error)."""
+    import learner.sharded_daemon as sd
+
+    real_close = sd.ShardedLearner.close
+
+    def run(self: Any) -> dict[str, Any]:
+        raise RuntimeError("the run failed")
+
+    def close(self: Any) -> None:
+        real_close(self)
+        raise OSError("the close failed too")
+
+    monkeypatch.setattr(sd.ShardedLearner, "close", close)
+    with caplog.at_level(logging.ERROR, logger="streamrec.train"), pytest.raises(RuntimeError, match="the run failed"):
+        train(monkeypatch, tmp_path / "ckpt", run)
+    assert "closing the learner after the error below failed too" in caplog.text
+    assert "the close failed too" in caplog.text
