@@ -461,9 +461,10 @@ class FaustJoinWorker:
 
     @property
     def stop_reason(self) -> str:
-        """As :attr:`KafkaJoinWorker.stop_reason`: the idle exit sets ``_stopping``; faust's worker ends otherwise only
-        on a signal (or a crash, which raises)."""
-        return "input idle" if self._stopping else "signal"
+        """As :attr:`KafkaJoinWorker.stop_reason`: the idle exit sets ``_stopping``; faust's worker ends otherwise on a
+        signal (status 0) or a crash of one of its services, which mode's ``exiting`` ends as status 1, not by raising:
+        "error" (a crash said "signal", an operator's stop)."""
+        return "input idle" if self._stopping else "error" if self.exit_code else "signal"
 
     def run(self) -> int:
         """Run until SIGTERM/SIGINT, or until idle when ``exit_when_idle_s`` is set."""
@@ -471,7 +472,7 @@ class FaustJoinWorker:
         try:
             self.worker.execute_from_commandline()
         except SystemExit as exc:
-            return self.exit_code or (exc.code if isinstance(exc.code, int) else 0)
+            self.exit_code = self.exit_code or (exc.code if isinstance(exc.code, int) else 0)
         finally:
             shutil.rmtree(self._datadir, ignore_errors=True)
         return self.exit_code

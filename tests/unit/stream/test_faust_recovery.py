@@ -179,3 +179,24 @@ def test_a_rebalance_whose_layout_check_the_broker_cannot_answer_stops_the_worke
     with pytest.raises(_Died) as died:
         asyncio.run(w._on_assigned(None, {TP("impressions", 7)}))
     assert died.value.args == (1,) and w._assigned == {0, 1}  # (the fixture's): nothing of the assignment taken
+
+
+def test_a_faust_run_that_crashed_is_not_summarised_as_stopped_by_a_signal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service of faust's worker that crashes (outside a batch: ``_die`` covers those) ends
+    ``execute_from_commandline`` as mode's ``exiting`` does, SystemExit(1), not by raising: the run returns 1 and
+    ``streamrec join`` writes its summary. Its reason said "signal" (``_stopping`` is only the idle exit's), an
+    operator's stop for a crash."""
+    import asyncio
+
+    from mode import Service, Worker
+
+    class Crashing(Service):
+        async def on_start(self) -> None:
+            raise RuntimeError("a consumer thread died")
+
+    w, _ = _worker(monkeypatch, [])
+    loop = asyncio.new_event_loop()
+    monkeypatch.setattr(w, "_faust_worker", lambda: Worker(Crashing(loop=loop), loop=loop, quiet=True,
+                                                           override_logging=False, redirect_stdouts=False))
+    assert w.run() == 1
+    assert w.stop_reason != "signal"
