@@ -155,6 +155,7 @@ _COUNTS_KEY_RE = re.compile(r"(?:\{(?P<kind>" + "|".join(KINDS) + r")\}|(?P<lega
 _SLOT_TRIES = 20  # DailyCounts._slot_keys: tries while a resharding moves a kind's slot (~10 s of waits in all)
 _SLOT_KEYS_MAX = 1_000_000  # keys listed from a kind's slot (a day has 7 of each kind; other prefixes share it)
 TOP_PAGE = 10_000  # the most members DailyCounts.top reads from one key in one command (a window of several days)
+TOP_READS = 3  # DailyCounts._top_of_one: reads of one day's top while writes move members across its pages
 log = logging.getLogger("streamrec.counts")
 _NAMES_DAYS_PER_TRIP = 32  # days of names DailyCounts.names asks in one pipelined round trip
 
@@ -650,20 +651,35 @@ class DailyCounts:
         """The ``k`` highest members of one key, by score then member descending, read ``TOP_PAGE`` members per command
         (ZREVRANGE), as :meth:`_top_of_sum` reads a window: one ZREVRANGE of ``k`` was one reply of ``k`` members, and
         the hot set asks ``k`` again, doubled, past a head of refused members (``cache_refresh/hot_set.py``,
-        ``top_ids``): a day of a million refused at the head read them in one reply, past ``redis_timeout_s``. Not one
-        snapshot: a member a write moved up across a page boundary between two reads is read twice (kept once)."""
+        ``top_ids``): a day of a million refused at the head read them in one reply, past ``redis_timeout_s``.
+
+        Pages are no snapshot: a member a write moves into the pages already read (a live joiner's ZINCRBY) is read in
+        none, and pushes the last one read into the next page, read twice. That repeat tells it: the key is read again,
+        up to :data:`TOP_READS` times. Taking the pages as they came lost the member the write had made hotter, and
+        with ``k - 1`` members read the hot set took the day for read to its end."""
         rows: dict[bytes, float] = {}
-        start = 0
-        while start < k:
-            asked = min(TOP_PAGE, k - start)
+        for _ in range(TOP_READS):
+            rows, moved = self._top_pages(key, k)
+            if not moved:
+                break
+        return sorted(rows.items(), key=lambda r: (r[1], r[0]), reverse=True)  # (a read a write moved: in rank order)
+
+    def _top_pages(self, key: str, k: int) -> tuple[dict[bytes, float], bool]:
+        """One read of :meth:`_top_of_one`: the first ``k`` distinct members of ``key`` (all it has, if fewer), and
+        whether a member came in two pages (a write moved members across a page boundary between two reads)."""
+        rows: dict[bytes, float] = {}
+        start, moved = 0, False
+        while len(rows) < k:
+            asked = min(TOP_PAGE, k - len(rows))
             page = cast("list[tuple[bytes, float]]", self.client.zrevrange(key, start, start + asked - 1,
                                                                            withscores=True))
             for member, score in page:
+                moved = moved or member in rows
                 rows.setdefault(member, float(score))
             start += asked
             if len(page) < asked:
                 break
-        return list(rows.items())
+        return rows, moved
 
     def _top_of_sum(self, keys: list[str], k: int) -> list[tuple[bytes, float]]:
         """The ``k`` members with the highest sum of their scores in ``keys``, ranked as ZUNIONSTORE (SUM) and
