@@ -145,3 +145,28 @@ def test_close_still_raises_when_the_last_flush_fails_too() -> None:
     with pytest.raises(redis.ConnectionError):
         p.close()
     assert counts.calls == [] and counts.failed_ids[0] == counts.failed_ids[1]
+
+
+def test_the_writer_names_each_raw_id_by_its_hash_value_ints_strings_and_a_shared_text_alike() -> None:
+    from stream.joiner.pipeline import _named_by_hash
+
+    raws: set[int | str] = {0, 7, 2**63 - 1, "a", "é-user", "123", 123, "x" * 256}
+    got = _named_by_hash(raws)
+    assert got == {hash_value(raw): raw for raw in raws}  # 123 and "123" share one hash: one of them names it
+    assert set(got.values()) <= raws and len(got) == len(raws) - 1
+    assert _named_by_hash(set()) == {}
+
+
+def test_the_writer_looks_up_the_ids_the_join_hashed_instead_of_hashing_them_again(monkeypatch) -> None:
+    # the join hashes a batch's user and item ids through hash_ids' cache (engine.apply: hash_column); the writer's
+    # names are those ids: through hash_value's own LRU cache every one missed and was hashed a second time
+    import stream.features as sf
+    from stream.joiner.pipeline import _named_by_hash
+
+    monkeypatch.setattr(sf, "_ID_CACHE", {})
+    raws = [f"user-{i}" for i in range(300)] + list(range(10**12, 10**12 + 300))
+    sf.hash_column([v for v in raws if isinstance(v, str)])  # what the join did with the batch's columns
+    sf.hash_column([v for v in raws if isinstance(v, int)])
+    misses = sf.hash_value.cache_info().misses
+    assert _named_by_hash(set(raws)) == {sf.stable_hash(v): v for v in raws}
+    assert sf.hash_value.cache_info().misses == misses
