@@ -39,10 +39,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import hiredis
 import redis
+from redis._parsers.encoders import Encoder
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import ClusterPipeline, ClusterPubSub, RedisCluster
 from redis.commands.core import Script
+from redis.connection import HiredisRespSerializer, PythonRespSerializer
 from redis.exceptions import (
     AskError,
     AuthenticationError,
@@ -249,6 +252,7 @@ def connect(settings: RedisSettings, *, timeout_s: float = DEFAULT_TIMEOUT_S, co
         if retries == 0:
             options["retry_on_error"] = []
         client = redis.Redis.from_url(settings.url, **options)
+        plain_packer(client.connection_pool.connection_kwargs)
     if check:
         try:
             verify(client, settings)
@@ -256,6 +260,42 @@ def connect(settings: RedisSettings, *, timeout_s: float = DEFAULT_TIMEOUT_S, co
             client.close()
             raise
     return client
+
+
+_PLAIN_ARGS = frozenset({str, int, bytes})  # what hiredis packs byte for byte as redis-py's UTF-8 encoder does
+
+
+class PlainPacker:
+    """A single-node client's command packer (redis-py's ``command_packer``): a command whose arguments are all exactly
+    ``str``, ``int`` or ``bytes`` (and whose first has no space, which redis-py would split) goes to
+    ``hiredis.pack_command`` whole, the same bytes as redis-py's own packer (``tests/unit/stream/
+    test_redis_packer.py``), which passes every argument through a Python encoder first (~1 us each). Anything else
+    (a float, a memoryview, a bool it refuses) goes to redis-py's packer, errors and all.
+
+    Why: the joiner sends ~0.5 M arguments in a 220 k-event ``bench/joiner.py`` run, most in its counts writer thread
+    (each counted id and its count, each name) and the history reads (a key per user): redis-py's encoder took about
+    half of that thread's CPU (bench/README.md, forty-third session). Only for UTF-8 with strict errors, the encoding
+    hiredis applies (:func:`plain_packer`)."""
+
+    def __init__(self, buffer_cutoff: int = 6000) -> None:
+        encode = Encoder("utf-8", "strict", False).encode
+        self._fallback = HiredisRespSerializer(PythonRespSerializer(buffer_cutoff, encode).pack, encode)
+
+    def pack(self, *args: Any) -> list[bytes]:
+        first = args[0] if args else None
+        if type(first) is str and " " not in first and set(map(type, args)) <= _PLAIN_ARGS:
+            return [hiredis.pack_command(args)]
+        return self._fallback.pack(*args)
+
+
+def plain_packer(connection_kwargs: dict[str, Any]) -> None:
+    """Give a connection pool's connections a :class:`PlainPacker`, where their encoding is hiredis' (UTF-8, strict
+    errors: redis-py's default; a url may name another) and no packer is set; before the first connection is made."""
+    if "command_packer" in connection_kwargs:
+        return
+    encoding = str(connection_kwargs.get("encoding", "utf-8")).lower().replace("_", "-")
+    if encoding in ("utf-8", "utf8") and connection_kwargs.get("encoding_errors", "strict") == "strict":
+        connection_kwargs["command_packer"] = PlainPacker()
 
 
 _LOADED: weakref.WeakSet[Any] = weakref.WeakSet()  # the Scripts run_script has loaded on a cluster (_load)
