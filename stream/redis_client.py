@@ -41,11 +41,9 @@ from typing import Any
 
 import hiredis
 import redis
-from redis._parsers.encoders import Encoder
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import ClusterPipeline, ClusterPubSub, RedisCluster
 from redis.commands.core import Script
-from redis.connection import HiredisRespSerializer, PythonRespSerializer
 from redis.exceptions import (
     AskError,
     AuthenticationError,
@@ -278,6 +276,9 @@ class PlainPacker:
     hiredis applies (:func:`plain_packer`)."""
 
     def __init__(self, buffer_cutoff: int = 6000) -> None:
+        from redis._parsers.encoders import Encoder  # redis-py's internals (5.1+): plain_packer checks they import
+        from redis.connection import HiredisRespSerializer, PythonRespSerializer
+
         encode = Encoder("utf-8", "strict", False).encode
         self._fallback = HiredisRespSerializer(PythonRespSerializer(buffer_cutoff, encode).pack, encode)
 
@@ -291,11 +292,14 @@ class PlainPacker:
 def plain_packer(connection_kwargs: dict[str, Any]) -> None:
     """Give a connection pool's connections a :class:`PlainPacker`, where their encoding is hiredis' (UTF-8, strict
     errors: redis-py's default; a url may name another) and no packer is set; before the first connection is made."""
-    if "command_packer" in connection_kwargs:
+    if "command_packer" in connection_kwargs or not hasattr(hiredis, "pack_command"):
         return
     encoding = str(connection_kwargs.get("encoding", "utf-8")).lower().replace("_", "-")
     if encoding in ("utf-8", "utf8") and connection_kwargs.get("encoding_errors", "strict") == "strict":
-        connection_kwargs["command_packer"] = PlainPacker()
+        try:
+            connection_kwargs["command_packer"] = PlainPacker()
+        except ImportError:  # a redis-py without the serializers it falls back to: its own packer, as before
+            pass
 
 
 _LOADED: weakref.WeakSet[Any] = weakref.WeakSet()  # the Scripts run_script has loaded on a cluster (_load)
