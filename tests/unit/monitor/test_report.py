@@ -550,3 +550,35 @@ def test_a_plot_is_laid_out_and_drawn_once_for_its_png(monkeypatch: pytest.Monke
     draw = type(fig).draw
     monkeypatch.setattr(type(fig), "draw", lambda self, renderer: (draws.append(renderer), draw(self, renderer))[1])
     assert p.png(fig).startswith(b"\x89PNG") and len(draws) == 1
+
+
+def test_rule_state_bars_are_one_collection_per_rule_and_draw_the_png_a_bar_per_evaluation_drew(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a broken_barh per rule and evaluation made 18 x 1,769 artists on the ML-1M demo: 190 of the report's 197 CPU
+    # seconds and most of its 700 MB; one per rule draws the same pixels (rules' rows never overlap)
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    rec = report.Recording()
+    states = ("inactive", "pending", "firing", "resolved", "bogus")
+    for i in range(40):  # the clock steps back 15 s after the 20th evaluation
+        rec.add({"kind": "rules", "t": 100.0 + 10 * i - 15 * (i >= 20),
+                 "states": {f"rule{r}": states[(i // (r + 2)) % len(states)] for r in range(3)}})
+    rec.add({"kind": "alert", "t": 150.0, "alert": {"rule": "rule1", "state": "firing"}})
+    figures: list[Any] = []
+
+    def alerts_png() -> bytes:
+        p = report.Plotter(100.0, 400.0)
+        monkeypatch.setattr(p, "png", lambda fig: (figures.append(fig), report.Plotter.png(p, fig))[1])
+        return report.s_alerts(p, report.Inputs(rec)).png or b""
+
+    png = alerts_png()
+    assert len(figures[0].axes[0].collections) == 3  # one per rule
+
+    broken_barh = Axes.broken_barh
+
+    def a_bar_per_evaluation(ax: Any, xranges: Any, yrange: Any, color: Any, **kw: Any) -> list[Any]:
+        return [broken_barh(ax, [xr], yrange, color=c, **kw) for xr, c in zip(xranges, color, strict=True)]
+
+    monkeypatch.setattr(Axes, "broken_barh", a_bar_per_evaluation)
+    assert alerts_png() == png and len(figures[1].axes[0].collections) == 3 * 40
