@@ -13,9 +13,10 @@ export is done in numpy before the call and everything else is in the graph (:cl
                         inv_len (F + F*B,) float32      1 / each bag's length (1 for an empty bag)
                         dense (B, Dd) float32) -> (B,) probabilities
 
-gather, mean pooling (a ScatterElements add per bag), the user row broadcast to the candidates, bias + first order +
-FM + MLP + calibration + sigmoid: what :meth:`Scorer.forward` computes, in one ONNX Runtime call per request instead
-of ~10 torch calls plus one ONNX Runtime call (bench/serving_threads.py measures both). The hot table is fed at every
+gather, mean pooling (a ScatterND add of each bag's rows: :class:`_BagSum`), the user row broadcast to the
+candidates, bias + first order + FM + MLP + calibration + sigmoid: what :meth:`Scorer.forward` computes, in one ONNX
+Runtime call per request instead of ~10 torch calls plus one ONNX Runtime call (bench/serving_threads.py measures
+both). The hot table is fed at every
 call (ONNX Runtime reads the numpy buffer in place: no copy, measured with a 1 M-row table), so the graph holds only
 the dense weights: a learner delta's rows need no re-export, and a delta with dense weights re-exports the graph
 from the updated weights (:meth:`OnnxScorer.rebuild_session`, about 0.1 s for a 400-400-400 MLP) before the new
@@ -126,6 +127,26 @@ class DenseHead(nn.Module):
         return torch.sigmoid(calibrated(logits, cal))
 
 
+class _BagSum(torch.autograd.Function):
+    """Each bag's sum of its rows, exported as one ``ScatterND`` with an add of whole rows.
+
+    Why not the torch ops that export by themselves: ``scatter_add`` over an expanded index exports as an ``Expand``
+    (an (N, D + 1) int64 index made per call) and a ``ScatterElements`` add walking the rows element by element,
+    ~40% of the INT8 graph's node time at B = 100 (ONNX Runtime's profile, bench/README.md, forty-third session);
+    ``index_put(accumulate=True)`` exports as a ``ScatterND`` without the add (repeated bags overwrite: wrong
+    scores). The same sums in the same order: the scores are equal bit for bit."""
+
+    @staticmethod
+    def forward(ctx: Any, zeros: torch.Tensor, seg: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # zeros (bags, D + 1), seg (N,) each row's bag, rows (N, D + 1) -> (bags, D + 1)
+        return zeros.index_add(0, seg, rows)
+
+    @staticmethod
+    def symbolic(g: Any, zeros: Any, seg: Any, rows: Any) -> Any:
+        index = g.op("Unsqueeze", seg, g.op("Constant", value_t=torch.tensor([1])))  # (N, 1)
+        return g.op("ScatterND", zeros, index, rows, reduction_s="add")
+
+
 class RequestHead(nn.Module):
     """One request from the hot table, the values' positions in it, the given rows and the bags to the probabilities
     (module docstring): :meth:`Scorer.pool` without ``searchsorted`` (done by the caller), then :class:`DenseHead`."""
@@ -138,9 +159,7 @@ class RequestHead(nn.Module):
     def forward(self, table: torch.Tensor, pos: torch.Tensor, given: torch.Tensor, given_mask: torch.Tensor,
                 seg: torch.Tensor, inv_len: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         rows = torch.where(given_mask.unsqueeze(1), given, table[pos])  # (N, D + 1)
-        # Sum each bag (ScatterElements with an add: index_add would export without it), then the mean.
-        summed = torch.zeros(inv_len.shape[0], self.dim + 1).scatter_add(
-            0, seg.unsqueeze(1).expand(-1, self.dim + 1), rows)  # (F + F*B, D + 1)
+        summed = _BagSum.apply(torch.zeros(inv_len.shape[0], self.dim + 1), seg, rows)  # (F + F*B, D + 1)
         pooled = summed * inv_len.unsqueeze(1)  # (F + F*B, D + 1); an empty bag: 0
         user = pooled[: self.num_fields].unsqueeze(0)  # (1, F, D + 1)
         cand = pooled[self.num_fields:].reshape(self.num_fields, -1, self.dim + 1).transpose(0, 1)  # (B, F, D + 1)
