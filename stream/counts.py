@@ -758,7 +758,8 @@ class DailyCounts:
         count is the sum); a one-day window on a single node is two while the day's key of the layout before hash tags
         lives, and their sum hid a -8 there. ``at_most``: only the keys that hold a count at or below it, found first by
         one ZCOUNT per key (one round trip); the members' scores (ZMSCORE) are then read from those keys alone, so a
-        window with no such count (the joiner and serving write none) sends no member at all."""
+        window with no such count (the joiner and serving write none) sends no member at all. Each of the two pipelines
+        completes within the client's timeout as a whole (:func:`~stream.redis_deadline.round_trip`), not a key's."""
         _check_kind_event(kind, event)
         _check_positive_int("days", days)
         found: dict[str, list[float]] = {}
@@ -769,11 +770,14 @@ class DailyCounts:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
                 pipe.zcount(key, "-inf", at_most)
-            keys = [key for key, n in zip(keys, pipe.execute(), strict=True) if n]
+            with round_trip(self.client):  # each pipeline's replies by one timeout, as _top_of_sum's
+                keys = [key for key, n in zip(keys, pipe.execute(), strict=True) if n]
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.zmscore(key, list(members))
-        for scores in pipe.execute() if keys else ():
+        with round_trip(self.client):
+            replies = pipe.execute() if keys else []
+        for scores in replies:
             for member, score in zip(members, scores, strict=True):
                 if score is not None:
                     found.setdefault(member, []).append(float(score))
@@ -825,11 +829,13 @@ class DailyCounts:
     def _sorted_sets(self, keys: list[str]) -> list[str]:
         """``keys`` less those holding another type than a sorted set (any client can write a list or a string under
         the prefix), with a warning naming them: such a key is no day's counts. Before, one failed every read of its
-        window with WRONGTYPE (and with it the nightly refresh)."""
+        window with WRONGTYPE (and with it the nightly refresh). The TYPEs are one round trip bounded as a whole
+        (:func:`~stream.redis_deadline.round_trip`)."""
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.type(key)
-        types = [_text(t) for t in pipe.execute()]
+        with round_trip(self.client):  # the TYPEs by one timeout, not one each
+            types = [_text(t) for t in pipe.execute()]
         wrong = [f"{k} ({t})" for k, t in zip(keys, types, strict=True) if t not in ("zset", "none")]
         if wrong:
             log.warning("day counts: %s %s not a sorted set (written by another client?); left out of the counts read",
@@ -843,7 +849,9 @@ class DailyCounts:
         just after midnight was named with its impression the day before), newest first; each further day is
         asked only for the members still without a name, and the search stops once every member has one. The days
         are asked ``_NAMES_DAYS_PER_TRIP`` at a time, one pipelined round trip each: members that have no name at
-        all (counted without names, e.g. serving's lookups) cost one round trip per that many days, not per day.
+        all (counted without names, e.g. serving's lookups) cost one round trip per that many days, not per day. Each
+        round trip completes within the client's timeout as a whole (:func:`~stream.redis_deadline.round_trip`, as
+        :meth:`_top_of_sum`'s rounds): bounded reply by reply, a trickling Redis held it up to one timeout per day.
         """
         _check_kind_event(kind, EVENTS[0])
         _check_positive_int("days", days)
@@ -863,7 +871,9 @@ class DailyCounts:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
                 pipe.hmget(key, missing)
-            for values in self._names_read(keys, pipe.execute(raise_on_error=False)):  # in key order: first name stays
+            with round_trip(self.client):  # a trip's HMGETs by one timeout, not one each (a trickling Redis: 32)
+                replies = pipe.execute(raise_on_error=False)
+            for values in self._names_read(keys, replies):  # in key order: the first name found stays
                 for member, value in zip(missing, values, strict=True):
                     if value is not None and member not in found:
                         found[member] = _text(value)

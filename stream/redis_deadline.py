@@ -12,9 +12,9 @@ a Redis slower than its timeout.
 The common reply arrives in one read and costs nothing more (no ``settimeout`` call); only a reply in several reads
 shortens its socket's timeout, restored when the reply is read. A pipeline's replies are bounded one by one, unless
 the caller bounds them together (:func:`replies_by`: the layered row fetch, whose pipelined MGETs are one round trip
-of ``embedding_store_timeout_s``; :func:`round_trip`: one round trip of the client's own timeout, as the multi-day
-top read's rounds and a cluster's history reads are). Reads with a timeout of their own (redis-py's ``can_read``,
-pub/sub polls) are left as they are.
+of ``embedding_store_timeout_s``; :func:`round_trip`: one round trip of the client's own timeout, as every pipelined
+read of the day counts and a cluster's history reads are). Reads with a timeout of their own (redis-py's
+``can_read``, pub/sub polls) are left as they are.
 
 :func:`stream.redis_client.connect` builds its clients with these classes where asked (``whole_reply=True``).
 """

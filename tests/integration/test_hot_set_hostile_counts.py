@@ -105,6 +105,26 @@ def test_a_window_of_days_trickled_past_the_clients_timeout_fails_as_a_timeout_n
             client.close()
 
 
+def test_names_of_a_window_trickled_past_the_clients_timeout_fail_as_a_timeout_not_one_timeout_per_day(
+        stack: LocalStack, prefix: str) -> None:
+    """The names of a 7-day window are one pipelined round trip of HMGETs (8 days, each in both key layouts on a single
+    node: 16). Redis trickles its replies a byte per 5 ms: each (9 bytes, no name) arrives well within the whole-reply
+    timeout, the trip's 16 in ~2.4 of it. The read fails as a Redis timeout; bounded reply by reply it waited out the
+    whole trickle (up to 32 timeouts per trip) and returned. ``day_counts`` and ``_sorted_sets`` (the TYPEs of a window)
+    bound their pipelines by the same ``round_trip``."""
+    with TrickleProxy(stack.s.redis_port, gap_s=0.005) as proxy:
+        client = connect(RedisSettings(url=proxy.url), timeout_s=0.3, retries=0, whole_reply=True)
+        try:
+            counts = DailyCounts(client, prefix=prefix)
+            client.ping()  # connected (the handshake's replies not trickled: they alone outlast the timeout)
+            proxy.trickling = True
+            with pytest.raises(redis.TimeoutError, match="Timeout reading"):
+                counts.names("item", ["123"], DAY, days=7)
+        finally:
+            proxy.trickling = False
+            client.close()
+
+
 class _WriteBetweenPages:
     """The session's Redis client, with a joiner's ZINCRBY sent right after the first page of a day is read (a live
     joiner writes while the refresh reads its pages)."""

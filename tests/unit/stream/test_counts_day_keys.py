@@ -24,6 +24,9 @@ class Keyspace:
     def scan_iter(self, match: str, count: int) -> list[bytes]:
         return [k.encode() for k in self.keys]
 
+    def get_connection_kwargs(self) -> dict[str, Any]:  # no socket_timeout: round_trip bounds nothing
+        return {}
+
     def pipeline(self, transaction: bool = True) -> Keyspace:
         return self
 
@@ -57,6 +60,9 @@ class EmptyRedis:
 
     def __init__(self) -> None:
         self.queued: list[Any] = []
+
+    def get_connection_kwargs(self) -> dict[str, Any]:  # no socket_timeout: round_trip bounds nothing
+        return {}
 
     def pipeline(self, transaction: bool = True) -> EmptyRedis:
         return self
