@@ -62,7 +62,7 @@ from redis.retry import Retry
 from stream.config import RedisSettings
 from stream.errors import ConfigError, StreamError, clip
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
-from stream.redis_deadline import connection_class
+from stream.redis_deadline import connection_class, refresh_outside_deadlines
 from stream.secrets import Secret, redact, secret_text
 from stream.startup import wait_ready
 from stream.tls import client_context
@@ -244,7 +244,8 @@ def connect(settings: RedisSettings, *, timeout_s: float = DEFAULT_TIMEOUT_S, co
         options["connection_class"] = connection_class(settings.url)
     client: Client | LazyClient
     if settings.cluster:  # made at its first use (LazyClient): an unreachable cluster fails commands, not connect()
-        client = LazyClient(lambda: RedisCluster.from_url(settings.url, retry=_retry(retries), **options), cluster=True)
+        client = LazyClient(lambda: refresh_outside_deadlines(
+            RedisCluster.from_url(settings.url, retry=_retry(retries), **options)), cluster=True)
     else:
         options["retry"] = _retry(retries)
         if retries == 0:

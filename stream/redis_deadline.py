@@ -16,7 +16,8 @@ of ``embedding_store_timeout_s``; :func:`round_trip`: one round trip of the clie
 read of the day counts and a cluster's history reads are). Reads with a timeout of their own (redis-py's
 ``can_read``, pub/sub polls) are left as they are.
 
-:func:`stream.redis_client.connect` builds its clients with these classes where asked (``whole_reply=True``).
+:func:`stream.redis_client.connect` builds its clients with these classes where asked (``whole_reply=True``), and a
+cluster's with its topology refresh outside the deadlines (:func:`refresh_outside_deadlines`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,16 @@ _local = threading.local()  # .by: the deadline replies_by set on this thread (c
 def replies_by(deadline: float) -> Iterator[None]:
     """Every reply a whole-reply connection reads on this thread inside the block completes by ``deadline`` (on
     ``time.monotonic``) as well as within its own ``socket_timeout``: a pipeline's replies share one deadline."""
+    with _by(min(getattr(_local, "by", math.inf), deadline)):
+        yield
+
+
+@contextmanager
+def _by(deadline: float) -> Iterator[None]:
+    """``deadline`` the one replies on this thread complete by inside the block (math.inf: none), the one before it
+    back after."""
     before = getattr(_local, "by", math.inf)
-    _local.by = min(before, deadline)
+    _local.by = deadline
     try:
         yield
     finally:
@@ -53,6 +62,26 @@ def round_trip(client: Any) -> Iterator[None]:
     timeout = client.get_connection_kwargs().get("socket_timeout")
     with replies_by(math.inf if timeout is None else time.monotonic() + float(timeout)):
         yield
+
+
+def refresh_outside_deadlines(cluster: Any) -> Any:
+    """``cluster`` (a redis-py ``RedisCluster``), its topology refresh (``NodesManager.initialize``: CLUSTER SLOTS of
+    the nodes) read outside any :func:`replies_by` deadline, each reply within its own ``socket_timeout``.
+
+    redis-py refreshes the topology after a node's timeout, inside the command that timed out: within a spent deadline
+    every node's reply failed at once, the refresh reached no node, and the timeout surfaced as "Redis Cluster cannot
+    be connected" (``RedisClusterUnreachableError``, streamrec's ClusterUnavailable) though one node was slow and the
+    others healthy, with a failed refresh logged and backed off. The refresh is redis-py's, not the caller's round
+    trip: outside it, it learns the topology from the healthy nodes, and the command fails as the timeout it was."""
+    manager = cluster.nodes_manager
+    initialize = manager.initialize
+
+    def initialize_unbounded(*args: Any, **kwargs: Any) -> Any:
+        with _by(math.inf):
+            return initialize(*args, **kwargs)
+
+    manager.initialize = initialize_unbounded
+    return cluster
 
 
 class _DeadlineSocket:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,19 +17,17 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.retry import Retry
 
 from cache_refresh import hot_set
 from learner.deltas import redis_notifier
 from learner.features import FeatureConfig, FieldSpec
+from stream import redis_client
 from stream.config import RedisSettings
 from stream.counts import DAY_MS, DailyCounts
 from stream.history import UserHistory
-from stream.redis_client import LazyClient, connect, is_cluster
-from stream.redis_deadline import WholeReplyConnection
+from stream.redis_client import connect, is_cluster
 from stream.strikes import RedisStrikes, is_infrastructure
 from streamrec.stack import LocalStack
 from tests.trickle_proxy import TrickleProxy
@@ -178,22 +177,29 @@ def test_history_appends_on_a_cluster_expire_every_users_list_ttl_days_from_now(
     assert {cluster.ttl(hist.key(u)) for u in users} == {-1}
 
 
-def test_a_history_read_on_a_cluster_with_a_trickling_node_fails_as_an_outage_not_one_timeout_per_hash_slot(
-        cluster_nodes: Any, prefix: str) -> None:
+def _one_node_via(monkeypatch: pytest.MonkeyPatch, cluster_nodes: Any, slow: int, proxy: TrickleProxy) -> Any:
+    """:func:`connect`'s cluster client as the joiner's and the refresh's (whole-reply, 1 s, no retries), node ``slow``
+    reached through ``proxy``: redis-py's ``address_remap`` (the cluster's own replies name the node's real port)."""
+    via = ("127.0.0.1", int(proxy.url.rsplit(":", 1)[1].split("/")[0]))
+
+    class Remapped(RedisCluster):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, address_remap=lambda a: via if a[1] == cluster_nodes.ports[slow] else a, **kwargs)
+
+    monkeypatch.setattr(redis_client, "RedisCluster", Remapped)
+    return connect(RedisSettings(url=cluster_nodes.url, cluster=True), timeout_s=1.0, retries=0, whole_reply=True)
+
+
+def test_a_history_read_on_a_cluster_with_a_trickling_node_fails_as_a_timeout_not_one_timeout_per_hash_slot(
+        cluster_nodes: Any, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch's history read is a script call per hash slot, pipelined, one batch of replies per node. One node's
-    replies trickle (``tests/trickle_proxy.py`` in front of it, the client sent there by ``address_remap``: the
-    cluster's own replies name the node's real port) a byte per 20 ms: each slot's reply (8 bytes) arrives well within
-    the whole-reply timeout, the node's 40 in ~6 of it. The read fails once the timeout has passed, as an outage (the
-    joiner's batch then rewinds): redis-py's topology refresh after the timeout runs inside the same spent deadline,
-    reaches no node and makes it a ClusterUnavailable, not a TimeoutError. Bounded reply by reply the trickle held
-    the batch one timeout per slot of that node, and the read succeeded."""
+    replies trickle (``tests/trickle_proxy.py`` in front of it) a byte per 20 ms: each slot's reply (8 bytes) arrives
+    well within the whole-reply timeout, the node's 40 in ~6 of it. The read fails once the timeout has passed, as a
+    timeout (the joiner's batch then rewinds). Bounded reply by reply the trickle held the batch one timeout per slot
+    of that node, and the read succeeded."""
     slow = 1
     with TrickleProxy(cluster_nodes.ports[slow]) as proxy:
-        via = ("127.0.0.1", int(proxy.url.rsplit(":", 1)[1].split("/")[0]))
-        cluster = LazyClient(lambda: RedisCluster(  # as connect() builds the joiner's, but for address_remap
-            host="127.0.0.1", port=cluster_nodes.ports[0], socket_timeout=1.0, connection_class=WholeReplyConnection,
-            retry=Retry(NoBackoff(), 0), address_remap=lambda a: via if a[1] == cluster_nodes.ports[slow] else a),
-            cluster=True)
+        cluster = _one_node_via(monkeypatch, cluster_nodes, slow, proxy)
         try:
             hist = UserHistory(cluster, prefix=prefix)
             slots: dict[int, int] = {}  # slot -> a user whose list is there, on the slow node
@@ -203,9 +209,38 @@ def test_a_history_read_on_a_cluster_with_a_trickling_node_fails_as_an_outage_no
             users = list(slots.values())
             assert hist.as_of(users, [1] * len(users)) == [[] for _ in users]  # healthy: the script loaded
             proxy.trickling = True
-            with pytest.raises((redis.TimeoutError, redis.ConnectionError)) as failed:
+            with pytest.raises(redis.TimeoutError) as failed:
                 hist.as_of(users, [1] * len(users))
             assert is_infrastructure(failed.value)  # the joiner's rewind and retry
+        finally:
+            proxy.trickling = False
+            cluster.close()
+
+
+def test_a_trickling_nodes_timeout_on_a_cluster_fails_as_that_nodes_timeout_not_as_a_cluster_that_cannot_be_reached(
+        cluster_nodes: Any, prefix: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A day window's names (8 HMGETs, one node: the kind's hash slot) are one round trip of the client's timeout. The
+    node holding them trickles its replies a byte per 20 ms (each in ~0.2 s, the 8 in ~1.5 timeouts): the read fails
+    as a timeout naming the node it reached. redis-py then refreshes the topology inside the command that timed out;
+    within the spent deadline every node's CLUSTER SLOTS failed at once, the refresh reached no node, and the timeout
+    surfaced as ClusterUnavailable ("Redis Cluster cannot be connected": every node, to an operator). The refresh now
+    reads outside the deadline (no failed refresh logged) and the healthy nodes serve the next command."""
+    counts = DailyCounts(redis.Redis(), prefix=prefix)  # only for its keys
+    slow = cluster_nodes.index_of(counts.names_key("item", "20030228"))
+    healthy_key = next(f"{prefix}:{i}" for i in range(1000) if cluster_nodes.index_of(f"{prefix}:{i}") != slow)
+    with TrickleProxy(cluster_nodes.ports[slow]) as proxy:
+        cluster = _one_node_via(monkeypatch, cluster_nodes, slow, proxy)
+        try:
+            counts = DailyCounts(cluster, prefix=prefix)
+            assert counts.names("item", ["123"], "20030228", days=7) == {}  # healthy: connected to the node
+            proxy.trickling = True
+            with caplog.at_level(logging.ERROR, logger="redis.cluster"), pytest.raises(redis.RedisError) as failed:
+                counts.names("item", ["123"], "20030228", days=7)
+            proxy.trickling = False
+            assert type(failed.value) is redis.TimeoutError, repr(failed.value)
+            assert str(failed.value) == f"Timeout reading from {proxy.url.split('/')[2]}"
+            assert "Topology refresh failed" not in caplog.text
+            assert cluster.set(healthy_key, "1") and cluster.get(healthy_key) == b"1"
         finally:
             proxy.trickling = False
             cluster.close()
