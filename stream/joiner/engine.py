@@ -53,7 +53,11 @@ kind)`` is each sample's identity.
 
 State durability is event-sourced (``stream/joiner/state_log.py``): every batch yields one
 :class:`StateChunk` (impressions added, clicks joined, clicks waiting, watermark, offsets), and a
-chunk is retired (tombstoned) once nothing it holds can matter any more.
+chunk is retired (tombstoned) once nothing it holds can matter any more. While event time stands still
+(the impressions stalled after their quorum, or never reaching it) nothing retires, and a batch of
+clicks on impressions that never come wrote a chunk each for as long as the stall lasted: so once the
+live chunks outweigh twice the live state (plus ``COMPACT_SLACK``), the batch's chunk holds the whole
+live state instead and every older chunk retires (:meth:`PartitionJoin._compact`).
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ _ID, _TS, _DENSE = attrgetter("impression_id"), attrgetter("ts"), attrgetter("de
 _CLICK_TS = attrgetter("click_ts")  # of a Pending
 _SECOND = itemgetter(1)  # of a (due time, impression_id) timer
 _NO_OFFSET = -1
+# Compaction (``PartitionJoin._compact``): the live chunks' weight (a chunk: 1 + its listed items) may exceed twice the
+# weight of one chunk holding the whole live state by this much before they are replaced by such a chunk.
+COMPACT_SLACK = 1_000
 
 
 @dataclass(frozen=True)
@@ -182,6 +189,10 @@ class StateChunk:
     # chunk written before ids were kept, or a broker that gives none): a restore onto a topic of that name made again
     # drops the old topic's offset instead of skipping the new one's records below it (``pipeline.JoinPipeline``).
     topic_ids: tuple[str | None, str | None] = (None, None)
+    # The whole live state (``PartitionJoin._compact``): a restore leaves out every chunk before it. Those are retired
+    # with it, but a stop between its write and their tombstones leaves some live, and folded in they held its waiting
+    # clicks twice.
+    snapshot: bool = False
 
 
 @dataclass
@@ -222,6 +233,9 @@ class PartitionJoin:
         self.next_seq = 0
         self.newest_seq = -1  # the newest chunk's seq (the next one's may be further on: ``continue_at``)
         self._chunks: list[tuple[int, int]] = []  # heap of (retire_at event time, seq)
+        self._live: dict[int, tuple[int, int]] = {}  # seq -> (max_ref_ts, weight) of each live chunk
+        self._live_weight = 0  # the sum of the live chunks' weights (_compact)
+        self._superseded: list[int] = []  # chunks before the restored snapshot, still in the log: retired next batch
 
     # -- the batch step ------------------------------------------------------------------------
     @property
@@ -400,16 +414,55 @@ class PartitionJoin:
             self.max_ts = through if self.max_ts is None else max(self.max_ts, through)
         self._expire(out)
         if events or drain or self.max_ts != max_ts:
-            retire_at = max_ref + self.cfg.window_ms + self.cfg.late_retention_ms if max_ref >= 0 else -1
-            out.chunk = StateChunk(seq, added, joined, waiting, self.max_ts, (self.offsets[0], self.offsets[1]),
-                                   max_ref, evicted, unwaited, (self.topic_max[0], self.topic_max[1]),
-                                   (list(self._top[0]), list(self._top[1])), (self.topic_ids[0], self.topic_ids[1]))
-            heapq.heappush(self._chunks, (retire_at, seq))
+            out.chunk = self._chunk(seq, added, joined, waiting, max_ref, evicted, unwaited)
+            self._keep(out.chunk)
             self.next_seq, self.newest_seq = seq + 1, seq
         out.retired = self._retire()
+        if out.chunk is not None and self._live_weight > 2 * self._state_weight() + COMPACT_SLACK:
+            out.retired += self._compact(out)
         return out
 
     # -- internals -----------------------------------------------------------------------------
+    def _chunk(self, seq: int, added: list[Pending], joined: list[tuple[str, int]], waiting: list[tuple[str, int]],
+               max_ref: int, evicted: list[str], unwaited: list[tuple[str, int]]) -> StateChunk:
+        """A chunk of these changes, with the partition's event times and offsets as they are now."""
+        return StateChunk(seq, added, joined, waiting, self.max_ts, (self.offsets[0], self.offsets[1]), max_ref,
+                          evicted, unwaited, (self.topic_max[0], self.topic_max[1]),
+                          (list(self._top[0]), list(self._top[1])), (self.topic_ids[0], self.topic_ids[1]))
+
+    def _keep(self, c: StateChunk) -> None:
+        """Count ``c`` live until the watermark passes its ``retire_at`` (:meth:`_retire`)."""
+        retire_at = c.max_ref_ts + self.cfg.window_ms + self.cfg.late_retention_ms if c.max_ref_ts >= 0 else -1
+        heapq.heappush(self._chunks, (retire_at, c.seq))
+        weight = 1 + len(c.added) + len(c.joined) + len(c.waiting) + len(c.evicted) + len(c.unwaited)
+        self._live[c.seq] = (c.max_ref_ts, weight)
+        self._live_weight += weight
+
+    def _state_weight(self) -> int:
+        """About the weight of one chunk holding the whole live state (:meth:`_compact`), in O(1)."""
+        return 1 + 2 * (len(self.pending) + len(self.finalized)) + len(self.waiting)
+
+    def _compact(self, out: BatchResult) -> list[int]:
+        """Replace the batch's chunk (``out.chunk``) with one holding the whole live state, and retire every other
+        live chunk (returned): folded by :meth:`restore`, that one chunk gives the state all of them gave. The held
+        impressions with their clicks, the waiting clicks, and the closed impressions still remembered for late
+        clicks (``finalized``, which keeps only their time and label) as impressions added and evicted at once, the
+        way :meth:`restore` remembers an eviction. It refers to the latest time any of them did, so it outlives each."""
+        assert out.chunk is not None
+        seq = out.chunk.seq
+        gone = [Pending(imp_id, ts, 0, 0, {}, {}, seq) for imp_id, (ts, _) in self.finalized.items()]
+        held = list(self.pending.values())
+        joined = [(p.impression_id, p.click_ts) for p in held if p.click_ts is not None]
+        joined += [(imp_id, ts) for imp_id, (ts, label) in self.finalized.items() if label]  # restored as label 1
+        waiting = [(imp_id, cts) for imp_id, times in self.waiting.items() for cts in times]
+        max_ref = max(ref for ref, _ in self._live.values())
+        retired = [s for s in self._live if s != seq]
+        self._chunks, self._live, self._live_weight = [], {}, 0
+        out.chunk = self._chunk(seq, held + gone, joined, waiting, max_ref, list(self.finalized), [])
+        out.chunk.snapshot = True
+        self._keep(out.chunk)
+        return retired
+
     def _enforce_caps(self, out: BatchResult) -> tuple[list[str], list[tuple[str, int]]]:
         """The memory bounds (module docstring): returns what was evicted, for the state chunk."""
         gone: dict[str, Pending] = {}  # the oldest, in the order they expire
@@ -535,17 +588,22 @@ class PartitionJoin:
 
     def _retire(self) -> list[int]:
         wm = self.watermark
-        retired = []
+        retired, self._superseded = self._superseded, []
         # The newest chunk always stays: it holds the offsets and max event time.
         while wm is not None and self._chunks and self._chunks[0][0] <= wm and self._chunks[0][1] < self.newest_seq:
             retired.append(heapq.heappop(self._chunks)[1])
+            self._live_weight -= self._live.pop(retired[-1])[1]
         return retired
 
     # -- recovery ------------------------------------------------------------------------------
     @classmethod
     def restore(cls, partition: int, cfg: JoinConfig, chunks: list[StateChunk]) -> PartitionJoin:
-        """Rebuild from the live chunks of the state log (any order; sorted by seq here)."""
+        """Rebuild from the live chunks of the state log (any order; sorted by seq here), from the newest snapshot on
+        (:attr:`StateChunk.snapshot`)."""
         self = cls(partition, cfg)
+        since = max((c.seq for c in chunks if c.snapshot), default=-1)
+        self._superseded = sorted(c.seq for c in chunks if c.seq < since)
+        chunks = [c for c in chunks if c.seq >= since]
         final_order: dict[str, int] = {}  # id -> ts of the evicted impressions, as _finalize_all keeps them
         tops: tuple[list[int], list[int]] = ([], [])  # the newest chunk's quorum per input (it only ever grows)
         for c in sorted(chunks, key=lambda c: c.seq):
@@ -586,8 +644,7 @@ class PartitionJoin:
             self.offsets = [_fold_offset(self.offsets[k], self.topic_ids[k], c.offsets[k], c.topic_ids[k])
                             for k in (0, 1)]
             self.topic_ids = [new or was for new, was in zip(c.topic_ids, self.topic_ids, strict=True)]
-            retire_at = c.max_ref_ts + cfg.window_ms + cfg.late_retention_ms if c.max_ref_ts >= 0 else -1
-            heapq.heappush(self._chunks, (retire_at, c.seq))
+            self._keep(c)
             self.next_seq = max(self.next_seq, c.seq + 1)
             self.newest_seq = max(self.newest_seq, c.seq)
         self._final_order.add(list(final_order.values()), list(final_order))

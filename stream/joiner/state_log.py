@@ -171,6 +171,7 @@ def _encode(c: StateChunk, items: range, bounds: list[int]) -> bytes:
         "topic_top": c.topic_top,
         # Only where the broker gave an id: without one the chunk is as before, and a joiner rolled back reads it
         **({"topic_ids": c.topic_ids} if any(c.topic_ids) else {}),
+        **({"snapshot": True} if c.snapshot else {}),  # (a joiner before it refuses the log, naming the field)
     })
     # Without the histories: a sample's history is read from Redis whenever it goes out (pipeline._apply_all), and under
     # fake_negative every added impression has had one attached already (on ML-1M, 400 of each row's ~560 bytes).
@@ -264,9 +265,10 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # name -> (what it mu
                   lambda v: _pair(v, lambda t: t is None or type(t) is str)),
     "parts": ("a count of at least 1", lambda v: type(v) is int and v >= 1),
     "write": ("a string", lambda v: type(v) is str),
+    "snapshot": ("true", lambda v: v is True),
 }
 _OPTIONAL = {"joined", "waiting", "unwaited", "evicted", "topic_max", "topic_top", "topic_ids", "parts",  # (older
-             "write"}  # writers; and topic_ids where the broker gives no id)
+             "write", "snapshot"}  # writers; topic_ids where the broker gives no id; snapshot where not one)
 
 
 def _check(header: dict[str, Any], seq: int) -> None:
@@ -332,7 +334,8 @@ def _chunk(parts: list[tuple[dict[str, Any], bytes]]) -> StateChunk:
                       head["max_ref_ts"], list(joined_lists("evicted")), list(map(tuple, joined_lists("unwaited"))),
                       tuple(head.get("topic_max", (None, None))),
                       tuple(list(map(int, t)) for t in head.get("topic_top", ([], []))),  # type: ignore[arg-type]
-                      tuple(head.get("topic_ids", (None, None))))  # type: ignore[arg-type]
+                      tuple(head.get("topic_ids", (None, None))),  # type: ignore[arg-type]
+                      snapshot=head.get("snapshot", False))
 
 
 def decode_chunk(raws: list[bytes]) -> StateChunk:

@@ -22,12 +22,13 @@ import redis
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+import stream.joiner.engine as engine_module
 import stream.joiner.pipeline as pipeline_module
 from stream.config import KafkaSettings
 from stream.counts import DailyCounts
 from stream.errors import ConfigError, PartitionLost
 from stream.features import hash_value
-from stream.joiner.kafka_driver import KafkaJoinWorker
+from stream.joiner.kafka_driver import KafkaJoinWorker, _records
 from stream.joiner.state_log import FENCE_SPAN, StateLogError, chunk_key, claim_key, encode_chunk, state_topic
 from stream.kafka import AckedProducer, admin_config, consumer_config, ensure_topics, topic_identity
 from stream.strikes import STRIKES_TTL_S
@@ -940,3 +941,54 @@ def test_an_error_that_ends_the_kafka_driver_is_raised_and_its_signals_put_back_
         w.run()
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
     assert "closing the joiner's consumer after the error below failed too" in caplog.text
+
+
+@pytest.mark.parametrize("impressions", [40, 5], ids=["stalled_after_quorum", "short_of_quorum"])
+def test_clicks_on_impressions_that_never_come_keep_the_state_log_bounded_through_the_kafka_driver(
+        kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch, impressions: int) -> None:
+    """The impressions' producer stops after 40 impressions (their quorum of 16 reached), or after 5 (never reached),
+    while clicks on impressions that never come keep arriving, ahead of them: the gate pauses nothing (the impressions
+    are read to their end) and no hold applies, so every batch joined its clicks and wrote a chunk; the watermark
+    (the impressions' time, or none) stood still and none retired, while the waiting cap gave the clicks up. Measured
+    through this driver before the fix: 60 batches, 60 live chunks of 60 written, linear for as long as the stall
+    lasts, every one read by each restore. Now the live chunks are compacted into one holding the whole live state once
+    they outweigh twice it (plus ``COMPACT_SLACK``, 1,000 by default, 30 here so a short run shows it), and a restore
+    from the log rebuilds the same state."""
+    monkeypatch.setattr(engine_module, "COMPACT_SLACK", 30)
+    producer = AckedProducer(kafka)
+    p = make(watermark_quorum=16, allowed_lateness_s=5.0, attribution_window_s=1800.0, batch_within_s=0.05,
+             max_waiting_per_partition=20)
+    for r in [imp(kafka, 0, i, f"imp-{i}", T0 + i * 1000) for i in range(impressions)]:
+        producer.send(r.topic, r.value, r.key, partition=r.partition)
+    producer.flush()
+    w = KafkaJoinWorker(p, kafka, p.js)
+    w.consumer.subscribe([kafka.impressions_topic, kafka.clicks_topic], on_assign=w._on_assign,
+                         on_revoke=w._on_revoke)
+    most = 0
+    try:
+        for batch in range(60):
+            for n in range(5):
+                r = click(kafka, 0, 5 * batch + n, f"orphan-{batch}-{n}", T0 + 600_000 + batch * 1000 + n)
+                producer.send(r.topic, r.value, r.key, partition=r.partition)
+            producer.flush()
+            while 0 not in p.engines or p.engines[0].offsets[1] < 5 * batch + 4:  # the run loop's round, per batch
+                records = _records(w._fetch(), w.gaps)
+                if records or w._held:
+                    assert w._process(records, w._holds_back if w._hold else None)
+                w._apply_gate()
+            most = max(most, len(p.engines[0]._chunks))  # live chunks
+        assert w.pauses.paused == set() and p.held_counts == {}  # neither the gate nor the hold bounded it
+        eng = p.engines[0]
+    finally:
+        w.consumer.close()  # (revokes the partitions: the engines go)
+    # a chunk per batch; the waiting cap (20) gives up the newest clicks, down to 90% of it, batch after batch
+    assert eng.newest_seq - FENCE_SPAN >= 59 and len(eng.waiting) == 18
+    assert eng.watermark == (None if impressions < 16 else T0 + 24_000 - 5_000 - 1)
+    assert most <= 20, most  # 18 and 9 in the runs of 2026-12-07 (60 both before the fix)
+    p.producer.flush()
+    assert len(live_keys(kafka, state_topic(p.js.app_id))) <= 1 + 20  # the claim and the live chunks
+    again = make(watermark_quorum=16, allowed_lateness_s=5.0, attribution_window_s=1800.0, max_waiting_per_partition=20)
+    again.restore({0})
+    back = again.engines[0]
+    assert back.waiting == eng.waiting and set(back.pending) == set(eng.pending) and back.offsets == eng.offsets
+    assert back.topic_max == eng.topic_max and back.max_ts == eng.max_ts
