@@ -136,6 +136,9 @@ class KafkaJoinWorker:
         self.pipeline, self.kafka, self.js = pipeline, kafka, js
         self._stop = False
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to commit: processed batches only
+        # per topic-partition, the group's committed offset at its last start position (_start_positions, _recover):
+        # every record below it was processed or dead-lettered (_unprocessed)
+        self._done: dict[tuple[str, int], int] = {}
         self._backoff_s = RECOVERY_BACKOFF_S[0]
         self.recoveries = 0
         self.assign_retries = 0  # layout or start positions of assigned partitions asked again (_start_positions)
@@ -237,6 +240,7 @@ class KafkaJoinWorker:
         while True:
             try:
                 self.pipeline.layout.assigned(tp.partition for tp in partitions)  # no request once it has passed
+                self._remember_done(consumer, partitions)
                 return resume_offsets(consumer, partitions, "joiner")
             except Exception as exc:
                 if not is_infrastructure(exc):
@@ -268,8 +272,8 @@ class KafkaJoinWorker:
                 msgs = self._fetch()
                 self.pipeline.totals.stage_s["fetch"] += time.monotonic() - t0  # incl. waiting for data
                 self.pipeline.awake.tick()  # a round ran: a quiet click input's time counts (a stall's does not)
-                records = _records(msgs, self.gaps)
-                idle = not records
+                fetched = _records(msgs, self.gaps)
+                idle, records = not fetched, self._unprocessed(fetched)
                 if records or self._held:
                     if not self._process(records, self._holds_back if self._hold else None):
                         continue
@@ -417,6 +421,7 @@ class KafkaJoinWorker:
         try:
             assigned = self.consumer.assignment()
             self.gaps.forget((tp.topic, tp.partition) for tp in assigned)  # where a failed seek leaves them: unknown
+            self._remember_done(self.consumer, assigned)
             for tp in resume_offsets(self.consumer, assigned, "joiner"):
                 self.consumer.seek(tp)
                 self.gaps.expect([tp])
@@ -425,6 +430,25 @@ class KafkaJoinWorker:
         # A rewind is not idleness: what follows must be read again before an idle exit may drain (which needs
         # Redis, and would fail, or finish the join on a partial read).
         self._idle.reset()
+
+    def _remember_done(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """The group's committed offset of each of ``partitions``, below which every record was processed: a start
+        position below it (``resume_offsets`` on a broker whose high watermark lags, as the local Tansu's does) reads
+        those records again."""
+        self._done.update({(tp.topic, tp.partition): tp.offset for tp in consumer.committed(partitions, timeout=10)})
+
+    def _unprocessed(self, records: list[Record]) -> list[Record]:
+        """``records`` less those below their partition's committed offset (``_remember_done``). The join engine skips
+        the good ones among them as redelivered, but a bad one was dead-lettered again at every restart (the chaos
+        test: a clean stop's restart on the local broker dead-lettered a partition's last record batch twice). A
+        partition's floor is forgotten once a record at or past it comes: no per-record pass after the first batches."""
+        done = self._done
+        if not done:
+            return records
+        kept = [r for r in records if r.offset >= done.get((r.topic, r.partition), -1)]
+        for tp in set(map(_TOPIC_PARTITION, kept)):
+            done.pop(tp, None)
+        return kept
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True

@@ -26,6 +26,9 @@ class Consumer:
         self.assigned: list[tuple[str, int, int]] = []
         self.paused: list[tuple[str, int]] = []
 
+    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
+        return [TopicPartition(tp.topic, tp.partition, 42) for tp in partitions]  # (what resume_offsets starts at)
+
     def assign(self, partitions: list[TopicPartition]) -> None:
         self.assigned = [(tp.topic, tp.partition, tp.offset) for tp in partitions]
 
