@@ -1,0 +1,311 @@
+"""The joiner's promise on a new hostile stream per seed (issue 11), against the real broker and Redis.
+
+Each seed draws its own mix over several users, items and partitions: valid impressions and clicks, the same
+impression and the same click twice, clicks read before their impression (within the allowed lateness), clicks past
+the window, orphan clicks, valid impressions stamped in 1970 and minutes ahead of the wall clock, and a dozen
+classes of invalid message (broken JSON, wrong types, oversized fields, a key or a header key that is not UTF-8,
+empty values and tombstones, timestamps too far ahead); the worker is stopped once mid-stream (at its idle exit,
+by SIGTERM, or by SIGKILL) at a random point, and a second run drains the rest.
+
+The oracle is independent of the joiner's code and states the README's rules ("The joiner", "Events and bad
+input", "Delayed feedback"):
+
+- an impression is valid when its message decodes under the rules and ``[limits]``; a second message with the
+  same impression id is a duplicate and makes no second sample;
+- a valid impression is positive iff some click on it has ``0 <= click.ts - ts <= window`` (inclusive), whatever
+  the order the two topics are read in, because every click here is published no later than the stream's time
+  reaches its own time plus the lateness (event time is the slower input's quorum less the lateness, so no
+  window closes before its clicks are read); an impression in 1970 gets no click and is a 0; one ahead of the wall
+  clock waits for the drain and is positive iff its click came;
+- under ``fake_negative`` (the default) every valid impression has exactly one ``OBSERVED`` 0 and a positive one
+  exactly one ``DELAYED_POSITIVE`` 1 (a SIGKILL may re-emit the batches in flight: duplicate rows, same labels);
+- every invalid message is in its topic's DLQ once, at its source coordinates, with the kind its class
+  breaks (a SIGKILL may dead-letter the batch in flight again: same coordinates, deduplicated as a DLQ reader
+  does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import orjson
+import pytest
+
+from stream.config import KafkaSettings
+from stream.kafka import AckedProducer, ensure_topics, read_to_end
+from stream.samples import DELAYED_POSITIVE, OBSERVED, SampleBatch
+from tests.bounded_teardown import Reaper
+from tests.integration.test_joiner import join_env
+from tests.kafka_io import produce_raw_header_key, read_topic
+
+WINDOW_MS = 60_000
+LATENESS_MS = 10_000
+PARTITIONS = 3
+STOPS = ("idle", "sigterm", "sigkill")
+
+
+@dataclass(frozen=True)
+class Msg:
+    """One message to produce: which input, partition, key, value, and (for a hostile one) a header key as bytes."""
+
+    topic: str  # "imp" or "click"
+    partition: int
+    key: bytes | None
+    value: bytes | None
+    dlq_kind: str | None = None  # the DLQ kind the oracle expects; None: valid
+    raw_header_key: bytes | None = None
+
+
+@dataclass
+class Chaos:
+    """A drawn stream per partition (in produce order) and what the oracle expects of it."""
+
+    order: dict[int, list[Msg]] = field(default_factory=lambda: {p: [] for p in range(PARTITIONS)})
+    labels: dict[str, int] = field(default_factory=dict)  # valid impression id -> final label
+
+
+def _imp(iid: str, ts: object, user: object, item: object, **extra: object) -> bytes:
+    return orjson.dumps({"schema_version": 1, "impression_id": iid, "ts": ts, "user_id": user, "item_id": item,
+                         **extra})
+
+
+def _click(iid: str, ts: int) -> bytes:
+    return orjson.dumps({"schema_version": 1, "impression_id": iid, "ts": ts})
+
+
+Hostile = tuple[str, bytes | None, bytes | None, str, bytes | None]
+
+
+def hostile(r: random.Random, iid: str, ts: int, now_ms: int) -> Hostile:
+    """One invalid message of a class drawn from ``r``: (input, key, value, expected DLQ kind, raw header key)."""
+    k = iid.encode()
+    good = _imp(iid, ts, "u1", 7)
+    classes = [
+        ("imp", k, good[: len(good) // 2], "bad_json", None),  # malformed JSON
+        ("imp", k, b"", "bad_json", None),  # an empty value
+        ("imp", k, None, "empty", None),  # a tombstone
+        ("imp", k, _imp(iid, ts, "u1", 7, context={"tags": [1, {"x": 2}]}), "invalid_field", None),
+        ("imp", k, _imp(iid, str(ts), "u1", 7), "invalid_field", None),  # ts a string
+        ("imp", k, _imp(iid, ts, ["u1"], 7), "invalid_field", None),  # user_id a list
+        ("imp", k, _imp(iid, ts, -5, 7), "invalid_field", None),
+        ("imp", k, _imp(iid, ts * 1000, "u1", 7), "invalid_field", None),  # microseconds: past 2100
+        ("imp", k, _imp(iid, ts, "u" * 100_000, 7), "too_large", None),  # oversized: over the message limit
+        ("imp", k, _imp(iid, ts, "u1", 7, context={"city": "c" * 1000}), "invalid_field", None),  # over max_str_len
+        ("imp", k, _imp(iid, ts, "u1", 7, context={f"k{i}": i for i in range(100)}), "too_many_keys", None),
+        ("imp", k, good[:-1] + b',"item_id":8}', "duplicate_key", None),
+        ("imp", k, good[:-1] + b',"dense":{"x":NaN}}', "bad_json", None),
+        ("imp", k, _imp(iid, now_ms + 7_200_000, "u1", 7), "future_ts", None),  # 2 h ahead of its broker time
+        ("imp", b"\xff\xfe" + k, good, "key_mismatch", None),  # a key that is not UTF-8
+        ("imp", k, good, "bad_header", b"\xff\xfeh"),  # a header key that is not UTF-8
+        ("click", k, _click(iid, now_ms + 7_200_000), "future_ts", None),
+        ("click", k, b'{"schema_version":1,"impression_id":"' + k + b'","ts":', "bad_json", None),
+        ("click", k, orjson.dumps({"schema_version": 1, "impression_id": iid, "ts": "soon"}), "invalid_field", None),
+        ("click", k, None, "empty", None),
+        ("click", b"\xc3(" + k, _click(iid, ts), "key_mismatch", None),
+    ]
+    return r.choice(classes)
+
+
+def draw(seed: int, now_ms: int, per_partition: int = 120) -> Chaos:
+    """The stream of ``seed``: per partition, events in arrival order with the oracle's labels (module docstring)."""
+    r = random.Random(seed)
+    chaos = Chaos()
+    base = now_ms - 2 * 86_400_000
+    for p in range(PARTITIONS):
+        timeline: list[tuple[int, int, Msg]] = []  # (arrival time, tie, msg): produced in this order
+        tie = iter(range(10**9))
+
+        def put(at: int, msg: Msg, timeline: list = timeline, tie=tie) -> None:  # type: ignore[no-untyped-def]
+            timeline.append((at, next(tie), msg))
+
+        clock = base
+        for n in range(per_partition):
+            clock += r.randrange(0, 3000)
+            iid = f"s{seed}-p{p}-i{n}"
+            k = iid.encode()
+            value = _imp(iid, clock, f"u{r.randrange(15)}", r.randrange(25), context={"device": r.choice("ab")})
+            roll = r.random()
+            if roll < 0.06:  # a hostile message in its place
+                topic, key, bad, kind, hdr = hostile(r, iid, clock, now_ms)
+                put(clock, Msg(topic, p, key, bad, kind, hdr))
+                continue
+            arrive = clock
+            clicks: list[int] = []
+            if roll < 0.4:  # clicked inside the window (both edges drawn too)
+                clicks.append(clock + r.choice([0, WINDOW_MS, r.randrange(0, WINDOW_MS)]))
+                if r.random() < 0.3:  # the impression read after its click, within the lateness
+                    arrive = clock + r.randrange(clicks[0] - clock + 1, LATENESS_MS + 1) if \
+                        clicks[0] - clock < LATENESS_MS else arrive
+            if r.random() < 0.1:  # a click past the window
+                clicks.append(clock + WINDOW_MS + 1 + r.randrange(30_000))
+            put(arrive, Msg("imp", p, k, value))
+            if r.random() < 0.05:  # the same impression twice
+                put(arrive + r.randrange(2000), Msg("imp", p, k, value))
+            for cts in clicks:
+                put(cts, Msg("click", p, k, _click(iid, cts)))
+                if r.random() < 0.1:  # the same click twice
+                    put(cts + r.randrange(2000), Msg("click", p, k, _click(iid, cts)))
+            chaos.labels[iid] = int(any(0 <= c - clock <= WINDOW_MS for c in clicks))
+            if r.random() < 0.04:  # an orphan click
+                oid = f"s{seed}-p{p}-orphan{n}"
+                put(clock, Msg("click", p, oid.encode(), _click(oid, clock)))
+        # One impression in 1970 (a clock in seconds) and one minutes ahead of the wall clock, clicked or not.
+        old = f"s{seed}-p{p}-1970"
+        put(base + r.randrange(clock - base + 1), Msg("imp", p, old.encode(), _imp(old, 1_700_000, "u1", 3)))
+        chaos.labels[old] = 0
+        fut, fts = f"s{seed}-p{p}-future", now_ms + 20 * 60_000
+        put(base + r.randrange(clock - base + 1), Msg("imp", p, fut.encode(), _imp(fut, fts, "u2", 4)))
+        chaos.labels[fut] = int(r.random() < 0.5)
+        if chaos.labels[fut]:
+            put(clock + 1, Msg("click", p, fut.encode(), _click(fut, fts + 5_000)))
+        chaos.order[p] = [m for _, _, m in sorted(timeline, key=lambda t: (t[0], t[1]))]
+    return chaos
+
+
+def produce(kafka: KafkaSettings, chaos: Chaos) -> dict[tuple[str, int, int], str]:
+    """Every message in its partition's order; returns the expected DLQ kind per (topic, partition, offset)."""
+    topics = {"imp": kafka.impressions_topic, "click": kafka.clicks_topic}
+    ensure_topics(kafka, topics.values(), partitions=PARTITIONS)
+    producer = AckedProducer(kafka)
+    next_offset: Counter[tuple[str, int]] = Counter()
+    expected: dict[tuple[str, int, int], str] = {}
+    for p, msgs in chaos.order.items():
+        for m in msgs:
+            topic = topics[m.topic]
+            if m.raw_header_key is not None:  # another producer's header key: written by aiokafka, in order
+                producer.flush()
+                produce_raw_header_key(kafka, topic, p, m.key or b"", m.value or b"", m.raw_header_key)
+            else:
+                producer.send(topic, m.value, m.key, partition=p)
+            if m.dlq_kind is not None:
+                expected[(topic, p, next_offset[(topic, p)])] = m.dlq_kind
+            next_offset[(topic, p)] += 1
+        producer.flush()  # one partition's order kept across the aiokafka writes
+    for topic in topics.values():  # offsets as counted: nothing else wrote to these topics (headers left unread:
+        held: Counter[int] = Counter()  # confluent-kafka raises on a header key that is not UTF-8)
+        read_to_end(kafka, topic, lambda m, held=held: held.update([m.partition()]))  # type: ignore[misc]
+        assert held == Counter({p: n for (t, p), n in next_offset.items() if t == topic})
+    return expected
+
+
+def join_cmd(app_id: str, drain: bool) -> list[str]:
+    return [sys.executable, "-m", "streamrec.cli", "join", "--app-id", app_id, "--driver", "kafka",
+            "--window-s", str(WINDOW_MS / 1000), "--lateness-s", str(LATENESS_MS / 1000), "--exit-when-idle", "3",
+            "--json", *(["--drain"] if drain else [])]
+
+
+def stop_first_run(stop: str, env: dict[str, str], app_id: str, kafka: KafkaSettings, r: random.Random,
+                   reaper: Reaper) -> dict | None:
+    """The first run, without ``--drain``, ended by ``stop`` once a random number of samples messages are out;
+    returns its summary (None after a SIGKILL)."""
+    proc = reaper.add(subprocess.Popen(join_cmd(app_id, drain=False), env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True))
+    if stop != "idle":
+        want = r.randrange(1, 12)
+        while proc.poll() is None and len(read_topic(kafka, kafka.samples_topic)) < want:
+            time.sleep(0.05)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL if stop == "sigkill" else signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    if stop == "sigkill" and proc.returncode == -signal.SIGKILL:
+        return None
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def sample_rows(kafka: KafkaSettings) -> list[tuple[str, int, int]]:
+    """(impression id, kind, label) of every sample row."""
+    rows: list[tuple[str, int, int]] = []
+    for rec in read_topic(kafka, kafka.samples_topic):
+        b = SampleBatch.decode(rec.value)
+        rows.extend(zip(b.impression_ids, b.column("kind").tolist(), b.column("label").tolist(), strict=True))
+    return rows
+
+
+def dead_letter_coordinates(kafka: KafkaSettings) -> list[tuple[tuple[str, int, int], str, str]]:
+    """((source topic, partition, offset), kind, reason) of every dead letter of both inputs."""
+    out = []
+    for topic in (kafka.impressions_topic, kafka.clicks_topic):
+        for rec in read_topic(kafka, kafka.dlq_topic(topic)):
+            h = {k: v.decode() for k, v in rec.headers if k.startswith("dlq.")}
+            out.append(((h["dlq.source.topic"], int(h["dlq.source.partition"]), int(h["dlq.source.offset"])),
+                        h["dlq.kind"], h["dlq.reason"]))
+    return out
+
+
+def check_chaos(seed: int, kafka: KafkaSettings, redis_url: str, group_id: str, reaper: Reaper) -> None:
+    r = random.Random(seed ^ 0x5EED)
+    chaos = draw(seed, int(time.time() * 1000))
+    expected_dlq = produce(kafka, chaos)
+    env = join_env(kafka, redis_url, group_id)
+    env.pop("STREAMREC_JOINER_EMISSION")  # the default policy, fake_negative
+    env["STREAMREC_JOINER_BATCH_MAX"] = str(r.choice([16, 50, 200]))
+    stop = STOPS[seed % len(STOPS)]
+    first = stop_first_run(stop, env, group_id, kafka, r, reaper)
+    out = subprocess.run(join_cmd(group_id, drain=True), env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summaries = [s for s in (first, json.loads(out.stdout.strip().splitlines()[-1])) if s is not None]
+    what = f"seed {seed}, first run ended by {stop}"
+
+    rows = sample_rows(kafka)
+    kinds = Counter((i, k) for i, k, _ in rows)
+    observed = {i for i, k in kinds if k == OBSERVED}
+    delayed = {i for i, k in kinds if k == DELAYED_POSITIVE}
+    assert observed == set(chaos.labels), f"{what}: lost {sorted(set(chaos.labels) - observed)[:5]}, " \
+                                          f"extra {sorted(observed - set(chaos.labels))[:5]}"
+    assert delayed == {i for i, lab in chaos.labels.items() if lab}, \
+        f"{what}: wrong labels {sorted(delayed ^ {i for i, lab in chaos.labels.items() if lab})[:5]}"
+    assert {(k, lab) for _, k, lab in rows} <= {(OBSERVED, 0), (DELAYED_POSITIVE, 1)}, what
+    if stop != "sigkill":  # a clean stop re-emits nothing
+        assert set(kinds.values()) == {1}, f"{what}: {[k for k, n in kinds.items() if n > 1][:5]} twice"
+
+    letters = dead_letter_coordinates(kafka)
+    assert {c: kind for c, kind, _ in letters} == expected_dlq, what
+    assert all(reason for _, _, reason in letters), what
+    if stop != "sigkill":
+        assert len(letters) == len(expected_dlq), f"{what}: a dead letter twice"
+        assert sum(s["dead_lettered"] for s in summaries) == len(expected_dlq), what
+        assert sum(s["delayed_positives"] for s in summaries) == sum(chaos.labels.values()), what
+    for s in summaries:  # each run's counters add up
+        assert s["samples"] == s["positives"] + s["negatives"], what
+    assert summaries[-1]["pending_impressions"] == 0, what
+
+
+def test_a_restart_on_the_local_broker_does_not_dead_letter_a_committed_bad_message_again(
+        kafka: KafkaSettings, stack, group_id: str) -> None:
+    """The local broker's high watermark lags by its last record batch, so a restart resumes at that batch's start
+    (``stream.kafka.resume_offsets``) and reads committed records again: the engine skips the good ones, and the
+    kafka driver dead-lettered the bad one a second time."""
+    ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic], partitions=1)
+    producer = AckedProducer(kafka, **{"linger.ms": 200})  # one record batch
+    for n in range(3):
+        producer.send(kafka.impressions_topic, _imp(f"i{n}", 1_700_000_000_000 + n, "u", n), f"i{n}", partition=0)
+    producer.send(kafka.impressions_topic, None, "tomb", partition=0)
+    producer.send(kafka.clicks_topic, _click("i0", 1_700_000_000_005), "i0", partition=0)
+    producer.flush()
+    env = join_env(kafka, stack.redis_url, group_id)
+    for drain in (False, True):
+        out = subprocess.run(join_cmd(group_id, drain), env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert [kind for _, kind, _ in dead_letter_coordinates(kafka)] == ["empty"]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_new_hostile_stream_per_seed_joins_every_valid_impression_once_and_dead_letters_every_invalid_one(
+        seed: int, kafka: KafkaSettings, stack, group_id: str, reaper: Reaper) -> None:
+    check_chaos(seed, kafka, stack.redis_url, group_id, reaper)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(100, 120))
+def test_the_hostile_stream_sweep_over_more_seeds(seed: int, kafka: KafkaSettings, stack, group_id: str,
+                                                  reaper: Reaper) -> None:
+    check_chaos(seed, kafka, stack.redis_url, group_id, reaper)
