@@ -169,6 +169,9 @@ class BatchConsumer(faust_aiokafka.Consumer):
         # Per partition sought (:meth:`seek`, :meth:`seek_to_committed`) and not read since, the offset sought: the next
         # one expected (faust's read offset is the last offset read, except right after a seek, when it is this).
         self._sought: dict[TP, int] = {}
+        # Per partition moved back below its committed offset (:meth:`_resume_safely`), that offset: the records below
+        # it are read again for faust's bookkeeping but not delivered (processed or dead-lettered already).
+        self._redone: dict[TP, int] = {}
         # The jumps of the last fetch (:meth:`_records`): (partition, first offset missing, the next record's offset).
         self._jumps: list[tuple[TP, int, int]] = []
 
@@ -292,6 +295,9 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     # owed from ``start`` still: the record re-read below it is no jump, and on a partition retention
                     # emptied (its first offset the high watermark) the fetch's reset to it is no loss of high - 1
                     self._sought[TP(tp.topic, tp.partition)] = start
+                    # the engine skips the good records below it as redelivered, but a bad one was dead-lettered
+                    # again (the chaos test: a restart after an idle exit dead-lettered it twice)
+                    self._redone[TP(tp.topic, tp.partition)] = start
                 except Exception as exc:  # noqa: BLE001 - revoked meanwhile: its next owner checks again
                     self.log.warning("could not seek %r back to %d: %r", tp, high - 1, exc)
 
@@ -459,9 +465,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
             if expected is not None:
                 self._jumps.extend((key, start, end) for start, end in _jumps(expected, recs))
             topic, partition = tp
-            stamps = [-1 if r.timestamp is None else r.timestamp for r in recs]  # -1: none, the clock bounds ts
-            out.extend(records_of(repeat(topic, len(recs)), repeat(partition, len(recs)), map(_OFFSET, recs),
-                                  map(_KEY, recs), map(_VALUE, recs), stamps, _headers(recs)))
+            given = _not_redone(self._redone, key, recs)
+            stamps = [-1 if r.timestamp is None else r.timestamp for r in given]  # -1: none, the clock bounds ts
+            out.extend(records_of(repeat(topic, len(given)), repeat(partition, len(given)), map(_OFFSET, given),
+                                  map(_KEY, given), map(_VALUE, given), stamps, _headers(given)))
             if self.app.topics.acks_enabled_for(topic):
                 for start, end in _gaps(read, recs[0].offset, recs[-1].offset, len(recs), recs):
                     self._add_gap_now(tp, start, end)
@@ -509,6 +516,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
         self._kept = {tp: kept for tp, kept in self._kept.items() if tp not in partitions}
         for tp in partitions:  # no offset sought survives its partition's revocation (its next seek sets it again)
             self._sought.pop(TP(tp.topic, tp.partition), None)
+            self._redone.pop(TP(tp.topic, tp.partition), None)
         self.delivery.dropped({(tp.topic, tp.partition) for tp in partitions})
 
     def ack_offsets(self, tp: TP, offsets: list[int]) -> None:
@@ -543,6 +551,17 @@ def _fetch_position(consumer: Any, tp: TP) -> int | None:
     assignment = getattr(consumer._subscription.subscription, "assignment", None)  # no subscription: None
     state = assignment.state_value(tp) if assignment is not None else None
     return state.position if state is not None and state.has_valid_position else None
+
+
+def _not_redone(redone: dict[TP, int], key: TP, recs: list[Any]) -> list[Any]:
+    """``recs`` (ascending) less those below the committed offset their partition was moved back from
+    (``BatchConsumer._redone``, forgotten once a record at or past it comes)."""
+    floor = redone.get(key)
+    if floor is None:
+        return recs
+    if recs[-1].offset >= floor:
+        del redone[key]
+    return [r for r in recs if r.offset >= floor]
 
 
 def _headers(recs: list[Any]) -> list[Any]:

@@ -196,17 +196,17 @@ def produce(kafka: KafkaSettings, chaos: Chaos) -> dict[tuple[str, int, int], st
     return expected
 
 
-def join_cmd(app_id: str, drain: bool) -> list[str]:
-    return [sys.executable, "-m", "streamrec.cli", "join", "--app-id", app_id, "--driver", "kafka",
+def join_cmd(app_id: str, drain: bool, driver: str = "kafka") -> list[str]:
+    return [sys.executable, "-m", "streamrec.cli", "join", "--app-id", app_id, "--driver", driver,
             "--window-s", str(WINDOW_MS / 1000), "--lateness-s", str(LATENESS_MS / 1000), "--exit-when-idle", "3",
             "--json", *(["--drain"] if drain else [])]
 
 
-def stop_first_run(stop: str, env: dict[str, str], app_id: str, kafka: KafkaSettings, r: random.Random,
-                   reaper: Reaper) -> dict | None:
+def stop_first_run(stop: str, driver: str, env: dict[str, str], app_id: str, kafka: KafkaSettings,
+                   r: random.Random, reaper: Reaper) -> dict | None:
     """The first run, without ``--drain``, ended by ``stop`` once a random number of samples messages are out;
     returns its summary (None after a SIGKILL)."""
-    proc = reaper.add(subprocess.Popen(join_cmd(app_id, drain=False), env=env, stdout=subprocess.PIPE,
+    proc = reaper.add(subprocess.Popen(join_cmd(app_id, False, driver), env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True))
     if stop != "idle":
         want = r.randrange(1, 12)
@@ -241,7 +241,7 @@ def dead_letter_coordinates(kafka: KafkaSettings) -> list[tuple[tuple[str, int, 
     return out
 
 
-def check_chaos(seed: int, kafka: KafkaSettings, redis_url: str, group_id: str, reaper: Reaper) -> None:
+def check_chaos(seed: int, driver: str, kafka: KafkaSettings, redis_url: str, group_id: str, reaper: Reaper) -> None:
     r = random.Random(seed ^ 0x5EED)
     chaos = draw(seed, int(time.time() * 1000))
     expected_dlq = produce(kafka, chaos)
@@ -249,11 +249,11 @@ def check_chaos(seed: int, kafka: KafkaSettings, redis_url: str, group_id: str, 
     env.pop("STREAMREC_JOINER_EMISSION")  # the default policy, fake_negative
     env["STREAMREC_JOINER_BATCH_MAX"] = str(r.choice([16, 50, 200]))
     stop = STOPS[seed % len(STOPS)]
-    first = stop_first_run(stop, env, group_id, kafka, r, reaper)
-    out = subprocess.run(join_cmd(group_id, drain=True), env=env, capture_output=True, text=True, timeout=240)
+    first = stop_first_run(stop, driver, env, group_id, kafka, r, reaper)
+    out = subprocess.run(join_cmd(group_id, True, driver), env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     summaries = [s for s in (first, json.loads(out.stdout.strip().splitlines()[-1])) if s is not None]
-    what = f"seed {seed}, first run ended by {stop}"
+    what = f"seed {seed}, {driver} driver, first run ended by {stop}"
 
     rows = sample_rows(kafka)
     kinds = Counter((i, k) for i, k, _ in rows)
@@ -279,11 +279,12 @@ def check_chaos(seed: int, kafka: KafkaSettings, redis_url: str, group_id: str, 
     assert summaries[-1]["pending_impressions"] == 0, what
 
 
+@pytest.mark.parametrize("driver", ["kafka", "faust"])
 def test_a_restart_on_the_local_broker_does_not_dead_letter_a_committed_bad_message_again(
-        kafka: KafkaSettings, stack, group_id: str) -> None:
+        driver: str, kafka: KafkaSettings, stack, group_id: str) -> None:
     """The local broker's high watermark lags by its last record batch, so a restart resumes at that batch's start
-    (``stream.kafka.resume_offsets``) and reads committed records again: the engine skips the good ones, and the
-    kafka driver dead-lettered the bad one a second time."""
+    (``stream.kafka.resume_offsets``, the faust driver's ``BatchConsumer._resume_safely``) and reads committed records
+    again: the engine skips the good ones, and both drivers dead-lettered the bad one a second time."""
     ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic], partitions=1)
     producer = AckedProducer(kafka, **{"linger.ms": 200})  # one record batch
     for n in range(3):
@@ -293,7 +294,7 @@ def test_a_restart_on_the_local_broker_does_not_dead_letter_a_committed_bad_mess
     producer.flush()
     env = join_env(kafka, stack.redis_url, group_id)
     for drain in (False, True):
-        out = subprocess.run(join_cmd(group_id, drain), env=env, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(join_cmd(group_id, drain, driver), env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
     assert [kind for _, kind, _ in dead_letter_coordinates(kafka)] == ["empty"]
 
@@ -301,11 +302,12 @@ def test_a_restart_on_the_local_broker_does_not_dead_letter_a_committed_bad_mess
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_a_new_hostile_stream_per_seed_joins_every_valid_impression_once_and_dead_letters_every_invalid_one(
         seed: int, kafka: KafkaSettings, stack, group_id: str, reaper: Reaper) -> None:
-    check_chaos(seed, kafka, stack.redis_url, group_id, reaper)
+    check_chaos(seed, "kafka", kafka, stack.redis_url, group_id, reaper)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(100, 120))
-def test_the_hostile_stream_sweep_over_more_seeds(seed: int, kafka: KafkaSettings, stack, group_id: str,
-                                                  reaper: Reaper) -> None:
-    check_chaos(seed, kafka, stack.redis_url, group_id, reaper)
+@pytest.mark.parametrize("driver", ["kafka", "faust"])
+@pytest.mark.parametrize("seed", range(100, 110))
+def test_the_hostile_stream_sweep_over_more_seeds_and_both_drivers(seed: int, driver: str, kafka: KafkaSettings,
+                                                                   stack, group_id: str, reaper: Reaper) -> None:
+    check_chaos(seed, driver, kafka, stack.redis_url, group_id, reaper)

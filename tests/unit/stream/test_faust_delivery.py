@@ -66,7 +66,7 @@ def test_a_partition_starting_past_the_brokers_reported_high_watermark_moves_bac
         seeks.append((tp, offset))
 
     starts = {stuck: 12, fine: 6, unknown: 50, fed: 7}  # faust's read offsets after its seek to the committed ones
-    fake = SimpleNamespace(_resumed=set(), _resumed_generation=-1, _read_offset=starts,
+    fake = SimpleNamespace(_resumed=set(), _resumed_generation=-1, _read_offset=starts, _redone={},
                            _get_active_partitions=lambda: [stuck, fine, unknown, fed], highwater=highwater, seek=seek,
                            log=logging.getLogger("test"))
     resume = BatchConsumer._resume_safely
@@ -101,8 +101,8 @@ def _delivering(process, held):  # noqa: ANN001, ANN202 - a fake BatchConsumer f
     fake = SimpleNamespace(
         delivery=BatchDelivery(process=process, max_records=100, within_s=0.1, short_polls=lambda: False,
                                in_hand=lambda n: None, held=held, dropped=done["dropped"].append),
-        _kept={}, _sought={}, _carry=[], _commit_every=None, _n_acked=0, commit=commit, perform_seek=perform_seek,
-        seek=seek,
+        _kept={}, _sought={}, _redone={}, _carry=[], _commit_every=None, _n_acked=0, commit=commit,
+        perform_seek=perform_seek, seek=seek,
         app=SimpleNamespace(monitor=None), assignment=lambda: set(), _read_offset={}, log=logging.getLogger("test"),
         ack_offsets=lambda tp, offsets: done["acked"].append((tp, list(offsets))))
 
@@ -318,7 +318,7 @@ def test_the_faust_driver_hands_the_pipeline_each_record_with_its_kafka_headers(
 
     headers = [("trace-id", b"t-1")]
     rec = ConsumerRecord("impressions", 0, 5, 1000, 0, b"k", b"{bad", None, 4, 1, headers)
-    fake = SimpleNamespace(_read_offset=defaultdict(lambda: None), _sought={}, _jumps=[],
+    fake = SimpleNamespace(_read_offset=defaultdict(lambda: None), _sought={}, _redone={}, _jumps=[],
                            app=SimpleNamespace(monitor=None, topics=SimpleNamespace(acks_enabled_for=lambda t: False)))
     [out] = BatchConsumer._records(fake, {TP("impressions", 0): [rec]})  # type: ignore[arg-type]
     assert (out.offset, out.key, out.value, out.headers) == (5, b"k", b"{bad", headers)
