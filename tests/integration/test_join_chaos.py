@@ -70,6 +70,9 @@ class Chaos:
 
     order: dict[int, list[Msg]] = field(default_factory=lambda: {p: [] for p in range(PARTITIONS)})
     labels: dict[str, int] = field(default_factory=dict)  # valid impression id -> final label
+    # (impression id, click ts) of the clicks that must reach late_clicks, by reason: every click of an impression
+    # without one inside its window is late; a click whose impression never comes is an orphan
+    unjoined: set[tuple[str, int, str]] = field(default_factory=set)
 
 
 def _imp(iid: str, ts: object, user: object, item: object, **extra: object) -> bytes:
@@ -154,9 +157,12 @@ def draw(seed: int, now_ms: int, per_partition: int = 120) -> Chaos:
                 if r.random() < 0.1:  # the same click twice
                     put(cts + r.randrange(2000), Msg("click", p, k, _click(iid, cts)))
             chaos.labels[iid] = int(any(0 <= c - clock <= WINDOW_MS for c in clicks))
+            if not chaos.labels[iid]:
+                chaos.unjoined |= {(iid, c, "late") for c in clicks}
             if r.random() < 0.04:  # an orphan click
                 oid = f"s{seed}-p{p}-orphan{n}"
                 put(clock, Msg("click", p, oid.encode(), _click(oid, clock)))
+                chaos.unjoined.add((oid, clock, "orphan"))
         # One impression in 1970 (a clock in seconds) and one minutes ahead of the wall clock, clicked or not.
         old = f"s{seed}-p{p}-1970"
         put(base + r.randrange(clock - base + 1), Msg("imp", p, old.encode(), _imp(old, 1_700_000, "u1", 3)))
@@ -266,6 +272,11 @@ def check_chaos(seed: int, driver: str, kafka: KafkaSettings, redis_url: str, gr
     assert {(k, lab) for _, k, lab in rows} <= {(OBSERVED, 0), (DELAYED_POSITIVE, 1)}, what
     if stop != "sigkill":  # a clean stop re-emits nothing
         assert set(kinds.values()) == {1}, f"{what}: {[k for k, n in kinds.items() if n > 1][:5]} twice"
+
+    late = {(v["impression_id"], v["click_ts"], v["reason"])
+            for v in (orjson.loads(rec.value) for rec in read_topic(kafka, f"late-{kafka.samples_topic}"))}
+    assert late == chaos.unjoined, f"{what}: missing {sorted(chaos.unjoined - late)[:3]}, " \
+                                   f"unexpected {sorted(late - chaos.unjoined)[:3]}"
 
     letters = dead_letter_coordinates(kafka)
     assert {c: kind for c, kind, _ in letters} == expected_dlq, what
