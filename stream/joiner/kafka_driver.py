@@ -63,6 +63,7 @@ from stream.joiner.config import JoinerSettings
 from stream.joiner.metrics import ASSIGN_RETRIES
 from stream.joiner.pipeline import JoinPipeline, Record, records_of
 from stream.kafka import (
+    BATCH_MESSAGES,
     Headers,
     consumer_config,
     fetched_more,
@@ -240,8 +241,9 @@ class KafkaJoinWorker:
         while True:
             try:
                 self.pipeline.layout.assigned(tp.partition for tp in partitions)  # no request once it has passed
-                self._remember_done(consumer, partitions)
-                return resume_offsets(consumer, partitions, "joiner")
+                starts = resume_offsets(consumer, partitions, "joiner")
+                self._remember_done(consumer, starts)
+                return starts
             except Exception as exc:
                 if not is_infrastructure(exc):
                     raise
@@ -421,8 +423,9 @@ class KafkaJoinWorker:
         try:
             assigned = self.consumer.assignment()
             self.gaps.forget((tp.topic, tp.partition) for tp in assigned)  # where a failed seek leaves them: unknown
-            self._remember_done(self.consumer, assigned)
-            for tp in resume_offsets(self.consumer, assigned, "joiner"):
+            starts = resume_offsets(self.consumer, assigned, "joiner")
+            self._remember_done(self.consumer, starts)
+            for tp in starts:
                 self.consumer.seek(tp)
                 self.gaps.expect([tp])
         except KafkaException as err:  # the broker is still away: the next batch fails again and comes back here
@@ -431,11 +434,19 @@ class KafkaJoinWorker:
         # Redis, and would fail, or finish the join on a partial read).
         self._idle.reset()
 
-    def _remember_done(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """The group's committed offset of each of ``partitions``, below which every record was processed: a start
-        position below it (``resume_offsets`` on a broker whose high watermark lags, as the local Tansu's does) reads
-        those records again."""
-        self._done.update({(tp.topic, tp.partition): tp.offset for tp in consumer.committed(partitions, timeout=10)})
+    def _remember_done(self, consumer: Consumer, starts: list[TopicPartition]) -> None:
+        """Where a start position (``resume_offsets``) lies below the group's committed offset by at most one record
+        batch, that offset: every record below it was processed. ``resume_offsets`` starts there on a broker whose high
+        watermark lags (the local Tansu reports its last record batch's start + 1), and those records come again. A
+        committed offset further on is a topic deleted and made again (its offsets started over): its records are
+        the new topic's, which the join takes (``pipeline``'s topic ids), so no floor; none either where the start is
+        the committed offset (Apache Kafka, at every assignment)."""
+        committed = {(tp.topic, tp.partition): tp.offset for tp in consumer.committed(starts, timeout=10)}
+        for tp in starts:
+            key = (tp.topic, tp.partition)
+            self._done.pop(key, None)  # an earlier assignment's, not read up to
+            if 0 <= tp.offset < committed.get(key, -1) <= tp.offset + BATCH_MESSAGES + 1:
+                self._done[key] = committed[key]
 
     def _unprocessed(self, records: list[Record]) -> list[Record]:
         """``records`` less those below their partition's committed offset (``_remember_done``). The join engine skips

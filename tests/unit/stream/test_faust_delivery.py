@@ -495,3 +495,30 @@ def test_a_partition_ending_in_a_transaction_marker_has_nothing_more_once_the_fe
         return [*out, more(fake, imps)]  # type: ignore[arg-type]
 
     assert asyncio.run(answers()) == [True, False]  # was [True, True]: more to read for good
+
+
+def test_a_partition_moved_back_within_one_record_batch_skips_what_it_reads_again_but_a_topic_made_again_does_not(
+) -> None:
+    """The rewind to the local broker's lagging end (``_resume_safely``) reads processed records again: they are not
+    handed to the join (a bad one was dead-lettered again). A start more than one record batch past the end is a topic
+    deleted and made again (its offsets started over): its records are the new topic's and go to the join."""
+    import asyncio
+    import logging
+
+    from faust.types import TP
+
+    from stream.joiner.faust_delivery import BatchConsumer
+
+    lagging, remade = TP("impressions", 0), TP("impressions", 1)
+    highs = {lagging: 10, remade: 40}
+    seeks: list[tuple[TP, int]] = []
+
+    async def seek(tp: TP, offset: int) -> None:
+        seeks.append((tp, offset))
+
+    fake = SimpleNamespace(_resumed=set(), _resumed_generation=-1, _read_offset={lagging: 12, remade: 50_000},
+                           _redone={}, _sought={}, _get_active_partitions=lambda: [lagging, remade],
+                           highwater=highs.__getitem__, seek=seek, log=logging.getLogger("test"))
+    asyncio.run(BatchConsumer._resume_safely(fake, 1, {}))  # type: ignore[arg-type]
+    assert seeks == [(lagging, 9), (remade, 39)]
+    assert fake._redone == {lagging: 12}

@@ -119,3 +119,33 @@ def test_a_layout_check_the_broker_cannot_answer_is_asked_again_with_the_start_p
     worker._on_assign(consumer, [TopicPartition("impressions", 7), TopicPartition("clicks", 7)])
     assert checks == [[7, 7]] * 3 and worker.assign_retries == 2
     assert consumer.assigned == [("impressions", 7, 42), ("clicks", 7, 42)] and worker._assigned == {7}
+
+
+class _Committed:
+    def __init__(self, offsets: dict[tuple[str, int], int]) -> None:
+        self.offsets = offsets
+
+    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
+        return [TopicPartition(tp.topic, tp.partition, self.offsets[(tp.topic, tp.partition)]) for tp in partitions]
+
+
+def _fetched(topic: str, offsets: range) -> list[Any]:
+    from stream.joiner.pipeline import records_of
+
+    n = len(offsets)
+    return records_of([topic] * n, [0] * n, list(offsets), [b"k"] * n, [b"{}"] * n, [-1] * n, [()] * n)
+
+
+def test_records_read_again_below_the_committed_offset_are_dropped_only_within_one_record_batch(worker: Any) -> None:
+    """A start one record batch or less below the committed offset is the local broker's lagging high watermark: the
+    records between were processed (a bad one among them was dead-lettered again at every restart). A start further
+    below it is a topic deleted and made again, its offsets started over: those records are the new topic's, joined
+    (the pipeline's topic ids), never dropped in silence; a start at the committed offset drops nothing."""
+    lag, remade, at = ("impressions", 0), ("clicks", 0), ("late", 0)
+    worker._remember_done(_Committed({lag: 105, remade: 50_000, at: 7}),
+                          [TopicPartition(*lag, 99), TopicPartition(*remade, 99), TopicPartition(*at, 7)])
+    kept = worker._unprocessed(_fetched("impressions", range(99, 110)) + _fetched("clicks", range(99, 110))
+                               + _fetched("late", range(7, 9)))
+    want = [("impressions", o) for o in range(105, 110)] + [("clicks", o) for o in range(99, 110)]
+    assert [(r.topic, r.offset) for r in kept] == [*want, ("late", 7), ("late", 8)]
+    assert worker._unprocessed(_fetched("impressions", range(99, 101))) == _fetched("impressions", range(99, 101))
