@@ -51,7 +51,7 @@ import re
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from itertools import chain
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import redis
@@ -273,6 +273,15 @@ def _as_of_flat(users: list[int], times: list[int], distinct: list[int], lists: 
     return flat, offsets.astype(np.int32)
 
 
+_Answer = TypeVar("_Answer", tuple[np.ndarray, np.ndarray], list[list[int]])  # a read's answer: flat, or lists
+
+
+def _every_click_of_one(times: list[int], distinct: list[int], lists: list[list[bytes | str]]) -> bool:
+    """A read of one user's every stored click (serving's, "as of" the far future), which the list's own parse
+    answers: one distinct user, every time past any storable click, its entries a list (not a wrong-type marker)."""
+    return len(distinct) == 1 and min(times) >= 1 << _TS_BITS and isinstance(lists[0], list)
+
+
 class UserHistory:
     """Users' recent clicks (see the module docstring for keys and the as-of rule)."""
 
@@ -438,15 +447,7 @@ class UserHistory:
         answer (a timeout) by the callable. A client that does not pool connections (one bound to a single
         connection, or a Redis Cluster client, whose reads go to several nodes) reads at once and the callable returns
         that result."""
-        flat_later = self.as_of_flat_later(user_hashes, ts_ms, limit)
-        lists: list[list[list[int]]] = []
-
-        def collect() -> list[list[int]]:
-            if not lists:
-                lists.append(_to_lists(*flat_later()))
-            return lists[0]
-
-        return collect
+        return self._later(user_hashes, ts_ms, limit, self._lists)
 
     def as_of_flat_later(self, user_hashes: Sequence[int] | np.ndarray, ts_ms: Sequence[int] | np.ndarray,
                          limit: int | None = None) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
@@ -463,13 +464,21 @@ class UserHistory:
         p99) against the single node. Most of it is the cluster client's per-command cost, not the lost overlap: the
         read alone took 127-130 us on a node and 185-237 us on the cluster (redis-py's slot routing, ~10-35 us a
         command, and ``stream.redis_client.LazyClient``'s translation of cluster errors, ~10-15 us a command)."""
+        return self._later(user_hashes, ts_ms, limit, self._flat)
+
+    def _later(self, user_hashes: Sequence[int] | np.ndarray, ts_ms: Sequence[int] | np.ndarray, limit: int | None,
+               finish: Callable[[list[int], list[int], list[int], list[list[bytes | str]], int], _Answer]
+               ) -> Callable[[], _Answer]:
+        """:meth:`as_of_flat_later` and :meth:`as_of_later`: the read sent now, ``finish`` (:meth:`_flat` or
+        :meth:`_lists`) making the answer from the stored entries when it is collected."""
         max_len = self.max_len if limit is None else max(0, min(self.max_len, int(limit)))
         users = _as_ints("user_hashes", user_hashes)
         times = _as_ints("ts_ms", ts_ms)
         _same_length(user_hashes=users, ts_ms=times)
         pool = getattr(self.client, "connection_pool", None)
         if not users or pool is None or getattr(self.client, "connection", None) is not None:
-            done = self.as_of_flat(users, times, limit)
+            distinct = list(dict.fromkeys(users))
+            done = finish(users, times, distinct, self._lrange(distinct) if users else [], max_len)
             return lambda: done
         distinct = list(dict.fromkeys(users))
         script = self._script()
@@ -482,7 +491,7 @@ class UserHistory:
             raise
         outcome: list[Any] = []  # [result] or [None, exc]: what the first call gave
 
-        def collect() -> tuple[np.ndarray, np.ndarray]:
+        def collect() -> _Answer:
             if not outcome:
                 try:
                     try:
@@ -493,19 +502,30 @@ class UserHistory:
                         pool.release(conn)
                     if lists is None:
                         lists = self._lrange(distinct)
-                    outcome.append(self._flat(users, times, distinct, lists, max_len))
+                    outcome.append(finish(users, times, distinct, lists, max_len))
                 except BaseException as exc:
                     outcome[:] = [None, exc]
             if len(outcome) == 2:
                 raise outcome[1]
-            return cast("tuple[np.ndarray, np.ndarray]", outcome[0])
+            return cast("_Answer", outcome[0])
 
         return collect
+
+    def _lists(self, users: list[int], times: list[int], distinct: list[int], lists: list[list[bytes | str]],
+               max_len: int) -> list[list[int]]:
+        """:meth:`_flat` as one Python list per sample (:meth:`as_of_later`'s answer). Serving's one-user read of every
+        click takes the list's own parse straight to lists: through :meth:`_flat`'s arrays and back (``np.asarray``,
+        ``np.tile``, ``_to_lists``) it cost ~25 us more a request in the server (bench/README.md, "## serving",
+        forty-third session's history read)."""
+        if _every_click_of_one(times, distinct, lists):
+            got = _parse(lists[0])[1][-max_len:] if max_len else []
+            return [got[:] for _ in users]  # (a list per sample, as _to_lists gives: a caller may change one)
+        return _to_lists(*self._flat(users, times, distinct, lists, max_len))
 
     def _flat(self, users: list[int], times: list[int], distinct: list[int], lists: list[list[bytes | str]],
               max_len: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`as_of_flat` from the stored entries ``lists`` of the ``distinct`` users."""
-        if len(distinct) == 1 and min(times) >= 1 << _TS_BITS and isinstance(lists[0], list):
+        if _every_click_of_one(times, distinct, lists):
             # One user's every click (serving's read, "as of" the far future): the list's own parse, about half the
             # time of the batch path's search for this one case.
             got = np.asarray(_parse(lists[0])[1][-max_len:] if max_len else [], np.int64)  # (L,)

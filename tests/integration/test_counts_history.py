@@ -469,6 +469,31 @@ def test_as_of_the_far_future_is_every_stored_click(redis_client: redis.Redis, p
     assert h.as_of([1, 2], [far, far]) == h.as_of([1, 2], [near, near])
 
 
+def test_as_of_later_of_one_users_every_click_answers_as_as_of_on_damaged_lists(redis_client: redis.Redis,
+                                                                                 prefix: str) -> None:
+    """Serving's read (one user, as of the far future: ``as_of_later``'s lists straight from the list's parse) gives
+    what ``as_of`` gives as of a time past the last click, also where the list holds a malformed entry, a click stored
+    twice, clicks out of time order, or the key is not a list; a user asked twice gets two lists of its own."""
+    h = UserHistory(redis_client, prefix=prefix, max_len=30)
+    t = ms(2000, 1, 1)
+    far, near = 2**62, t + 100
+    h.append_many([1] * 20, [1000 + i for i in range(20)], [t + (i * 7919) % 23 for i in range(20)])
+    redis_client.set(h.key(6), "not a list")
+    damage = [lambda: None, lambda: redis_client.lpush(h.key(1), "garbage"),
+              lambda: redis_client.lpush(h.key(1), redis_client.lindex(h.key(1), 3)),  # a click stored twice
+              lambda: redis_client.rpush(h.key(1), f"{t + 50}:7")]  # appended late, the newest click
+    for harm in damage:
+        harm()
+        for users in ([1], [6], [9], [1, 1]):
+            for limit in (None, 0, 5):
+                got = h.as_of_later(users, [far] * len(users), limit)()
+                assert got == h.as_of(users, [near] * len(users), limit)
+                assert all(type(v) is int for one in got for v in one)
+        twice = h.as_of_later([1, 1], [far, far])()
+        twice[0].append(-1)
+        assert twice[1] == h.as_of([1], [near])[0]
+
+
 def test_as_of_flat_later_sends_now_and_answers_as_as_of_flat(redis_client: redis.Redis, prefix: str) -> None:
     """The joiner's read (``as_of_flat_later``) gives what ``as_of_flat`` gives: on clean lists, after a NOSCRIPT, and
     where a list holds a malformed entry, an entry with a newline, a click stored twice, or a key is not a list."""
