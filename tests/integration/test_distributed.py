@@ -87,6 +87,20 @@ def torchrun(ranks: int, ckpt: Path, *flags: str, max_restarts: int = 2, idle_s:
             "--batch-rows", "200", "--step-rows", "100", "--exit-when-idle", str(idle_s), "--json", *flags]
 
 
+def rank_processes(torchrun_pid: int, ranks: int) -> dict[int, int]:
+    """The pid of each rank of the ``torchrun`` job ``torchrun_pid`` (its agent's python children, by their RANK)."""
+    found = subprocess.run(["pgrep", "-f", "-P", str(torchrun_pid), "streamrec.cli"], capture_output=True, text=True)
+    children = [int(x) for x in found.stdout.split()]
+    pids = {}
+    for pid in children:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = next((e.split(b"=", 1)[1] for e in environ if e.startswith(b"RANK=")), None)
+        if rank is not None:
+            pids[int(rank)] = pid
+    assert set(pids) == set(range(ranks)), f"rank processes not found among {children}"
+    return pids
+
+
 def last_json(stdout: str) -> dict:
     """The summary ``--json`` printed (one line)."""
     return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
@@ -141,16 +155,7 @@ def test_two_ranks_killed_and_restarted_train_every_sample_once_then_unshard_to_
     assert sharded_checkpoint.list_complete(ckpt), "no sharded checkpoint was written"
     first = sharded_checkpoint.latest(ckpt)
     assert first is not None and first[1]["samples_trained"] < sum(rows.values())  # killed mid-stream
-    ranks = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "streamrec.cli"], capture_output=True, text=True)
-    children = [int(x) for x in ranks.stdout.split()]
-    workers = {}
-    for pid in children:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        rank = next((e.split(b"=", 1)[1] for e in environ if e.startswith(b"RANK=")), None)
-        if rank is not None:
-            workers[int(rank)] = pid
-    assert set(workers) == {0, 1}, f"rank processes not found among {children}"
-    os.kill(workers[1], signal.SIGKILL)
+    os.kill(rank_processes(proc.pid, 2)[1], signal.SIGKILL)
     for p, n in produce(kafka, messages=MESSAGES // 2, first=MESSAGES // 2).items():
         rows[p] += n
     proc.wait(timeout=300)

@@ -247,3 +247,37 @@ def test_a_dataloader_worker_killed_while_the_learner_waits_for_samples_stops_it
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert {int(p): n for p, n in summary["partition_rows"].items()} == produced  # nothing lost, nothing twice
     assert summary["samples_trained"] == total and summary["duplicates_dropped"] == 0
+
+
+def test_a_dataloader_worker_killed_mid_stream_stops_the_learner_and_its_restart_trains_every_sample_once(
+        kafka: KafkaSettings, tmp_path: Path, reaper: Reaper) -> None:
+    """A worker SIGKILLed while the learner trains, with batches it had read ahead of the trained ones (its
+    prefetch): torch raises its death wherever the training process is (a step, a checkpoint). The learner must exit
+    non-zero, strike nothing, and the restart resume at the checkpoint's offsets: every sample trained once."""
+    from tests.integration.test_distributed import MESSAGES, produce
+
+    produced = produce(kafka, messages=MESSAGES // 2)  # the first half; the second after the kill
+    env = dict(env_for(kafka), STREAMREC_LEARNER_NUM_WORKERS="2", STREAMREC_LEARNER_PREFETCH_FACTOR="2",
+               STREAMREC_LEARNER_CHECKPOINT_EVERY_SAMPLES="600")
+    ckpt = tmp_path / "ckpt"
+    proc = reaper.add(subprocess.Popen(train_cmd(ckpt), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, start_new_session=True), group=True)
+    while latest_meta(ckpt) is None:
+        assert proc.poll() is None, "the learner stopped before its first checkpoint"
+        time.sleep(0.05)
+    workers = dataloader_workers(proc.pid)
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    for p, n in produce(kafka, messages=MESSAGES // 2, first=MESSAGES // 2).items():
+        produced[p] += n
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-2000:]
+    assert f"DataLoader worker (pid {workers[0]}) is killed by signal" in err or \
+        f"DataLoader worker (pid(s) {workers[0]}) exited unexpectedly" in err, err[-2000:]
+    assert "strike" not in err, err[-2000:]  # the worker's death is no batch's fault
+    out = train(ckpt, env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {int(p): n for p, n in summary["partition_rows"].items()} == produced  # nothing lost, nothing twice
+    assert summary["samples_trained"] == summary["metrics"]["samples"] == sum(produced.values())
+    assert summary["duplicates_dropped"] == 0
