@@ -54,6 +54,7 @@ from learner import checkpoint
 from learner.delayed import DelayedFeedbackWeights
 from learner.distributed import all_gather_objects, broadcast_object
 from learner.features import FeatureConfig
+from learner.kafka_dataset import worker_died
 from learner.progressive import ProgressiveMetrics
 from stream.errors import ConfigError
 from stream.files import NotDurable, fsync_dir, sha256_file, write_atomic
@@ -346,6 +347,13 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
     A failure of another kind is a RuntimeError on every rank. (It was raised on the rank that failed only, as torch's
     ``CheckpointException``, a BaseException, from DCP's write, and the other ranks waited in a barrier.)
 
+    A DataLoader worker's death that DCP did not gather from every rank (as its ``CheckpointException``) is raised on
+    this rank at once, without the agreement: torch raises it from its SIGCHLD handler wherever the rank is, possibly
+    between two of DCP's collectives outside its error handling (the plan's gather), so this rank may be out of step
+    with the others' collectives. Taken into the agreement's
+    all-gather while rank 0 still waited in DCP's gather, it stalled the job for ``collective_timeout_s`` (10 minutes
+    by default) until gloo timed out; leaving, it closes its connections and the others fail at once.
+
     A directory's fsync after a rename failing on any rank (``rank-<r>.pt``, ``meta.json``, the checkpoint's own) is
     :class:`NotDurable` on every rank once the checkpoint is in place (:func:`_say_unsure`): written, and read at
     restart, but not known to survive a power loss; nothing is pruned (as one process's ``checkpoint.save``)."""
@@ -372,6 +380,8 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
         unsure = _written(tmp / f"rank-{rank}.pt", lambda fh: checkpoint.torch_save(rank_state, fh))
         names = _summed(tmp)  # read before the agreement: a rank that cannot raised alone, outside every collective
     except (Exception, CheckpointException) as exc:
+        if worker_died(exc):  # not gathered by DCP: maybe out of step with the others' collectives (docstring)
+            raise
         error = _own_failure(exc, rank, fs)
     _agree(error, rank, tmp)  # every rank's shards and own state are durable
     sums = _digests(tmp, names)  # checksums (each rank reads its share)

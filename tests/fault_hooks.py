@@ -10,6 +10,9 @@ And while the file named by ``STREAMREC_TEST_DISK_FULL`` exists, every write of 
 ENOSPC after its first 4 KiB (a full disk): inside ``torch.save``'s own writes, which is where a real full disk
 shows, not around ``checkpoint.save`` (torch turned that OSError into a RuntimeError the daemon did not survive);
 writing the learner's strikes file (``FileStrikes``) fails with ENOSPC too.
+With ``STREAMREC_TEST_WORKER_DIES_IN_CHECKPOINT=<rank>`` that rank of the job's first run SIGKILLs one of its own
+DataLoader workers inside its first sharded checkpoint, between two of DCP's collectives (a timing amplifier: torch
+raises the death from its SIGCHLD handler wherever the rank is, here where DCP's collectives give the rank no try).
 Test code only.
 """
 
@@ -102,6 +105,29 @@ if int(os.environ.get("WORLD_SIZE", "1")) > 1 and _STAGE == "step":  # a rank un
         return _sharded_step(self, batch, rows)
 
     ShardedTrainer.test_then_train = _failing_sharded_step  # type: ignore[method-assign]
+
+_WORKER_DIES_ON = os.environ.get("STREAMREC_TEST_WORKER_DIES_IN_CHECKPOINT")
+if _WORKER_DIES_ON == os.environ.get("RANK") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    import signal
+    import time
+
+    from torch.distributed.checkpoint import utils as dcp_utils
+
+    _gather_object = dcp_utils._DistWrapper.gather_object
+    _worker_killed = []
+
+    def _gather_after_worker_death(self, obj):  # noqa: ANN001, ANN202 - a patch
+        """DCP's gather of the save plans, after a DataLoader worker of this rank died: its SIGCHLD handler raises
+        the death in the sleep, so this rank skips the gather its peers wait in."""
+        if not _worker_killed:
+            me = os.getpid()
+            kids = Path(f"/proc/{me}/task/{me}/children").read_text().split()
+            _worker_killed.extend(k for k in kids if Path(f"/proc/{k}/comm").read_text().strip() == "pt_data_worker")
+            os.kill(int(_worker_killed[0]), signal.SIGKILL)
+            time.sleep(5)
+        return _gather_object(self, obj)
+
+    dcp_utils._DistWrapper.gather_object = _gather_after_worker_death  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     from streamrec.cli import main

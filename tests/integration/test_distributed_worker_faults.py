@@ -80,3 +80,28 @@ def test_two_ranks_reading_through_dataloader_workers_killed_mid_stream_resume_a
     assert meta["samples_trained"] == meta["metrics"]["samples"] == sum(rows.values()) == total
     assert last_json(out)["samples_trained"] == total
 
+
+def test_a_rank_whose_dataloader_worker_dies_inside_a_checkpoint_leaves_the_group_at_once_and_the_restart_trains_once(
+        kafka: KafkaSettings, tmp_path: Path, reaper: Reaper) -> None:
+    """torch raises a DataLoader worker's death from its SIGCHLD handler wherever the rank is: here (a timing
+    amplifier, ``tests/fault_hooks.py``) between two of DCP's collectives in rank 1's first checkpoint. The save
+    caught it and took rank 1 into its agreement's all-gather while rank 0 still waited in DCP's gather: the ranks'
+    collectives out of step, the job stalled for ``collective_timeout_s`` (10 minutes by default) until gloo timed
+    out. Rank 1 must leave at once, rank 0 fail on its departure, and the restarted job train every sample once."""
+    rows = produce(kafka, messages=MESSAGES)
+    ckpt = tmp_path / "ckpt"
+    env = env_for(kafka, STREAMREC_LEARNER_CHECKPOINT_EVERY_SAMPLES="600", STREAMREC_LEARNER_NUM_WORKERS="2",
+                  STREAMREC_TEST_WORKER_DIES_IN_CHECKPOINT="1")
+    cmd = torchrun(2, ckpt)
+    cmd[cmd.index("streamrec.cli")] = "tests.fault_hooks"
+    with open(tmp_path / "torchrun.out", "w") as so, open(tmp_path / "torchrun.err", "w") as se:
+        proc = reaper.add(subprocess.Popen(cmd, env=env, stdout=so, stderr=se, start_new_session=True), group=True)
+    proc.wait(timeout=240)  # a stall until the collectives' timeout (600 s) does not end here
+    err = (tmp_path / "torchrun.err").read_text()
+    assert proc.returncode == 0, err[-4000:]
+    assert "is killed by signal" in err and "Connection closed by peer" in err, err[-4000:]  # rank 0 saw it leave
+    assert "Timed out" not in err and "Application timeout" not in err, err[-4000:]  # not the collectives' timeout
+    assert err.count(" on 2 ranks (gloo)") == 2, err[-4000:]  # the agent restarted the group once
+    _, meta = sharded_checkpoint.latest(ckpt)  # type: ignore[misc]
+    assert {int(p): n for p, n in meta["partition_rows"].items()} == rows  # nothing lost, nothing twice
+    assert meta["samples_trained"] == meta["metrics"]["samples"] == sum(rows.values())
