@@ -10,6 +10,9 @@ a partition added while it reads) from its first record held, where its reader s
 since the learner started counts before its reader finds it and before its first batch trains: a learner stuck
 on such a partition shows its backlog, not no lag. Records below a partition's first record held (taken by
 retention) are never trained and do not count. Best effort: a broker that does not answer leaves the last values.
+A DataLoader worker's death is no broker's: torch raises it once, from its SIGCHLD handler, wherever the training
+process is (here, returning from a watermark request); taken for a broker error, it was never raised again, and the
+dead worker's partitions stalled for good while the live workers' idle batches kept the learner running.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from confluent_kafka import KafkaException, TopicPartition
 from prometheus_client import Gauge
 
 from learner.distributed import partitions_of
+from learner.kafka_dataset import worker_died
 
 LAG = Gauge("streamrec_learner_lag_samples", "Messages in samples not yet trained, per partition.", ["partition"])
 
@@ -48,7 +52,9 @@ def publish_lag(consumer: Any, topic: str, offsets: Mapping[int, int], shard: tu
     for p in partitions_of(sorted(listed | set(offsets)), *shard):
         try:
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - lag is best effort
+        except Exception as exc:  # noqa: BLE001 - lag is best effort
+            if worker_died(exc):  # torch says it once, wherever the learner is: swallowed, never again (docstring)
+                raise
             continue
         # A broker that reports the last batch's start as its high watermark under-counts by < 1 batch.
         LAG.labels(str(p)).set(partition_lag(offsets.get(p), low, high))
