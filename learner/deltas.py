@@ -790,6 +790,10 @@ class DeltaWriter:
             try:
                 self.notify(self.seq)
             except Exception as exc:  # noqa: BLE001 - a lost notification only delays serving to its next poll
+                from learner.kafka_dataset import worker_died  # (here: serving imports this module, not Kafka's)
+
+                if worker_died(exc):  # torch says it once, wherever the learner is (learner/lag.py): not Redis's
+                    raise
                 log.warning("delta %d written but not announced (%s); serving picks it up when it polls", self.seq, exc)
         return path
 

@@ -122,3 +122,17 @@ def test_a_delta_in_place_whose_directory_fsync_failed_keeps_its_seq_so_the_next
     assert _write(writer, [2], 24) is not None
     assert [(s, n) for s, n, _ in list_deltas(tmp_path)] == [(1, 16), (2, 24)]
     assert [d.seq for d in DeltaReader(tmp_path).newer(1, 16, "a" * 32)] == [2]
+
+
+def test_a_dataloader_workers_death_raised_while_serving_is_notified_is_raised_not_logged_as_a_lost_notice(
+        tmp_path: Path) -> None:
+    """torch raises a DataLoader worker's death once, from its SIGCHLD handler, wherever the learner is: here in the
+    Redis publish announcing a delta. Logged as a lost notification, it was never raised again and the dead worker's
+    partitions stalled for good (learner/lag.py has the same rule)."""
+    def notify(seq: int) -> None:
+        raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+
+    writer = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, notify=notify)
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        _write(writer, [0, 1], 16)
+    assert [s for s, _, _ in list_deltas(tmp_path)] == [1]  # the delta itself was written before the notice
