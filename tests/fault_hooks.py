@@ -12,7 +12,8 @@ shows, not around ``checkpoint.save`` (torch turned that OSError into a RuntimeE
 writing the learner's strikes file (``FileStrikes``) fails with ENOSPC too.
 With ``STREAMREC_TEST_WORKER_DIES_IN_CHECKPOINT=<rank>`` that rank of the job's first run SIGKILLs one of its own
 DataLoader workers inside its first sharded checkpoint, between two of DCP's collectives (a timing amplifier: torch
-raises the death from its SIGCHLD handler wherever the rank is, here where DCP's collectives give the rank no try).
+raises the death from its SIGCHLD handler wherever the rank is, here where DCP gives the rank no try); with
+``<rank>:write``, in DCP's write step instead (its errors gathered from every rank by DCP).
 Test code only.
 """
 
@@ -106,28 +107,36 @@ if int(os.environ.get("WORLD_SIZE", "1")) > 1 and _STAGE == "step":  # a rank un
 
     ShardedTrainer.test_then_train = _failing_sharded_step  # type: ignore[method-assign]
 
-_WORKER_DIES_ON = os.environ.get("STREAMREC_TEST_WORKER_DIES_IN_CHECKPOINT")
-if _WORKER_DIES_ON == os.environ.get("RANK") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+_WORKER_DIES_ON = os.environ.get("STREAMREC_TEST_WORKER_DIES_IN_CHECKPOINT", "")  # "<rank>" or "<rank>:write"
+if _WORKER_DIES_ON.split(":")[0] == os.environ.get("RANK") and \
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
     import signal
     import time
 
     from torch.distributed.checkpoint import utils as dcp_utils
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    _gather_object = dcp_utils._DistWrapper.gather_object
-    _worker_killed = []
+    _worker_killed: list[str] = []
 
-    def _gather_after_worker_death(self, obj):  # noqa: ANN001, ANN202 - a patch
-        """DCP's gather of the save plans, after a DataLoader worker of this rank died: its SIGCHLD handler raises
-        the death in the sleep, so this rank skips the gather its peers wait in."""
+    def _kill_a_worker() -> None:
+        """SIGKILL one DataLoader worker of this rank, once; its SIGCHLD handler raises the death in the sleep."""
         if not _worker_killed:
             me = os.getpid()
             kids = Path(f"/proc/{me}/task/{me}/children").read_text().split()
             _worker_killed.extend(k for k in kids if Path(f"/proc/{k}/comm").read_text().strip() == "pt_data_worker")
             os.kill(int(_worker_killed[0]), signal.SIGKILL)
             time.sleep(5)
-        return _gather_object(self, obj)
 
-    dcp_utils._DistWrapper.gather_object = _gather_after_worker_death  # type: ignore[method-assign]
+    def _dying_in(method):  # noqa: ANN001, ANN202 - a patch
+        def patched(self, *args):  # noqa: ANN001, ANN202 - a patch
+            _kill_a_worker()
+            return method(self, *args)
+        return patched
+
+    if _WORKER_DIES_ON.endswith(":write"):  # in DCP's write step, whose errors DCP gathers from every rank
+        FileSystemWriter.write_data = _dying_in(FileSystemWriter.write_data)  # type: ignore[method-assign]
+    else:  # in DCP's gather of the save plans, outside its error handling: this rank skips the gather
+        dcp_utils._DistWrapper.gather_object = _dying_in(dcp_utils._DistWrapper.gather_object)  # type: ignore
 
 if __name__ == "__main__":
     from streamrec.cli import main
