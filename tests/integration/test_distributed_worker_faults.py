@@ -39,7 +39,8 @@ def gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
-@pytest.mark.parametrize("victim", ["rank", "dataloader worker"])
+# the rank's kill runs in -m slow (test_distributed.py kills ranks without workers in CI); a worker's in CI
+@pytest.mark.parametrize("victim", [pytest.param("rank", marks=pytest.mark.slow), "dataloader worker"])
 def test_two_ranks_reading_through_dataloader_workers_killed_mid_stream_resume_and_train_every_sample_once(
         kafka: KafkaSettings, tmp_path: Path, reaper: Reaper, victim: str) -> None:
     """At the first checkpoint rank 1 (``rank``), or one of rank 1's 2 DataLoader workers (``dataloader worker``),
@@ -81,7 +82,8 @@ def test_two_ranks_reading_through_dataloader_workers_killed_mid_stream_resume_a
     assert last_json(out)["samples_trained"] == total
 
 
-@pytest.mark.parametrize("stage", ["plan", "write"])
+# the plan's gather (the stall fixed) in CI; the write step, right already, in -m slow
+@pytest.mark.parametrize("stage", ["plan", pytest.param("write", marks=pytest.mark.slow)])
 def test_a_rank_whose_dataloader_worker_dies_inside_a_checkpoint_leaves_the_group_at_once_and_the_restart_trains_once(
         kafka: KafkaSettings, tmp_path: Path, reaper: Reaper, stage: str) -> None:
     """torch raises a DataLoader worker's death from its SIGCHLD handler wherever the rank is: here (a timing
