@@ -418,7 +418,7 @@ class PartitionJoin:
             self._keep(out.chunk)
             self.next_seq, self.newest_seq = seq + 1, seq
         out.retired = self._retire()
-        if out.chunk is not None and self._live_weight > 2 * self._state_weight() + COMPACT_SLACK:
+        if out.chunk is not None and self._outweigh_state():
             out.retired += self._compact(out)
         return out
 
@@ -438,9 +438,16 @@ class PartitionJoin:
         self._live[c.seq] = (c.max_ref_ts, weight)
         self._live_weight += weight
 
-    def _state_weight(self) -> int:
-        """About the weight of one chunk holding the whole live state (:meth:`_compact`), in O(1)."""
-        return 1 + 2 * (len(self.pending) + len(self.finalized)) + len(self.waiting)
+    def _outweigh_state(self) -> bool:
+        """Whether the live chunks outweigh twice one chunk holding the whole live state, plus ``COMPACT_SLACK``
+        (:meth:`_compact`). First on a bound in O(1) that counts an id's waiting clicks once, then, only past it, on
+        the clicks themselves: a snapshot holds each, and one id's clicks waiting by the thousand (a burst on an
+        impression not come yet) made a snapshot that alone outweighed twice the bound: every batch after it wrote
+        the whole state again."""
+        held = 1 + 2 * (len(self.pending) + len(self.finalized))
+        if self._live_weight <= 2 * (held + len(self.waiting)) + COMPACT_SLACK:
+            return False
+        return self._live_weight > 2 * (held + sum(map(len, self.waiting.values()))) + COMPACT_SLACK
 
     def _compact(self, out: BatchResult) -> list[int]:
         """Replace the batch's chunk (``out.chunk``) with one holding the whole live state, and retire every other

@@ -9,7 +9,16 @@ import pytest
 
 from stream.events import Click, Impression
 from stream.features import hash_value
-from stream.joiner.engine import _NO_OFFSET, POLICIES, BatchResult, JoinConfig, PartitionJoin, StateChunk, Unjoined
+from stream.joiner.engine import (
+    _NO_OFFSET,
+    COMPACT_SLACK,
+    POLICIES,
+    BatchResult,
+    JoinConfig,
+    PartitionJoin,
+    StateChunk,
+    Unjoined,
+)
 from stream.joiner.state_log import decode_chunk, encode_chunk
 
 W = 1000  # window ms
@@ -474,6 +483,18 @@ def test_a_partition_short_of_its_impressions_quorum_keeps_a_bounded_state_log_t
     back = PartitionJoin.restore(0, STALL, [decode_chunk(v) for v in log.values()])
     assert back.waiting == j.waiting and back.offsets == j.offsets and back.topic_max == j.topic_max
     _same_outputs_after(j, back, f)
+
+
+def test_many_clicks_waiting_on_one_impression_id_do_not_make_every_later_batch_write_the_whole_state() -> None:
+    # A burst of clicks on one impression not come yet (a bot, a client retrying) waits as one id of the state but is
+    # a snapshot's weight each: measured by ids, the snapshot alone outweighed twice the state plus the slack, and each
+    # batch after it compacted again, writing every held impression and waiting click once per batch.
+    j, f = PartitionJoin(0, STALL), Feed()
+    j.apply(f.imps(*(imp(f"i{k}", k * 100) for k in range(40))), [])
+    j.apply([], f.clicks(*(Click("bot", 5000 + n) for n in range(COMPACT_SLACK + 300))))
+    rs = [j.apply([], f.clicks(Click(f"o{b}", 6000 + b))) for b in range(20)]
+    assert sum(r.chunk is not None and r.chunk.snapshot for r in rs) <= 1
+    assert len(j.waiting["bot"]) == COMPACT_SLACK + 300
 
 
 def test_chunks_a_stop_left_live_before_a_snapshot_are_left_out_of_the_restore_and_retired_by_the_next_batch() -> None:
