@@ -266,10 +266,10 @@ _PLAIN_ARGS = frozenset({str, int, bytes})  # what hiredis packs byte for byte a
 
 class PlainPacker:
     """A single-node client's command packer (redis-py's ``command_packer``): a command whose arguments are all exactly
-    ``str``, ``int`` or ``bytes`` (and whose first has no space, which redis-py would split) goes to
-    ``hiredis.pack_command`` whole, the same bytes as redis-py's own packer (``tests/unit/stream/
-    test_redis_packer.py``), which passes every argument through a Python encoder first (~1 us each). Anything else
-    (a float, a memoryview, a bool it refuses) goes to redis-py's packer, errors and all.
+    ``str``, ``int`` or ``bytes`` (and whose first is letters only: redis-py splits it at any ASCII whitespace, a tab
+    or a newline too, and drops an empty one) goes to ``hiredis.pack_command`` whole, the same bytes as redis-py's own
+    packer (``tests/unit/stream/test_redis_packer.py``), which passes every argument through a Python encoder first
+    (~1 us each). Anything else (a float, a memoryview, a bool it refuses) goes to redis-py's packer, errors and all.
 
     Why: the joiner sends ~0.5 M arguments in a 220 k-event ``bench/joiner.py`` run, most in its counts writer thread
     (each counted id and its count, each name) and the history reads (a key per user): redis-py's encoder took about
@@ -285,7 +285,7 @@ class PlainPacker:
 
     def pack(self, *args: Any) -> list[bytes]:
         first = args[0] if args else None
-        if type(first) is str and " " not in first and set(map(type, args)) <= _PLAIN_ARGS:
+        if type(first) is str and first.isalpha() and set(map(type, args)) <= _PLAIN_ARGS:
             return [hiredis.pack_command(args)]
         return self._fallback.pack(*args)
 

@@ -50,6 +50,17 @@ def test_what_hiredis_would_pack_otherwise_goes_to_redis_pys_packer(command: tup
     assert packed_or_error(PlainPacker(), command) == packed_or_error(redis_py_packer(), command)
 
 
+@pytest.mark.parametrize("command", [
+    ("GET\t", "k"),  # redis-py splits the first argument at any ASCII whitespace (bytes.split()), not only a space
+    ("CLIENT\tSETNAME", "joiner"),
+    ("CLIENT\nSETNAME", "joiner"),
+    ("GET\x0b", "k"),
+    ("", "k"),  # and drops an empty one: hiredis sent it as an empty command name
+])
+def test_a_first_argument_redis_py_splits_or_drops_packs_as_redis_py_packs_it(command: tuple) -> None:
+    assert packed_or_error(PlainPacker(), command) == packed_or_error(redis_py_packer(), command)
+
+
 def test_a_bool_is_refused_as_redis_py_refuses_it() -> None:
     with pytest.raises(DataError, match="bool"):
         PlainPacker().pack("SET", "k", True)
