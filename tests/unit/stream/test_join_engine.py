@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections import Counter
 
 import pytest
 
+import stream.joiner.engine as engine_module
 from stream.events import Click, Impression
 from stream.features import hash_value
 from stream.joiner.engine import (
@@ -514,3 +516,56 @@ def test_chunks_a_stop_left_live_before_a_snapshot_are_left_out_of_the_restore_a
     assert back.waiting == j.waiting and back.finalized == j.finalized and set(back.pending) == set(j.pending)
     assert set(back.apply([], []).retired) == set(log)  # their tombstones, with the next batch
     _same_outputs_after(j, back, f)
+
+
+def _outputs(r: BatchResult) -> tuple:
+    return ([(s.pending.impression_id, s.label, s.label_delay_ms, s.kind) for s in r.samples],
+            sorted(map(repr, r.unjoined)), dict(r.stats))
+
+
+def _random_run(rnd: random.Random, cfg: JoinConfig) -> int:
+    """A random stream (duplicate ids, clicks before, on and after their impressions, idle click input, both caps
+    small) joined by one partition that never stops and by one restored at a random batch from the live state log as a
+    stop left it (each snapshot's predecessors still in it or not: a stop before their tombstones); the restored one's
+    outputs must be the other's from there to the drain. Returns how many snapshots the run wrote."""
+    f, ids, t, batches = Feed(), [f"i{k}" for k in range(60)], 0, []
+    for _ in range(60):
+        t += rnd.choice([0, 0, 5, 20, 100])
+        batches.append((f.imps(*(imp(rnd.choice(ids), max(0, t + rnd.randint(-50, 50)))
+                                 for _ in range(rnd.randint(0, 5)))),
+                        f.clicks(*(Click(rnd.choice(ids), max(0, t + rnd.randint(-80, 80)))
+                                   for _ in range(rnd.randint(0, 6)))), rnd.random() < 0.2))
+    j, log, left, back, snapshots = PartitionJoin(0, cfg), {}, {}, None, 0
+    stop_at = rnd.randint(1, len(batches))
+    for n, (imps, clicks, idle) in enumerate([*batches, ([], [], False)]):
+        if n == stop_at:
+            back = PartitionJoin.restore(0, cfg, [decode_chunk(v) for v in {**left, **log}.values()])
+        drain = n == len(batches)
+        r = j.apply(imps, clicks, drain=drain, clicks_idle=idle)
+        if back is not None:
+            assert _outputs(back.apply(imps, clicks, drain=drain, clicks_idle=idle)) == _outputs(r), (n, stop_at)
+        snapshot = r.chunk is not None and r.chunk.snapshot
+        snapshots += snapshot
+        if r.chunk is not None:
+            log[r.chunk.seq] = encode_chunk(r.chunk)
+        for seq in r.retired:
+            if snapshot and rnd.random() < 0.5:
+                left[seq] = log[seq]
+            del log[seq]
+    return snapshots
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_partition_restored_from_its_compacted_state_log_at_any_batch_answers_as_one_that_never_stopped(
+        policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_module, "COMPACT_SLACK", 3)  # a snapshot every few batches
+    rnd, snapshots = random.Random(policy), 0
+    for _ in range(30):
+        window = rnd.choice([50, 200, 1000])
+        cfg = JoinConfig(window_ms=window, lateness_ms=rnd.choice([0, 5, 30]),
+                         late_retention_ms=rnd.choice([0, 100, 2000]), history_len=3,
+                         watermark_quorum=rnd.choice([1, 2, 4]), max_pending=rnd.choice([5, 20, 1000]),
+                         max_waiting=rnd.choice([3, 10, 1000]), policy=policy,
+                         elapsed_ms=rnd.randint(0, window) if policy == "es_dfm" else 0)
+        snapshots += _random_run(rnd, cfg)
+    assert snapshots >= 30  # the restores started from snapshots (with chunks after them), not only from chunks
