@@ -236,6 +236,9 @@ class PartitionJoin:
         self._live: dict[int, tuple[int, int]] = {}  # seq -> (max_ref_ts, weight) of each live chunk
         self._live_weight = 0  # the sum of the live chunks' weights (_compact)
         self._superseded: list[int] = []  # chunks before the restored snapshot, still in the log: retired next batch
+        # False: no snapshot (_compact) of this state can be written, a held impression being over what a state record
+        # may be now (a limit lowered since it came: ``pipeline.JoinPipeline._join_partition``); the chunks stay
+        self.compacts = True
 
     # -- the batch step ------------------------------------------------------------------------
     @property
@@ -418,7 +421,7 @@ class PartitionJoin:
             self._keep(out.chunk)
             self.next_seq, self.newest_seq = seq + 1, seq
         out.retired = self._retire()
-        if out.chunk is not None and self._outweigh_state():
+        if out.chunk is not None and self.compacts and self._outweigh_state():
             out.retired += self._compact(out)
         return out
 

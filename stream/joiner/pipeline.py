@@ -1112,14 +1112,30 @@ class JoinPipeline:
         self.totals.stage_s["join"] += time.monotonic() - t0
         parts, over = self._encode_chunk(partition, res) if res.chunk is not None else (None, [])
         while over:  # again only where a later copy of a record taken out (same id and time) took its place
-            imps = self._state_too_large(partition, imps, imp_from, over)
-            self._reload(partition)
+            if res.chunk is not None and res.chunk.snapshot:  # (the whole state: impressions of earlier batches too)
+                self._no_snapshot(partition, over)
+            else:
+                imps = self._state_too_large(partition, imps, imp_from, over)
+                self._reload(partition)
             t0 = time.monotonic()
             res = self.engines[partition].apply(imps, clicks, drain=drain, clicks_idle=clicks_idle)
             self.totals.stage_s["join"] += time.monotonic() - t0
             parts, over = self._encode_chunk(partition, res) if res.chunk is not None else (None, [])
         self._account(res)
         return res, parts
+
+    def _no_snapshot(self, partition: int, over: list[tuple[Pending, int]]) -> None:
+        """The partition's state read back as it was before the batch, to be joined again without a snapshot (the
+        engine's ``compacts``, until the partition is restored again): ``over`` holds impressions of earlier batches,
+        over what a state record may be now (the state topic's limit lowered since they came), which no snapshot can
+        hold. Dead-lettering them as this batch's records found none of them in it (StopIteration), and the batch failed
+        at every try, its innocent records struck."""
+        log.warning("partition %d: the join state's snapshot holds %d impression(s) over the %d bytes a record of %s "
+                    "may be now (e.g. %s, %d bytes: its limit lowered since they came); its state chunks are not "
+                    "compacted while it is held here", partition, len(over), self.state_bytes, self.state_topic,
+                    shown(over[0][0].impression_id), over[0][1])
+        self._reload(partition)
+        self.engines[partition].compacts = False
 
     def _reload(self, partition: int) -> None:
         """``partition``'s join state as the state log holds it (as it was before the batch in progress); its next

@@ -992,3 +992,22 @@ def test_clicks_on_impressions_that_never_come_keep_the_state_log_bounded_throug
     back = again.engines[0]
     assert back.waiting == eng.waiting and set(back.pending) == set(eng.pending) and back.offsets == eng.offsets
     assert back.topic_max == eng.topic_max and back.max_ts == eng.max_ts
+
+
+def test_a_held_impression_over_a_state_limit_lowered_since_it_came_leaves_the_chunks_uncompacted(
+        kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot (``PartitionJoin._compact``) writes every held impression again. One that came under the state
+    topic's limit of then and is over it now (lowered since) was taken for this batch's own record to dead-letter:
+    none was in the batch (StopIteration), and the batch failed at every try, each of its innocent records struck.
+    Now the batch is joined again without a snapshot, its chunk as before compaction, and the impression stays held."""
+    ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic], partitions=2)
+    make().process([imp(kafka, 0, 0, "big", T0, tags=[f"t{i}" for i in range(1000)])])
+    monkeypatch.setattr(engine_module, "COMPACT_SLACK", -1000)  # every batch's chunk would be a snapshot
+    again = make()
+    again.state_bytes = 8000  # "big"'s state alone is over it (9,892 bytes)
+    again.process([click(kafka, 0, 0, "other", T0 + 5)])
+    eng = again.engines[0]
+    assert set(eng.pending) == {"big"} and eng.waiting == {"other": [T0 + 5]} and len(eng._live) == 2
+    back = make()
+    back.restore({0})
+    assert set(back.engines[0].pending) == {"big"} and back.engines[0].waiting == eng.waiting
