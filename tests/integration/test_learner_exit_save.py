@@ -59,12 +59,10 @@ def test_a_full_disk_at_the_exit_checkpoint_stops_with_its_error_commits_nothing
     assert {int(p): n for p, n in summary["partition_rows"].items()} == produced
 
 
-@pytest.mark.usefixtures("environ_restored")  # the command sets MALLOC_* for its children
-def test_a_full_disk_at_the_exit_checkpoint_is_one_line_naming_the_path_and_errno_from_streamrec_train(
-        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-        ) -> None:
-    """The OSError of the exit checkpoint (ENOSPC) left ``streamrec train`` as a Python traceback; it is now one
-    ``streamrec train: error:`` line naming the checkpoint directory and the errno, exit 1."""
+def _small_run_with_a_full_disk(kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                ) -> tuple[Path, Path]:
+    """Samples to train, a small learner's config file, and every checkpoint save failing with ENOSPC: the
+    checkpoint directory and the config file."""
     ensure_topics(kafka, [kafka.samples_topic], partitions=4)
     produce_samples(kafka, 4, 20, 0.0)
     ckpt = tmp_path / "ckpt"
@@ -78,6 +76,16 @@ def test_a_full_disk_at_the_exit_checkpoint_is_one_line_naming_the_path_and_errn
         raise OSError(errno.ENOSPC, "No space left on device", str(directory / "ckpt-x.pt"))
 
     monkeypatch.setattr(checkpoint, "save", full_disk)
+    return ckpt, cfg
+
+
+@pytest.mark.usefixtures("environ_restored")  # the command sets MALLOC_* for its children
+def test_a_full_disk_at_the_exit_checkpoint_is_one_line_naming_the_path_and_errno_from_streamrec_train(
+        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+        ) -> None:
+    """The OSError of the exit checkpoint (ENOSPC) left ``streamrec train`` as a Python traceback; it is now one
+    ``streamrec train: error:`` line naming the checkpoint directory and the errno, exit 1."""
+    ckpt, cfg = _small_run_with_a_full_disk(kafka, tmp_path, monkeypatch)
     rc = main(["train", "--config", str(cfg), "--exit-when-idle", "2"])
     err = capsys.readouterr().err
     assert rc == 1, err
@@ -93,25 +101,13 @@ def test_a_learner_close_that_fails_after_the_exit_checkpoint_failed_does_not_hi
     """``streamrec train`` closed the learner in a ``finally:``: a close that failed too (its consumer's) replaced the
     run's error, and the one line printed named the close, not the full disk. Now the close's failure is logged and
     the line names the cause."""
-    ensure_topics(kafka, [kafka.samples_topic], partitions=4)
-    produce_samples(kafka, 4, 20, 0.0)
-    ckpt = tmp_path / "ckpt"
-    cfg = tmp_path / "train.toml"
-    cfg.write_text(f'[kafka]\nbootstrap_servers = "{kafka.bootstrap_servers}"\n'
-                   f'samples_topic = "{kafka.samples_topic}"\n'
-                   f'[learner]\ncheckpoint_dir = "{ckpt}"\nmlp = "16"\nbuckets = 500\nctx_buckets = 50\n'
-                   f'embedding_dim = 4\ngroup_id = "g-{kafka.samples_topic}"\nbatch_rows = 20\n')
-
-    def full_disk(directory: Path, state: dict, meta: dict, keep: int = 3) -> Path:
-        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "ckpt-x.pt"))
-
+    ckpt, cfg = _small_run_with_a_full_disk(kafka, tmp_path, monkeypatch)
     close = Learner.close
 
     def close_fails(self: Learner) -> None:
         close(self)
         raise KafkaException(KafkaError(KafkaError._FAIL, "the close failed"))
 
-    monkeypatch.setattr(checkpoint, "save", full_disk)
     monkeypatch.setattr(Learner, "close", close_fails)
     rc = main(["train", "--config", str(cfg), "--exit-when-idle", "2"])
     err = capsys.readouterr().err
