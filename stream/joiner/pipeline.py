@@ -1214,6 +1214,7 @@ class JoinPipeline:
         self.producer.flush()
         t1 = time.monotonic()
         self.totals.stage_s["flush"] += t1 - t0
+        replaced: list[tuple[int, list[int]]] = []  # (partition, seqs) a snapshot replaces: tombstoned once it is in
         for partition, res in results.items():
             if res.chunk is not None:
                 records = encoded[partition]
@@ -1221,13 +1222,27 @@ class JoinPipeline:
                 for part, value in enumerate(records):
                     self.producer.send(self.state_topic, value, chunk_key(partition, res.chunk.seq, part),
                                        partition=partition)
-            for seq in res.retired:
-                for part in range(self._parts.pop((partition, seq), 1)):
-                    self.producer.send(self.state_topic, None, chunk_key(partition, seq, part), partition=partition)
+            if res.chunk is not None and res.chunk.snapshot:
+                replaced.append((partition, res.retired))
+            else:
+                self._tombstone(partition, res.retired)
+        if replaced:
+            # A snapshot's predecessors hold live state only it holds too: their tombstones go once every part of it
+            # is acknowledged (a flush raises at a failed one). Sent together, an idempotent producer that drops a
+            # failed message and goes on could land the tombstones without it, and the restore lost the state.
+            self.producer.flush()
+            for partition, seqs in replaced:
+                self._tombstone(partition, seqs)
         t2 = time.monotonic()
         self.producer.flush()
         self.totals.stage_s["encode_state"] += t2 - t1
         self.totals.stage_s["flush"] += time.monotonic() - t2
+
+    def _tombstone(self, partition: int, seqs: list[int]) -> None:
+        """A tombstone for every part of each retired chunk ``seqs`` of ``partition``."""
+        for seq in seqs:
+            for part in range(self._parts.pop((partition, seq), 1)):
+                self.producer.send(self.state_topic, None, chunk_key(partition, seq, part), partition=partition)
 
     def _account(self, res: BatchResult) -> None:
         c = self.totals.counts
