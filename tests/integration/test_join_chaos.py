@@ -17,8 +17,12 @@ input", "Delayed feedback"):
   reaches its own time plus the lateness (event time is the slower input's quorum less the lateness, so no
   window closes before its clicks are read); an impression in 1970 gets no click and is a 0; one ahead of the wall
   clock waits for the drain and is positive iff its click came;
-- under ``fake_negative`` (the default) every valid impression has exactly one ``OBSERVED`` 0 and a positive one
-  exactly one ``DELAYED_POSITIVE`` 1 (a SIGKILL may re-emit the batches in flight: duplicate rows, same labels);
+- the samples per policy (README, "Delayed feedback", the emission policies' table; :func:`expected_samples`):
+  under ``wait`` and ``window`` every valid impression has exactly one ``FINAL`` row with its label; under
+  ``fake_negative`` (the default) exactly one ``OBSERVED`` 0 and a positive one exactly one ``DELAYED_POSITIVE`` 1;
+  under ``es_dfm`` exactly one ``OBSERVED`` row, a 1 iff its click came at most ``elapsed_s`` after it, and a
+  ``DELAYED_POSITIVE`` 1 iff its click came later (inside the window). A SIGKILL may re-emit the batches in
+  flight: duplicate rows, same labels; a clean stop (idle exit, SIGTERM, a member leaving) none;
 - every invalid message is in its topic's DLQ once, at its source coordinates, with the kind its class
   breaks (a SIGKILL may dead-letter the batch in flight again: same coordinates, deduplicated as a DLQ reader
   does).
@@ -41,7 +45,7 @@ import pytest
 
 from stream.config import KafkaSettings
 from stream.kafka import AckedProducer, ensure_topics, read_to_end
-from stream.samples import DELAYED_POSITIVE, OBSERVED, SampleBatch
+from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED, SampleBatch
 from tests.bounded_teardown import Reaper
 from tests.integration.test_joiner import join_env
 from tests.kafka_io import produce_raw_header_key, read_topic
@@ -49,7 +53,10 @@ from tests.kafka_io import produce_raw_header_key, read_topic
 WINDOW_MS = 60_000
 LATENESS_MS = 10_000
 PARTITIONS = 3
+ELAPSED_MS = 20_000  # es_dfm's elapsed_s here: clicks at both of its edges are drawn
 STOPS = ("idle", "sigterm", "sigkill")
+POLICIES = ("wait", "window", "fake_negative", "es_dfm")
+NON_DEFAULT = ("wait", "window", "es_dfm")
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class Chaos:
 
     order: dict[int, list[Msg]] = field(default_factory=lambda: {p: [] for p in range(PARTITIONS)})
     labels: dict[str, int] = field(default_factory=dict)  # valid impression id -> final label
+    delays: dict[str, int] = field(default_factory=dict)  # positive impression id -> its click's delay (ms)
     # (impression id, click ts) of the clicks that must reach late_clicks, by reason: every click of an impression
     # without one inside its window is late; a click whose impression never comes is an orphan
     unjoined: set[tuple[str, int, str]] = field(default_factory=set)
@@ -143,7 +151,7 @@ def draw(seed: int, now_ms: int, per_partition: int = 120) -> Chaos:
             arrive = clock
             clicks: list[int] = []
             if roll < 0.4:  # clicked inside the window (both edges drawn too)
-                clicks.append(clock + r.choice([0, WINDOW_MS, r.randrange(0, WINDOW_MS)]))
+                clicks.append(clock + r.choice([0, ELAPSED_MS, ELAPSED_MS + 1, WINDOW_MS, r.randrange(0, WINDOW_MS)]))
                 if r.random() < 0.3:  # the impression read after its click, within the lateness
                     arrive = clock + r.randrange(clicks[0] - clock + 1, LATENESS_MS + 1) if \
                         clicks[0] - clock < LATENESS_MS else arrive
@@ -157,6 +165,7 @@ def draw(seed: int, now_ms: int, per_partition: int = 120) -> Chaos:
                 if r.random() < 0.1:  # the same click twice
                     put(cts + r.randrange(2000), Msg("click", p, k, _click(iid, cts)))
             chaos.labels[iid] = int(any(0 <= c - clock <= WINDOW_MS for c in clicks))
+            chaos.delays.update((iid, c - clock) for c in clicks if 0 <= c - clock <= WINDOW_MS)
             if not chaos.labels[iid]:
                 chaos.unjoined |= {(iid, c, "late") for c in clicks}
             if r.random() < 0.04:  # an orphan click
@@ -172,18 +181,30 @@ def draw(seed: int, now_ms: int, per_partition: int = 120) -> Chaos:
         chaos.labels[fut] = int(r.random() < 0.5)
         if chaos.labels[fut]:
             put(clock + 1, Msg("click", p, fut.encode(), _click(fut, fts + 5_000)))
+            chaos.delays[fut] = 5_000
         chaos.order[p] = [m for _, _, m in sorted(timeline, key=lambda t: (t[0], t[1]))]
     return chaos
 
 
-def produce(kafka: KafkaSettings, chaos: Chaos) -> dict[tuple[str, int, int], str]:
-    """Every message in its partition's order; returns the expected DLQ kind per (topic, partition, offset)."""
+def expected_samples(chaos: Chaos, policy: str) -> set[tuple[str, int, int]]:
+    """(impression id, kind, label) of every sample the README's emission policy ``policy`` makes of ``chaos``."""
+    if policy in ("wait", "window"):
+        return {(i, FINAL, lab) for i, lab in chaos.labels.items()}
+    elapsed = ELAPSED_MS if policy == "es_dfm" else -1  # fake_negative: every click comes after the OBSERVED 0
+    early = {i for i, d in chaos.delays.items() if d <= elapsed}  # the click in view at the OBSERVED sample
+    return ({(i, OBSERVED, int(i in early)) for i in chaos.labels}
+            | {(i, DELAYED_POSITIVE, 1) for i in chaos.delays if i not in early})
+
+
+def produce(kafka: KafkaSettings, order: dict[int, list[Msg]], next_offset: Counter[tuple[str, int]]
+            ) -> dict[tuple[str, int, int], str]:
+    """Every message of ``order`` in its partition's order, after the ``next_offset`` already produced (counted on);
+    returns the expected DLQ kind per (topic, partition, offset)."""
     topics = {"imp": kafka.impressions_topic, "click": kafka.clicks_topic}
     ensure_topics(kafka, topics.values(), partitions=PARTITIONS)
     producer = AckedProducer(kafka)
-    next_offset: Counter[tuple[str, int]] = Counter()
     expected: dict[tuple[str, int, int], str] = {}
-    for p, msgs in chaos.order.items():
+    for p, msgs in order.items():
         for m in msgs:
             topic = topics[m.topic]
             if m.raw_header_key is not None:  # another producer's header key: written by aiokafka, in order
@@ -195,11 +216,15 @@ def produce(kafka: KafkaSettings, chaos: Chaos) -> dict[tuple[str, int, int], st
                 expected[(topic, p, next_offset[(topic, p)])] = m.dlq_kind
             next_offset[(topic, p)] += 1
         producer.flush()  # one partition's order kept across the aiokafka writes
-    for topic in topics.values():  # offsets as counted: nothing else wrote to these topics (headers left unread:
+    return expected
+
+
+def check_produced(kafka: KafkaSettings, next_offset: Counter[tuple[str, int]]) -> None:
+    """The inputs hold the offsets as counted: nothing else wrote to these topics."""
+    for topic in (kafka.impressions_topic, kafka.clicks_topic):  # (headers left unread:
         held: Counter[int] = Counter()  # confluent-kafka raises on a header key that is not UTF-8)
         read_to_end(kafka, topic, lambda m, held=held: held.update([m.partition()]))  # type: ignore[misc]
         assert held == Counter({p: n for (t, p), n in next_offset.items() if t == topic})
-    return expected
 
 
 def join_cmd(app_id: str, drain: bool, driver: str = "kafka") -> list[str]:
@@ -208,15 +233,16 @@ def join_cmd(app_id: str, drain: bool, driver: str = "kafka") -> list[str]:
             "--json", *(["--drain"] if drain else [])]
 
 
-def stop_first_run(stop: str, driver: str, env: dict[str, str], app_id: str, kafka: KafkaSettings,
-                   r: random.Random, reaper: Reaper) -> dict | None:
-    """The first run, without ``--drain``, ended by ``stop`` once a random number of samples messages are out;
-    returns its summary (None after a SIGKILL)."""
-    proc = reaper.add(subprocess.Popen(join_cmd(app_id, False, driver), env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True))
+def samples_messages(kafka: KafkaSettings) -> int:
+    return len(read_topic(kafka, kafka.samples_topic))
+
+
+def stop_first_run(stop: str, proc: subprocess.Popen, kafka: KafkaSettings, r: random.Random) -> dict | None:
+    """The first run ``proc``, without ``--drain``, ended by ``stop`` once a random number of samples messages are
+    out; returns its summary (None after a SIGKILL)."""
     if stop != "idle":
         want = r.randrange(1, 12)
-        while proc.poll() is None and len(read_topic(kafka, kafka.samples_topic)) < want:
+        while proc.poll() is None and samples_messages(kafka) < want:
             time.sleep(0.05)
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL if stop == "sigkill" else signal.SIGTERM)
@@ -247,31 +273,32 @@ def dead_letter_coordinates(kafka: KafkaSettings) -> list[tuple[tuple[str, int, 
     return out
 
 
-def check_chaos(seed: int, driver: str, kafka: KafkaSettings, redis_url: str, group_id: str, reaper: Reaper) -> None:
+def check_chaos(seed: int, driver: str, kafka: KafkaSettings, redis_url: str, group_id: str, reaper: Reaper,
+                policy: str = "fake_negative") -> None:
     r = random.Random(seed ^ 0x5EED)
     chaos = draw(seed, int(time.time() * 1000))
-    expected_dlq = produce(kafka, chaos)
+    offsets: Counter[tuple[str, int]] = Counter()
+    expected_dlq = produce(kafka, chaos.order, offsets)
+    check_produced(kafka, offsets)
     env = join_env(kafka, redis_url, group_id)
-    env.pop("STREAMREC_JOINER_EMISSION")  # the default policy, fake_negative
-    env["STREAMREC_JOINER_BATCH_MAX"] = str(r.choice([16, 50, 200]))
+    env.update(STREAMREC_JOINER_EMISSION=policy, STREAMREC_JOINER_ELAPSED_S=str(ELAPSED_MS / 1000),
+               STREAMREC_JOINER_BATCH_MAX=str(r.choice([16, 50, 200])))
     stop = STOPS[seed % len(STOPS)]
-    first = stop_first_run(stop, driver, env, group_id, kafka, r, reaper)
+    proc = reaper.add(subprocess.Popen(join_cmd(group_id, False, driver), env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True))
+    first = stop_first_run(stop, proc, kafka, r)
     out = subprocess.run(join_cmd(group_id, True, driver), env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     summaries = [s for s in (first, json.loads(out.stdout.strip().splitlines()[-1])) if s is not None]
-    what = f"seed {seed}, {driver} driver, first run ended by {stop}"
+    what = f"seed {seed}, {driver} driver, {policy}, first run ended by {stop}"
 
     rows = sample_rows(kafka)
-    kinds = Counter((i, k) for i, k, _ in rows)
-    observed = {i for i, k in kinds if k == OBSERVED}
-    delayed = {i for i, k in kinds if k == DELAYED_POSITIVE}
-    assert observed == set(chaos.labels), f"{what}: lost {sorted(set(chaos.labels) - observed)[:5]}, " \
-                                          f"extra {sorted(observed - set(chaos.labels))[:5]}"
-    assert delayed == {i for i, lab in chaos.labels.items() if lab}, \
-        f"{what}: wrong labels {sorted(delayed ^ {i for i, lab in chaos.labels.items() if lab})[:5]}"
-    assert {(k, lab) for _, k, lab in rows} <= {(OBSERVED, 0), (DELAYED_POSITIVE, 1)}, what
+    want = expected_samples(chaos, policy)
+    got = set(rows)
+    assert got == want, f"{what}: lost {sorted(want - got)[:5]}, unexpected {sorted(got - want)[:5]}"
     if stop != "sigkill":  # a clean stop re-emits nothing
-        assert set(kinds.values()) == {1}, f"{what}: {[k for k, n in kinds.items() if n > 1][:5]} twice"
+        twice = [row for row, n in Counter(rows).items() if n > 1]
+        assert not twice, f"{what}: {twice[:5]} twice"
 
     late = {(v["impression_id"], v["click_ts"], v["reason"])
             for v in (orjson.loads(rec.value) for rec in read_topic(kafka, f"late-{kafka.samples_topic}"))}
@@ -284,7 +311,7 @@ def check_chaos(seed: int, driver: str, kafka: KafkaSettings, redis_url: str, gr
     if stop != "sigkill":
         assert len(letters) == len(expected_dlq), f"{what}: a dead letter twice"
         assert sum(s["dead_lettered"] for s in summaries) == len(expected_dlq), what
-        assert sum(s["delayed_positives"] for s in summaries) == sum(chaos.labels.values()), what
+        assert sum(s["delayed_positives"] for s in summaries) == sum(k == DELAYED_POSITIVE for _, k, _ in want), what
     for s in summaries:  # each run's counters add up
         assert s["samples"] == s["positives"] + s["negatives"], what
     assert summaries[-1]["pending_impressions"] == 0, what
@@ -313,12 +340,14 @@ def test_a_restart_on_the_local_broker_does_not_dead_letter_a_committed_bad_mess
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_a_new_hostile_stream_per_seed_joins_every_valid_impression_once_and_dead_letters_every_invalid_one(
         seed: int, kafka: KafkaSettings, stack, group_id: str, reaper: Reaper) -> None:
-    check_chaos(seed, "kafka", kafka, stack.redis_url, group_id, reaper)
+    """Each CI seed under one of the non-default policies (the default's is the slow sweep's)."""
+    check_chaos(seed, "kafka", kafka, stack.redis_url, group_id, reaper, NON_DEFAULT[seed % len(NON_DEFAULT)])
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("driver", ["kafka", "faust"])
 @pytest.mark.parametrize("seed", range(100, 110))
-def test_the_hostile_stream_sweep_over_more_seeds_and_both_drivers(seed: int, driver: str, kafka: KafkaSettings,
-                                                                   stack, group_id: str, reaper: Reaper) -> None:
-    check_chaos(seed, driver, kafka, stack.redis_url, group_id, reaper)
+def test_the_hostile_stream_sweep_over_more_seeds_policies_and_both_drivers(
+        seed: int, driver: str, policy: str, kafka: KafkaSettings, stack, group_id: str, reaper: Reaper) -> None:
+    check_chaos(seed, driver, kafka, stack.redis_url, group_id, reaper, policy)
