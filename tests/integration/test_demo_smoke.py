@@ -77,8 +77,8 @@ def test_a_monitor_that_ended_early_is_reported_and_the_demo_still_writes_its_re
         if line.startswith("== train"):
             break
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    # the `streamrec monitor` subcommand as one argument: the run directory's path names this test (...monitor...), and a
-    # stage started by then (the learner, its report --follow) has it in its arguments too
+    # the `streamrec monitor` subcommand as one argument: the run directory's path names this test (a "monitor"), and
+    # a stage started by then (the learner, its report --follow) has it in its arguments too
     monitor, = [int(c) for c in children if b"monitor" in Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")]
     os.kill(monitor, signal.SIGKILL)
     out.append(proc.stdout.read())
