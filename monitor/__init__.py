@@ -2,9 +2,11 @@
 
 Owns: the alert type and the sinks with their delivery queues (``alerts.py``), the rules file format
 (``rules.py``, default rules in ``default_rules.toml``), the small safe expression language
-(``expr.py``), the Prometheus text format as scraped (``exposition.py``), the engine that scrapes, evaluates,
-sends and (with a ``[run_log]`` table in the rules file) records every scrape to a run log (``engine.py``), and
-the operator report drawn from that log and the stages' summaries (``report.py``, ``streamrec report``).
+(``expr.py``), the Prometheus text format as scraped (``exposition.py``), the scraper (``scrape.py``),
+the rule state machines (``rule_engine.py``), the firing-state file kept over restarts (``state_file.py``), the
+run log of every scrape (``run_log.py``, with a ``[run_log]`` table in the rules file), the loop that ties them to
+the sinks (``engine.py``), and the operator report drawn from that log and the stages' summaries (``report.py``,
+``streamrec report``).
 
 May import: ``stream/`` (Kafka client configs) and the standard library; no other stage. Entry point:
 ``monitor.engine.Monitor`` (``streamrec monitor`` builds it at the edge).

@@ -1,7 +1,7 @@
 """The operator report: one HTML file with plots of what the running system recorded (``streamrec report``).
 
 Nothing in it is recomputed from the data: every curve is a metric the stages exported and the monitor
-scraped into its run log (``[run_log]`` of the rules file, :class:`monitor.engine.RunLog`), and every number
+scraped into its run log (``[run_log]`` of the rules file, :class:`monitor.run_log.RunLog`), and every number
 beside it comes from what the batch stages wrote themselves: the ``--json`` summaries of ``streamrec replay``,
 ``join``, ``train`` and ``refresh``, the publish root's ``last_run.json`` and the names and times of the
 learner's delta files. Rates are the increase of a counter between two scrapes over the time between them,
@@ -83,7 +83,7 @@ class Recording:
     record read but ``start`` (a scrape, a failed one, the rules' states, an alert): a step while a source did not
     answer split its scrapes nowhere (110 -> 115 read as 5 s where 35 had passed). A ``start`` line is left out: one
     that begins a rotated file is stamped at the rotation, after the ``now`` of the record written right after it
-    (:class:`RunLog <monitor.engine.RunLog>`)."""
+    (:class:`RunLog <monitor.run_log.RunLog>`)."""
 
     scrapes: dict[str, list[tuple[float, list[Sample], int]]] = field(default_factory=dict)
     errors: list[tuple[float, str, str]] = field(default_factory=list)

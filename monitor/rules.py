@@ -89,7 +89,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_RULES = "default_rules.toml"  # packaged in monitor/, the same file as compose/alert-rules.toml
-# label sets one metric keeps in the rates' history (monitor.engine.MetricHistory); the stages export tens per
+# label sets one metric keeps in the rates' history (monitor.rule_engine.MetricHistory); the stages export tens per
 # metric, so more is a label that churns (an id, a timestamp) or a misconfigured source, not a series to watch
 HISTORY_MAX_SERIES = 2_000
 
@@ -164,7 +164,7 @@ class Rule:
 
 @dataclass(frozen=True)
 class RunLogSettings:
-    """``[run_log]``: where the monitor appends what it saw (``monitor.engine.RunLog``); no path, no log.
+    """``[run_log]``: where the monitor appends what it saw (``monitor.run_log.RunLog``); no path, no log.
     At most ``max_bytes * (keep + 1)`` on disk: past ``max_bytes`` the file becomes ``path.1`` (``path.1``
     becomes ``path.2``, ... up to ``keep``; 0 keeps none) and a new one starts."""
 
@@ -182,11 +182,11 @@ class RulesConfig:
     interval_s: float = 15.0
     scrape_timeout_s: float = 5.0
     run_log: RunLogSettings = RunLogSettings()
-    scrape_error_hold_s: float = 60.0  # see monitor.engine.RuleEngine: a failed scrape is unknown, not false
-    state_path: Path | None = None  # the firing series over a restart (monitor.engine.FiringStateFile)
+    scrape_error_hold_s: float = 60.0  # see monitor.rule_engine.RuleEngine: a failed scrape is unknown, not false
+    state_path: Path | None = None  # the firing series over a restart (monitor.state_file.FiringStateFile)
     for_grace_period_s: float = 60.0  # a restored pending series fires no sooner after a start (RuleEngine)
     history_max_series: int = HISTORY_MAX_SERIES  # label sets per metric in the rates' history (MetricHistory)
-    sample_max_age_s: float = 300.0  # a timestamped sample older than this is no data (monitor.engine.Snapshot)
+    sample_max_age_s: float = 300.0  # a timestamped sample older than this is no data (monitor.scrape.Snapshot)
 
     def __post_init__(self) -> None:
         check_interval(self.interval_s, self.origin)  # also where --interval replaces it

@@ -49,8 +49,9 @@ from monitor.alerts import (
     SinkSettings,
     WebhookSink,
 )
-from monitor.engine import RuleEngine, Snapshot
+from monitor.rule_engine import RuleEngine
 from monitor.rules import loads_rules
+from monitor.scrape import Snapshot
 from stream.config import KafkaSettings
 from tests.bounded_teardown import close_all
 from tests.kafka_io import read_topic

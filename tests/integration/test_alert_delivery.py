@@ -40,8 +40,9 @@ from monitor.alerts import (
     build_sinks,
     retry_after_s,
 )
-from monitor.engine import Monitor, Snapshot
+from monitor.engine import Monitor
 from monitor.rules import RulesError, loads_rules
+from monitor.scrape import Snapshot
 from stream.config import KafkaSettings
 from tests.bounded_teardown import close_all
 from tests.kafka_io import read_topic

@@ -28,8 +28,9 @@ from learner.artifact import build_artifact
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
 from learner.row_mapper import RowMapper
-from monitor.engine import RuleEngine, Snapshot
+from monitor.rule_engine import RuleEngine
 from monitor.rules import load_rules
+from monitor.scrape import Snapshot
 from serving.embedding_store import RedisEmbeddingStore, decode_answer, overlay_keys, row_keys, tag_key, write_version
 from serving.features import FeatureEncoder
 from serving.metrics import ServingMetrics

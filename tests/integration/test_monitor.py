@@ -34,9 +34,11 @@ from monitor.alerts import (
     WebhookSink,
     alert_fingerprint,
 )
-from monitor.engine import MetricHistory, Monitor, RuleEngine, Snapshot
+from monitor.engine import Monitor
 from monitor.expr import ExprError, parse
+from monitor.rule_engine import MetricHistory, RuleEngine
 from monitor.rules import DEFAULT_RULES, Op, Rule, RulesError, load_rules, loads_rules
+from monitor.scrape import Snapshot
 from stream.config import KafkaSettings
 from streamrec.cli import main
 from tests.bounded_teardown import kill_and_reap

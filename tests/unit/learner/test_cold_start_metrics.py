@@ -15,8 +15,9 @@ from prometheus_client import REGISTRY, generate_latest
 from learner.quality import BUCKET_SHARE, COLD_AUC, COLD_LOGLOSS, WARM_AUC, IdMetrics, TrainingQuality
 from learner.row_mapper import MapStats
 from monitor.alerts import AlertState
-from monitor.engine import RuleEngine, Snapshot
+from monitor.rule_engine import RuleEngine
 from monitor.rules import load_rules
+from monitor.scrape import Snapshot
 
 
 def default_rule(name: str) -> RuleEngine:

@@ -1,4 +1,4 @@
-"""Absence timers over a restart (monitor.engine.RuleEngine.no_data / restore_no_data, the state file's
+"""Absence timers over a restart (monitor.rule_engine.RuleEngine.no_data / restore_no_data, the state file's
 ``no_data``): a monitor restarted more often than a rule's absent_for_s still sends its absence alert, with the
 pending series' semantics (tests/unit/monitor/test_pending_restart.py): the time without data before the restart
 counts, the outage does not, and a restored timer fires no sooner than for_grace_period_s after the start."""
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from monitor.alerts import AlertKind, AlertState
-from monitor.engine import FiringStateFile, Monitor
+from monitor.engine import Monitor
+from monitor.state_file import FiringStateFile
 from tests.unit.monitor.test_engine_faults import Clocks, ListSink, monitor, shares
 
 STEP_S = 15

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 
 from monitor.alerts import LogSink
-from monitor.engine import RuleEngine, Snapshot
+from monitor.rule_engine import RuleEngine
 from monitor.rules import loads_rules
+from monitor.scrape import Snapshot
 
 RULE = """
 [[rule]]

@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from monitor import engine as engine_mod
+from monitor import scrape as scrape_mod
 from monitor.alerts import Alert, AlertState, QueuedSink, Severity, SinkError, SinkSettings, WebhookSink, post_json
-from monitor.engine import Monitor, Scraper, Snapshot
+from monitor.engine import Monitor
 from monitor.rules import loads_rules
+from monitor.scrape import Scraper, Snapshot
 from streamrec.cli import main
 
 
@@ -797,7 +798,7 @@ def test_a_sources_scrape_errors_are_exported_as_0_before_its_first_failure_so_i
 
 def test_an_answer_larger_than_scrape_max_bytes_is_a_failed_scrape(target: Callable[..., Target],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_mod, "SCRAPE_MAX_BYTES", 10_000)
+    monkeypatch.setattr(scrape_mod, "SCRAPE_MAX_BYTES", 10_000)
 
     def huge(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
         _headers(h)

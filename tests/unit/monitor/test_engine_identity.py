@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 
 from monitor.alerts import Alert, AlertKind, AlertState, alert_fingerprint
-from monitor.engine import HISTORY_DROPPED, FiringStateFile, Monitor, RuleEngine, Snapshot, once_text
+from monitor.engine import Monitor, once_text
+from monitor.rule_engine import HISTORY_DROPPED, RuleEngine
 from monitor.rules import RulesError, loads_rules
+from monitor.scrape import Snapshot
+from monitor.state_file import FiringStateFile
 from tests.monitoring_io import NullSink
 
 LAG_RULES = """

@@ -13,9 +13,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from monitor.alerts import QueuedSink
-from monitor.engine import Monitor, RuleEngine, Scraper, Snapshot, evaluate_once
+from monitor.engine import Monitor, evaluate_once
 from monitor.exposition import ExpositionError, parse
+from monitor.rule_engine import RuleEngine
 from monitor.rules import loads_rules
+from monitor.scrape import Scraper, Snapshot
 from tests.monitoring_io import NullSink
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from monitor.engine import MetricHistory, Snapshot
 from monitor.expr import ExprError, parse
+from monitor.rule_engine import MetricHistory
 from monitor.rules import RulesError, loads_rules
+from monitor.scrape import Snapshot
 
 SCRAPE = 'm{ip="10a0b0c1"} 1\nm{ip="10.0.0.1"} 2\nm{msg="a\\nb"} 3\nm{msg="tab\there \\"q\\" \\\\ é"} 4\n'
 

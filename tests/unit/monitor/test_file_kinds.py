@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from monitor import report
-from monitor.engine import FiringStateFile, RunLog
 from monitor.rules import RunLogSettings
+from monitor.run_log import RunLog
+from monitor.state_file import FiringStateFile
 from stream.errors import ConfigError
 from stream.files import NotRegularFile
 from tests.fifos import fed_fifo

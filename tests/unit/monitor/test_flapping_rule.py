@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from monitor.engine import RuleEngine, Snapshot, State
+from monitor.rule_engine import RuleEngine, State
 from monitor.rules import RulesError, loads_rules
+from monitor.scrape import Snapshot
 
 RULE = """
 [[rule]]

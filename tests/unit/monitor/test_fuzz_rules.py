@@ -16,9 +16,10 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monitor.engine import MetricHistory, RuleEngine, Snapshot
 from monitor.expr import MAX_DEPTH, ExprError, Node, longest_range, metrics_of, parse
+from monitor.rule_engine import MetricHistory, RuleEngine
 from monitor.rules import _SINK_KEYS, RulesConfig, RulesError, loads_rules, rules_from_dict
+from monitor.scrape import Snapshot
 
 FUZZ = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 

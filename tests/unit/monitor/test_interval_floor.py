@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from monitor.alerts import QueuedSink
-from monitor.engine import Monitor, Snapshot
+from monitor.engine import Monitor
 from monitor.rules import MIN_INTERVAL_S, RulesError, loads_rules
+from monitor.scrape import Snapshot
 from streamrec.cli import main
 
 RULES = '[sources]\n[sinks]\nlog = false\n[[rule]]\nname = "x"\nexpr = "streamrec_x"\nop = ">"\nthreshold = 0\n'

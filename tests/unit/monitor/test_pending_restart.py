@@ -1,4 +1,4 @@
-"""Pending series over a restart (monitor.engine.RuleEngine.pending / restore_pending, the state file's
+"""Pending series over a restart (monitor.rule_engine.RuleEngine.pending / restore_pending, the state file's
 ``pending``): a monitor restarted more often than a rule's for_s still fires it, with Prometheus' semantics
 (ALERTS_FOR_STATE): the time held before the restart counts, the outage does not, and a restored series fires no
 sooner than for_grace_period_s after the start."""
@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from monitor.alerts import AlertState
-from monitor.engine import FiringStateFile, Monitor, Snapshot
+from monitor.engine import Monitor
+from monitor.scrape import Snapshot
+from monitor.state_file import FiringStateFile
 from tests.unit.monitor.test_engine_faults import Clocks, ListSink, monitor, shares
 
 STEP_S = 15

@@ -8,8 +8,9 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, generate_latest
 
 from learner.distributed import RankContext, RankLabelled, metrics_registry
-from monitor.engine import RuleEngine, Snapshot
+from monitor.rule_engine import RuleEngine
 from monitor.rules import load_rules
+from monitor.scrape import Snapshot
 
 
 class Rank:

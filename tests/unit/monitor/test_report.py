@@ -1,4 +1,4 @@
-"""The run log (monitor/engine.py RunLog, [run_log] of the rules file) and the report built from it
+"""The run log (monitor/run_log.py RunLog, [run_log] of the rules file) and the report built from it
 (monitor/report.py): what is recorded is what is read back and drawn; rates, quantiles and missing data."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import pytest
 
 from monitor import report
 from monitor.alerts import Alert, AlertKind, QueuedSink, SinkSettings, alert_fingerprint
-from monitor.engine import Monitor, RunLog, Snapshot
+from monitor.engine import Monitor
 from monitor.rules import RulesError, RunLogSettings, loads_rules
+from monitor.run_log import RunLog
+from monitor.scrape import Snapshot
 
 RULES = '''
 interval_s = 1
@@ -466,7 +468,7 @@ def test_a_run_log_whose_last_line_cannot_be_checked_still_starts(tmp_path: Path
     """The check for a cut last line opens the path a second time, to read: a log renamed between the two opens (an
     outside rotation) or one the monitor may write but not read stopped the monitor at start (exit 2); it ran before
     the check existed. The check is skipped then, and the records are appended."""
-    from monitor import engine as engine_mod
+    from monitor import run_log as run_log_mod
 
     path = tmp_path / "run-log.jsonl"
     path.write_text('{"kind":"start","t":999,"sources":{},"interval_s":1,"rules":[]}\n')
@@ -474,7 +476,7 @@ def test_a_run_log_whose_last_line_cannot_be_checked_still_starts(tmp_path: Path
     def refused(_path: Path) -> None:
         raise error
 
-    monkeypatch.setattr(engine_mod, "open_regular", refused)
+    monkeypatch.setattr(run_log_mod, "open_regular", refused)
     log = RunLog(RunLogSettings(path=path), clock=lambda: 1000.0)
     log.start({}, 1.0, [])
     log.close()

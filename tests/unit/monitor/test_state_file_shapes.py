@@ -1,4 +1,4 @@
-"""The firing-state file read back at start (monitor.engine.FiringStateFile.load): any valid JSON that is not what
+"""The firing-state file read back at start (monitor.state_file.FiringStateFile.load): any valid JSON that is not what
 the monitor writes is logged and monitoring starts fresh, never a traceback nor records read under a version the
 monitor does not know (a newer monitor's, or a ``version`` of another type: ``true`` compared equal to 1)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from monitor.engine import FiringStateFile
+from monitor.state_file import FiringStateFile
 
 RECORD = {"rule": "r", "labels": {}, "since": 1.0, "value": 2.0}
 

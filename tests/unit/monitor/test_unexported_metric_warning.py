@@ -9,8 +9,9 @@ from collections.abc import Callable
 import pytest
 
 from monitor.alerts import QueuedSink
-from monitor.engine import Monitor, Scraper, Snapshot, evaluate_once
+from monitor.engine import Monitor, evaluate_once
 from monitor.rules import loads_rules
+from monitor.scrape import Scraper, Snapshot
 from tests.monitoring_io import NullSink
 
 RULES = """interval_s = 1

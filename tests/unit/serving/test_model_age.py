@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from learner.artifact import build_artifact
-from monitor.engine import RuleEngine, Snapshot
+from monitor.rule_engine import RuleEngine
 from monitor.rules import load_rules
+from monitor.scrape import Snapshot
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
 from tests.unit.learner.test_artifact import CFG, make_checkpoint

@@ -18,8 +18,9 @@ from learner.optim import make_optimizers
 from learner.row_mapper import RowMapper
 from learner.trainer import Trainer
 from monitor.alerts import AlertState
-from monitor.engine import RuleEngine, Snapshot
+from monitor.rule_engine import RuleEngine
 from monitor.rules import load_rules
+from monitor.scrape import Snapshot
 from serving.features import FeatureEncoder
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel

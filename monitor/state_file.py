@@ -1,0 +1,172 @@
+"""The firing-state file: the firing, pending and absent series carried over a restart (``state_path`` of the
+rules file).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from monitor.alerts import (
+    Severity,
+)
+from monitor.rule_engine import ABSENT_LABELS
+from stream.files import MAX_STATE_FILE_BYTES, read_regular, write_atomic
+
+log = logging.getLogger("streamrec.monitor")
+
+
+class FiringStateFile:
+    """``state_path`` of the rules file: the firing series (:meth:`RuleEngine.firing`) as JSON, rewritten
+    atomically after every evaluation that sent an alert and at close, read back at start. Without it a
+    restart forgets what was firing: an alert whose condition cleared while the monitor was down never
+    resolves, and one still holding fires again only after ``for_s``. :class:`Monitor` also keeps here, as
+    firing, the series whose resolved alert some sink has not delivered yet (still queued at shutdown, or
+    when the monitor is killed), rewriting the file once they are delivered: the restarted monitor resolves
+    them again rather than leave the receiver showing them firing for ever. A file that cannot be read or written
+    is logged and monitoring goes on (a write is tried again at the next change); so is one that is not a regular file
+    (a FIFO there hung the monitor's start) or holds more than :data:`~stream.files.MAX_STATE_FILE_BYTES`.
+
+    Version 2 marks a rule's absence alert ``"absent": true``; version 1 knew it by its labels
+    ``{"absent": "true"}`` alone (no series with those labels was ever evaluated then, so such a record of a
+    version 1 file is an absence alert, and is read as one). A record's ``labels`` are the series' own (without
+    the rule's labels) and its ``fingerprint`` that of its alerts, for a reader of the file to match them; it was
+    added to version 2 later, and is not read back: restore computes it from the rule, ``absent`` and the labels,
+    so a file written before it was added restores the same identities.
+
+    ``pending`` (:meth:`RuleEngine.pending`) was also added to version 2 later, the pending series, so a monitor
+    restarted more often than a rule's ``for_s`` (a crash loop, frequent deploys) still fires it
+    (:meth:`RuleEngine.restore_pending`): the file is then rewritten after every evaluation while a series is pending
+    (``held``, when each last held, moves on). Not a version 3: a file without it (an older monitor's) is read
+    as having none, in silence, and an older monitor reading a newer file ignores it and keeps its firing records,
+    where an unknown version would have dropped them. ``no_data`` (:meth:`RuleEngine.no_data`), the absence timers
+    still running, was added the same way and for the same reason (``absent_for_s``,
+    :meth:`RuleEngine.restore_no_data`). The timers and the firing absence alerts' records also carry, where a restart
+    cut the monitor's outage out of their time, ``down_s``/``restarts``/``down_from``/``down_to`` (:class:`Outages`),
+    and a firing absence alert's record ``held`` and ``counted_s``, so the restored alert's text says what it counted
+    and what it did not; a record without them (an older monitor's) restores as before. A firing series' record also
+    carries ``held`` (when its condition last held, wall-clock seconds), so ``keep_firing_for_s`` counts on across the
+    restart (an older monitor's record without it resolves at the first evaluation that does not hold, as before)."""
+
+    VERSION = 2
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.failures = 0
+        self.failing = False  # the last write failed: write again at the next evaluation
+
+    def load(self) -> list[dict[str, Any]]:
+        """The firing records (:meth:`read`'s first part)."""
+        return self.read()[0]
+
+    def read(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+        """The firing and the pending records and the absence timers; none of any where the file is not one this
+        monitor reads."""
+        try:
+            data = json.loads(read_regular(self.path, MAX_STATE_FILE_BYTES, "a firing-state file"))
+        except FileNotFoundError:
+            return [], [], []
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deeply ("[[[[...")
+            log.error("state file %s: cannot read it (%s); alerts firing before this start will not resolve",
+                      self.path, exc)
+            return [], [], []
+        version = data.get("version", 1) if isinstance(data, dict) else 1
+        if type(version) is not int or not 1 <= version <= self.VERSION:  # true == 1; a newer writer's records
+            log.error("state file %s: version %.40r, not one this monitor reads (1 to %d); alerts firing before this "
+                      "start may not resolve", self.path, version, self.VERSION)
+            return [], [], []
+        firing = data.get("firing") if isinstance(data, dict) else None
+        good = [r for r in firing if self._valid(r)] if isinstance(firing, list) else []
+        if version == 1:
+            good = [{**r, "absent": True} if r["labels"] == dict(ABSENT_LABELS) else r for r in good]
+        if not isinstance(firing, list) or len(good) < len(firing):
+            log.error("state file %s: %s; alerts firing before this start may not resolve", self.path,
+                      "not a firing-state file" if not isinstance(firing, list)
+                      else f"{len(firing) - len(good)} malformed record(s) skipped")
+        if not isinstance(data, dict):
+            return good, [], []
+        return good, self._pending(data), self._no_data(data)
+
+    def _pending(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+        """The valid pending records of ``data``; a malformed one is logged as a warning and skipped (its series
+        only waits a full ``for_s`` again)."""
+        pending = data.get("pending", [])
+        good = [r for r in pending if self._valid(r) and self._number(r.get("held"), finite=True)
+                and r.get("absent", False) is False and isinstance(r.get("condition"), str)] \
+            if isinstance(pending, list) else []
+        if not isinstance(pending, list) or len(good) < len(pending):
+            log.warning("state file %s: %s pending record(s) malformed, skipped: their rules' for_s starts over",
+                        self.path, len(pending) - len(good) if isinstance(pending, list) else "all")
+        return good
+
+    def _no_data(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+        """The valid absence timers of ``data``; a malformed one is logged as a warning and skipped (its rule only
+        waits a full ``absent_for_s`` again)."""
+        timers = data.get("no_data", [])
+        good = [r for r in timers if isinstance(r, dict) and isinstance(r.get("rule"), str)
+                and isinstance(r.get("expr"), str) and self._number(r.get("since"), finite=True)
+                and self._number(r.get("held"), finite=True) and self._outages(r)] if isinstance(timers, list) else []
+        if not isinstance(timers, list) or len(good) < len(timers):
+            log.warning("state file %s: %s absence timer(s) malformed, skipped: their rules' absent_for_s starts over",
+                        self.path, len(timers) - len(good) if isinstance(timers, list) else "all")
+        return good
+
+    @staticmethod
+    def _valid(r: Any) -> bool:
+        return (isinstance(r, dict) and isinstance(r.get("rule"), str) and isinstance(r.get("labels"), dict)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in r["labels"].items())
+                and FiringStateFile._number(r.get("since"), finite=True)
+                and (r.get("value") is None or r["value"] in ("NaN", "+Inf", "-Inf")
+                     or FiringStateFile._number(r["value"], finite=False))
+                and isinstance(r.get("sources", []), list) and all(isinstance(x, str) for x in r.get("sources", []))
+                and isinstance(r.get("absent", False), bool) and isinstance(r.get("fingerprint", ""), str)
+                and isinstance(sev := r.get("severity", Severity.WARNING.value), str)
+                and sev in {s.value for s in Severity}
+                and (r.get("threshold") is None or r["threshold"] in ("NaN", "+Inf", "-Inf")
+                     or FiringStateFile._number(r["threshold"], finite=False))
+                and isinstance(r.get("rule_labels", {}), dict) and FiringStateFile._outages(r)
+                and all(FiringStateFile._number(r[k], finite=True) for k in ("held", "counted_s") if k in r)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in r.get("rule_labels", {}).items()))
+
+    @staticmethod
+    def _outages(r: Mapping[str, Any]) -> bool:
+        """Whether the outages of a record (:meth:`Outages.as_record`) are none or whole: a count of restarts and
+        finite times."""
+        if "restarts" not in r:
+            return True
+        n = r["restarts"]
+        return (type(n) is int and n >= 1
+                and all(FiringStateFile._number(r.get(k), finite=True) for k in ("down_s", "down_from", "down_to")))
+
+    @staticmethod
+    def _number(v: Any, finite: bool) -> bool:
+        """Whether ``v`` is a JSON number that reads as a float (an integer of 400 digits does not: restore
+        would raise OverflowError), and a finite one where ``finite`` (JSON's -Infinity as ``since`` would make
+        every later write of the file fail)."""
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return False
+        try:
+            return math.isfinite(float(v)) or not finite
+        except OverflowError:
+            return False
+
+    def save(self, firing: Sequence[Mapping[str, Any]], pending: Sequence[Mapping[str, Any]] = (),
+             no_data: Sequence[Mapping[str, Any]] = ()) -> None:
+        data = json.dumps({"version": self.VERSION, "firing": list(firing), "pending": list(pending),
+                           "no_data": list(no_data)}, allow_nan=False).encode()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.path, data)
+            self.failing = False
+        except OSError as exc:
+            self.failures += 1
+            if not self.failing:
+                log.error("state file %s: cannot write it (%s); a restart now would forget what is firing",
+                          self.path, exc)
+            self.failing = True
+
+
