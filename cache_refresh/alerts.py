@@ -3,7 +3,7 @@
 The refresh alerts on what an operator must see (``refresh_failed``, ``refresh_pinned``, ``refresh_skipped``,
 ``refresh_degraded``, ``refresh_lineage_switched``: ``cache_refresh/job.py``). An alert is a ``monitor.alerts.Alert``
 in the monitor's record shape, written to the log (``LogSink``) when it is raised and handed to a
-``monitor.alerts.QueuedSink`` in front of a ``KafkaSink``: the monitor's own delivery, so a broker that is down when
+``monitor.delivery.QueuedSink`` in front of a ``KafkaSink``: the monitor's own delivery, so a broker that is down when
 the alert is raised does not lose it. Undelivered alerts stay queued and are retried with backoff (``retry_backoff_s``
 doubling to ``retry_backoff_max_s``), in order, until the broker takes them; each failed attempt is logged and counted
 (``streamrec_monitor_sink_failures_total{sink="kafka"}``, ``..._delivered_total``, ``..._dropped_total``, served on
@@ -43,7 +43,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from monitor.alerts import Alert, AlertState, KafkaSink, LogSink, QueuedSink, Severity, SinkSettings, drain
+from monitor.alerts import Alert, AlertState, KafkaSink, LogSink, Severity, SinkSettings
+from monitor.delivery import QueuedSink, drain
 from stream.config import KafkaSettings
 from stream.files import describe_os_error, leftover_writer_alive, open_regular
 

@@ -4,7 +4,7 @@ Its parts are each usable alone, each in its own module: :class:`~monitor.scrape
 :class:`~monitor.rule_engine.RuleEngine` (``rule_engine.py``), :class:`~monitor.run_log.RunLog` (``run_log.py``) and
 :class:`~monitor.state_file.FiringStateFile` (``state_file.py``). This module ties them together:
 :class:`Monitor` runs them with a sink in a loop that stops when its ``stop`` event is set. Sending
-only queues the alerts (:class:`~monitor.alerts.QueuedSink`: one queue and worker thread per
+only queues the alerts (:class:`~monitor.delivery.QueuedSink`: one queue and worker thread per
 sink), so a slow or dead sink never delays an evaluation; :meth:`Monitor.close` drains the queues.
 The alerts of an evaluation are queued before anything else is done with them (the run log): the
 state machines have already moved, so an alert not queued then would never be sent. :func:`evaluate_once` is
@@ -20,16 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from monitor.alerts import (
-    Alert,
-    AlertKind,
-    AlertSink,
-    AlertState,
-    FanOut,
-    QueuedSink,
-    drain,
-)
+from monitor.alerts import Alert, AlertKind, AlertSink, AlertState
 from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
+from monitor.delivery import FanOut, QueuedSink, drain
 from monitor.exposition import families_of
 from monitor.expr import Labels, labels_of, metrics_of
 from monitor.rule_engine import RuleEngine, State
@@ -261,7 +254,7 @@ class Monitor:
     def close(self, timeout_s: float | None = None, abort: Callable[[], str | None] | None = None) -> int:
         """Deliver the queued alerts for at most ``timeout_s`` (default ``close_timeout_s`` of
         ``[sinks]``) and close the sinks; the count of alerts left undelivered (each sink logs its own). ``abort``
-        naming a reason ends the drain at once (:func:`monitor.alerts.drain`: a further stop signal); the state file
+        naming a reason ends the drain at once (:func:`monitor.delivery.drain`: a further stop signal); the state file
         is saved either way, keeping the undelivered resolves firing."""
         try:
             if isinstance(self.sink, FanOut):

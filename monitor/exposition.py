@@ -21,7 +21,7 @@ metrics, whose names are plain, and its rules can name no other.
 A raw newline inside a quoted label value is refused, saying so: promlex.l reads it as part of the value (its
 label value is ``"(\\\\.|[^\\\\"])*"``), expfmt refuses it, and the monitor splits the answer into lines first (the
 README says why).
-Bytes that are not UTF-8 reach the parser as lone surrogates (:func:`monitor.alerts.get_text`) and are refused
+Bytes that are not UTF-8 reach the parser as lone surrogates (:func:`monitor.http_deadline.get_text`) and are refused
 where the server refuses them, naming the line: in a label value (promparse.go: invalid UTF-8 label value) and in
 HELP text (not a valid utf8 string; that text starts one *byte* after the name, as the server slices it, so
 ``# HELP mé x`` is refused and ``# HELP m\\xffx`` read); a comment may hold them, as there.

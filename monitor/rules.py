@@ -76,8 +76,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from monitor.alerts import Severity, SinkSettings, check_http_url
+from monitor.alerts import Severity, SinkSettings
 from monitor.expr import ExprError, Node, longest_range, parse
+from monitor.http_deadline import check_http_url
 from stream.config import TOPIC_RULE, topic_problem
 from stream.errors import ConfigError
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular

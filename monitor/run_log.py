@@ -16,9 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from monitor.alerts import (
-    Alert,
-)
+from monitor.alerts import Alert
 from monitor.rule_engine import RuleEngine, State
 from monitor.rules import Rule, RunLogSettings
 from monitor.scrape import Snapshot

@@ -18,11 +18,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter as PCounter
 
-from monitor.alerts import (
-    get_text,
-)
 from monitor.exposition import parse as parse_exposition
 from monitor.expr import Labels, Point
+from monitor.http_deadline import get_text
 from monitor.rules import RulesConfig
 from stream.secrets import redact
 

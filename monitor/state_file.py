@@ -11,9 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from monitor.alerts import (
-    Severity,
-)
+from monitor.alerts import Severity
 from monitor.rule_engine import ABSENT_LABELS
 from stream.files import MAX_STATE_FILE_BYTES, read_regular, write_atomic
 

@@ -51,7 +51,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _with_sources(config: Any, flags: list[str]) -> Any:
-    from monitor.alerts import check_http_url
+    from monitor.http_deadline import check_http_url
     from streamrec.settings import SettingsError
 
     sources = dict(config.sources)
@@ -89,7 +89,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
         emit(args, summary, once_text)
         return status
 
-    from monitor.alerts import build_sinks
+    from monitor.delivery import build_sinks
 
     if args.metrics_port is not None:  # before the sinks start their threads: a failed bind leaves none running
         from streamrec.commands.common import start_metrics

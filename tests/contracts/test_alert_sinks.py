@@ -43,12 +43,12 @@ from monitor.alerts import (
     AlertState,
     KafkaSink,
     LogSink,
-    QueuedSink,
     Severity,
     SinkError,
     SinkSettings,
     WebhookSink,
 )
+from monitor.delivery import QueuedSink
 from monitor.rule_engine import RuleEngine
 from monitor.rules import loads_rules
 from monitor.scrape import Snapshot

@@ -1,4 +1,4 @@
-"""Alert delivery: every sink behind its own queue and worker thread (monitor.alerts.QueuedSink).
+"""Alert delivery: every sink behind its own queue and worker thread (monitor.delivery.QueuedSink).
 
 Against real local HTTP servers that are dead (a closed port), hang (hold the request until the test
 releases an Event), trickle their answer one byte per 0.5 s, fail the first requests with 500, or
@@ -27,20 +27,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from prometheus_client import REGISTRY
 
-from monitor.alerts import (
-    Alert,
-    AlertState,
-    FanOut,
-    KafkaSink,
-    QueuedSink,
-    Severity,
-    SinkError,
-    SinkSettings,
-    WebhookSink,
-    build_sinks,
-    retry_after_s,
-)
+from monitor.alerts import Alert, AlertState, KafkaSink, Severity, SinkError, SinkSettings, WebhookSink
+from monitor.delivery import FanOut, QueuedSink, build_sinks
 from monitor.engine import Monitor
+from monitor.http_deadline import retry_after_s
 from monitor.rules import RulesError, loads_rules
 from monitor.scrape import Snapshot
 from stream.config import KafkaSettings

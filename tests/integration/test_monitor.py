@@ -24,16 +24,14 @@ from monitor.alerts import (
     Alert,
     AlertKind,
     AlertState,
-    Backoff,
-    FanOut,
     LogSink,
-    QueuedSink,
     Severity,
     SinkError,
     SinkSettings,
     WebhookSink,
     alert_fingerprint,
 )
+from monitor.delivery import Backoff, FanOut, QueuedSink
 from monitor.engine import Monitor
 from monitor.expr import ExprError, parse
 from monitor.rule_engine import MetricHistory, RuleEngine
@@ -438,7 +436,7 @@ dead = "http://127.0.0.1:9/metrics"
 log = false
 webhook_url = "{recorder.url}/hook"
 """ + GOOD_RULE.replace("for_s = 300", "for_s = 0"))
-    from monitor.alerts import build_sinks
+    from monitor.delivery import build_sinks
 
     sink = build_sinks(config.sinks, None)
     monitor = Monitor(config, sink)

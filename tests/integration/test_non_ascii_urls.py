@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from monitor.alerts import Alert, AlertState, Severity, WebhookSink, get_text
+from monitor.alerts import Alert, AlertState, Severity, WebhookSink
+from monitor.http_deadline import get_text
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ import pytest
 
 from cache_refresh import alerts as refresh_alerts
 from cache_refresh.alerts import FAILED_RULE, RefreshAlerts
-from monitor.alerts import Alert, QueuedSink
+from monitor.alerts import Alert
+from monitor.delivery import QueuedSink
 from stream.config import KafkaSettings
 
 

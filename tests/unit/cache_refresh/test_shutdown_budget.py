@@ -11,7 +11,7 @@ import yaml
 
 from cache_refresh.alerts import RefreshAlerts
 from cache_refresh.scheduler import STOP_GRACE_S
-from monitor.alerts import QueuedSink
+from monitor.delivery import QueuedSink
 from stream.config import KafkaSettings
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -17,7 +17,8 @@ import pytest
 
 from cache_refresh.alerts import FAILED_RULE, RefreshAlerts
 from cache_refresh.scheduler import run_forever
-from monitor.alerts import Alert, QueuedSink, SinkSettings
+from monitor.alerts import Alert, SinkSettings
+from monitor.delivery import QueuedSink
 from stream.config import KafkaSettings
 
 

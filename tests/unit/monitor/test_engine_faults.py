@@ -20,8 +20,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from monitor import scrape as scrape_mod
-from monitor.alerts import Alert, AlertState, QueuedSink, Severity, SinkError, SinkSettings, WebhookSink, post_json
+from monitor.alerts import Alert, AlertState, Severity, SinkError, SinkSettings, WebhookSink
+from monitor.delivery import QueuedSink
 from monitor.engine import Monitor
+from monitor.http_deadline import post_json
 from monitor.rules import loads_rules
 from monitor.scrape import Scraper, Snapshot
 from streamrec.cli import main

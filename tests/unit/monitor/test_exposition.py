@@ -12,7 +12,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from monitor.alerts import QueuedSink
+from monitor.delivery import QueuedSink
 from monitor.engine import Monitor, evaluate_once
 from monitor.exposition import ExpositionError, parse
 from monitor.rule_engine import RuleEngine
@@ -378,7 +378,7 @@ def test_a_metric_whose_samples_are_all_stale_is_not_warned_of_as_exported_by_no
 
 # -- bytes that are not UTF-8 (the scraper hands the parser undecodable bytes as \udc80-\udcff) ------------
 def _scraped(answer: bytes) -> str:
-    return answer.decode("utf-8", "surrogateescape")  # what monitor.alerts.get_text returns
+    return answer.decode("utf-8", "surrogateescape")  # what monitor.http_deadline.get_text returns
 
 
 @pytest.mark.parametrize(("answer", "line"), [

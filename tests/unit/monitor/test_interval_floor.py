@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from monitor.alerts import QueuedSink
+from monitor.delivery import QueuedSink
 from monitor.engine import Monitor
 from monitor.rules import MIN_INTERVAL_S, RulesError, loads_rules
 from monitor.scrape import Snapshot

@@ -15,7 +15,8 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 import monitor.alerts as alerts_mod
-from monitor.alerts import Alert, AlertState, KafkaSink, QueuedSink, Severity, SinkSettings
+from monitor.alerts import Alert, AlertState, KafkaSink, Severity, SinkSettings
+from monitor.delivery import QueuedSink
 from stream.config import KafkaSettings
 
 FAST = SinkSettings(retry_backoff_s=0.01, retry_backoff_max_s=0.05)

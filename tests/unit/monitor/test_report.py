@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from monitor import report
-from monitor.alerts import Alert, AlertKind, QueuedSink, SinkSettings, alert_fingerprint
+from monitor.alerts import Alert, AlertKind, SinkSettings, alert_fingerprint
+from monitor.delivery import QueuedSink
 from monitor.engine import Monitor
 from monitor.rules import RulesError, RunLogSettings, loads_rules
 from monitor.run_log import RunLog

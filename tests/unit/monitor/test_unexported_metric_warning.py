@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from monitor.alerts import QueuedSink
+from monitor.delivery import QueuedSink
 from monitor.engine import Monitor, evaluate_once
 from monitor.rules import loads_rules
 from monitor.scrape import Scraper, Snapshot

@@ -386,7 +386,8 @@ def test_a_webhook_url_whose_password_holds_a_path_character_shows_none_of_it(ur
 
 def test_a_webhook_or_source_url_that_cannot_be_parsed_quotes_no_part_of_its_password() -> None:
     # urlsplit's "Port could not be cast to integer value as 'pq7'" quoted the start of a password holding a '/'
-    from monitor.alerts import WebhookSink, check_http_url
+    from monitor.alerts import WebhookSink
+    from monitor.http_deadline import check_http_url
 
     url = "http://usr9:pq7/ssW0rd@alerts.example/x"
     with pytest.raises(ValueError) as err:
