@@ -184,11 +184,17 @@ def _unmeasured(fmt: str, why: str) -> str:
 
 def holdout(new: ScoringModel, live: ScoringModel | None, batches: list[SampleBatch],
             max_auc_drop: float, max_int8_auc_drop: float = DEFAULT_MAX_INT8_AUC_DROP,
-            between: Callable[[], object] = lambda: None) -> dict[str, Any]:
+            between: Callable[[], object] = lambda: None, switched_off: bool = False) -> dict[str, Any]:
     """Quality of the new artifact vs the live one on recent samples; raise if worse beyond the bound. An INT8
     artifact also against its own fp32 path: raise when INT8 costs more than ``max_int8_auc_drop`` of AUC.
-    ``between`` (the run's stop check) is called after each batch each model scores."""
+    ``between`` (the run's stop check) is called after each batch each model scores. ``switched_off``: the operator
+    set ``holdout_messages = 0`` (no quality check): said so, and no ``unchecked`` (only a reduced-precision artifact's
+    ``unmeasured``, as the setting documents); before, every publish over a live artifact sent a refresh_degraded
+    warning blaming an empty or misnamed samples topic."""
     reduced = new.format in REDUCED_PRECISION_FORMATS
+    if switched_off:
+        why = "holdout_messages = 0: the quality check is switched off"
+        return {"skipped": why, **({"unmeasured": _unmeasured(new.format, why)} if reduced else {})}
     if not batches:
         # With a live artifact that is a publish the gate did not check ("unchecked": a refresh_degraded warning,
         # job._published_warnings): a samples topic that is empty, misnamed, or holds nothing that decodes had

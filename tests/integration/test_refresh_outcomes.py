@@ -276,3 +276,15 @@ def test_a_publish_resolves_once_each_alert_that_earlier_runs_fired(env: Any, tm
     again = RecordedAlerts()
     assert job.run_once(rs, kafka, rds, alerts=again)["published"] is True
     assert [a for a in again.fired if a.state.value == "resolved"] == []
+
+
+def test_a_publish_over_a_live_version_with_holdout_messages_0_raises_no_degraded_warning(env: Any) -> None:
+    """``holdout_messages = 0`` (env's) is "no quality check" by the operator's setting: the run reads no holdout and
+    says so; it sent a refresh_degraded warning on every publish blaming an empty or misnamed samples topic."""
+    rs, kafka, rds = env
+    alerts = RecordedAlerts()
+    job.run_once(rs, kafka, rds, alerts=alerts)
+    again = job.run_once(rs, kafka, rds, alerts=alerts)  # over a live version
+    assert again["published"] is True and again["warnings"] == [] and "unchecked" not in again["holdout"]
+    assert "holdout_messages = 0" in again["holdout"]["skipped"]
+    assert [a.rule for a in alerts.fired] == []

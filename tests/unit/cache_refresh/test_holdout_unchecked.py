@@ -34,3 +34,15 @@ def test_no_holdout_sample_over_a_live_artifact_publishes_with_a_degraded_warnin
 def test_no_holdout_sample_and_nothing_live_is_no_warning() -> None:
     quality = validate.holdout(NEW, None, [], 0.01)  # type: ignore[arg-type]
     assert "unchecked" not in quality and warnings(quality) == []
+
+
+def test_holdout_messages_0_is_the_operators_choice_not_an_empty_topic_so_no_degraded_warning() -> None:
+    """``holdout_messages = 0`` documents "no quality check" (a warning only for a reduced-precision artifact, whose
+    AUC cost goes unmeasured). It was reported as no sample read, and warned on every publish over a live artifact
+    as an empty or misnamed samples topic."""
+    quality = validate.holdout(NEW, LIVE, [], 0.01, switched_off=True)  # type: ignore[arg-type]
+    assert "holdout_messages = 0" in quality["skipped"] and warnings(quality) == []
+    int8 = validate.holdout(SimpleNamespace(format="onnx_int8", version="v2"), LIVE, [], 0.01,  # type: ignore[arg-type]
+                            switched_off=True)
+    [(stage, message)] = warnings(int8)
+    assert stage == "validate" and "holdout_messages = 0" in message
