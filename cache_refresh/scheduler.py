@@ -48,6 +48,8 @@ log = logging.getLogger("streamrec.refresh")
 STOP_GRACE_S = 14.0
 EXIT_FAILED = 1  # streamrec.commands.common.EXIT_FAILED: the process edge's code for a failed run
 EXIT_ABANDONED = EXIT_FAILED  # a run abandoned at a stop
+# The longest the scheduler sleeps between looks at the wall clock (_WallClockScheduler)
+WALL_CLOCK_LOOK_S = 60.0
 
 
 _CRON_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")  # crontab's 0..6 (and 7: Sunday again)
@@ -232,6 +234,20 @@ def missed_run(trigger: CronTrigger, now: dt.datetime, last_success: dt.datetime
     return latest
 
 
+class _WallClockScheduler(BlockingScheduler):
+    """APScheduler 3's BlockingScheduler, looking at the wall clock at least every :data:`WALL_CLOCK_LOOK_S`.
+
+    APScheduler sleeps (a monotonic wait) until the next fire time as the wall clock gave it when it went to sleep: a
+    clock stepped forward meanwhile (NTP correcting a drifted VM, a host resumed with its clock set) woke it that much
+    after the fire time by the new clock, and the night's run was dropped as missed when that was more than
+    ``misfire_grace_s``, although the step had passed the fire time by less (01:00 stepped to 03:30: woken at 05:30,
+    2.5 h late). Now the run is due within a look of the step, late by what the step passed it by."""
+
+    def _process_jobs(self) -> float | None:
+        wait = super()._process_jobs()
+        return WALL_CLOCK_LOOK_S if wait is None else min(wait, WALL_CLOCK_LOOK_S)
+
+
 def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_s: int,
                     last_success: dt.datetime | None, now: dt.datetime | None = None,
                     on_skip: Callable[[str, str], Any] | None = None, guard: threading.Lock | None = None,
@@ -251,7 +267,7 @@ def build_scheduler(job: Callable[[], Any], schedule: str, timezone: str, grace_
     """
     trigger = make_trigger(schedule, timezone)
     tz = ZoneInfo(timezone)
-    sched = BlockingScheduler(timezone=tz)
+    sched = _WallClockScheduler(timezone=tz)
     lock = guard or threading.Lock()
     stop = stopping or threading.Event()
 
