@@ -34,8 +34,6 @@ export STREAMREC_KAFKA_IMPRESSIONS_TOPIC=demo-$id-impressions STREAMREC_KAFKA_CL
   STREAMREC_LEARNER_DELTAS_EVERY_S=2 STREAMREC_LEARNER_DELTAS_DIR=$run/deltas
 mkdir -p "$run"
 step() { printf '\n== %s\n' "$*" >&2; }
-digest() { "$PY" -c 'import json, sys; from monitor.report import read_summaries, summary_line
-for stage, d in read_summaries(sys.argv[1:]).items(): print(f"  {stage}: {summary_line(stage, d)}")' "$@" >&2; }
 
 pids=()
 cleanup() {
@@ -64,7 +62,21 @@ halt_on_signal() {
     echo "demo: the $stage was ended by signal $((rc - 128)) (SIG$(kill -l "$rc")): stopping here" >&2; exit "$rc"
   elif ((rc != 0)); then
     echo "demo: the $stage failed (exit $rc): stopping here" >&2; exit "$rc"
-  elif "$PY" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1])).get("reason") != "signal")' "$out"; then
+  fi
+  digest "$stage" "$out"
+}
+# A stage's summary read once, as the report reads it (monitor.report.read_summaries), one line of it shown. None to
+# read (missing, empty, not JSON: the stage killed while writing it, a full disk) stops the demo naming the stage and
+# the file, as a failed stage does; "reason": "signal" stops it too. The signal check had a json.load of its own: it
+# took an unreadable summary for a stage that ended well, and missed the reason after any other line.
+digest() {
+  local stage=$1 out=$2 reason
+  reason=$("$PY" -c 'import sys; from monitor.report import ReportError, read_summaries, summary_line
+try: summaries = read_summaries(sys.argv[1:])
+except (OSError, ReportError) as e: sys.exit(f"{type(e).__name__}: {e}")
+for stage, d in summaries.items(): print(f"  {stage}: {summary_line(stage, d)}", file=sys.stderr); print(d.get("reason"))
+' "$out") || { echo "demo: the $stage left no summary to read in $out: stopping here" >&2; exit 1; }
+  if [[ $reason == signal ]]; then
     echo "demo: the $stage was stopped by a signal (SIGINT/SIGTERM) before its input ended: stopping here," \
       "nothing partly done is refreshed or served ($out)" >&2
     exit 1
@@ -84,22 +96,20 @@ pids+=("$monitor_pid")
 
 step "replay $dataset into demo-$id-impressions / -clicks"
 "$SR" replay --dataset "$dataset" "${limit[@]}" --json >"$run/replay.json"
-digest "$run/replay.json"
+digest replay "$run/replay.json"
 
 step "join (group demo-$id-join)"
 follow joiner "$run/join.json" "$SR" join --driver kafka --app-id "demo-$id-join" --exit-when-idle 5 --drain \
   --metrics-port "$join_port"
-digest "$run/join.json"
 "$SR" counts top --kind item --event click --days 30 --k 5
 
 step "train (checkpoints and deltas in $run)"
 follow learner "$run/train.json" "$SR" train --checkpoint-dir "$run/checkpoints" --exit-when-idle 5 \
   --metrics-port "$learner_port"
-digest "$run/train.json"
 
 step "refresh: hot set from Redis, artifact, validation, publish"
 "$SR" refresh --now --checkpoint-dir "$run/checkpoints" --publish-root "$run/serving" --json >"$run/refresh.json"
-digest "$run/refresh.json"
+digest refresh "$run/refresh.json"
 
 step "serve on :$serve_port, and score real users"
 "$SR" serve --port "$serve_port" --publish-root "$run/serving" --deltas-dir "$run/deltas" --log-level warning &
