@@ -242,6 +242,12 @@ class PartitionJoin:
 
     # -- the batch step ------------------------------------------------------------------------
     @property
+    def live_chunks(self) -> int:
+        """Chunks of this partition's state log not retired yet (what a restore reads): those a restore left before its
+        snapshot count until the next batch's tombstones."""
+        return len(self._live) + len(self._superseded)
+
+    @property
     def watermark(self) -> int | None:
         return None if self.max_ts is None else self.max_ts - self.cfg.lateness_ms - 1  # (module docstring)
 

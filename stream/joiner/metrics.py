@@ -32,6 +32,13 @@ HELD = Gauge("streamrec_join_held_records", "Records read but held back past the
              "(either driver's hold, stream/joiner/backpressure.py), by input, over the worker's partitions: memory "
              "the worker holds until the other input catches up.", ["input"])
 
+SNAPSHOTS = PCounter("streamrec_join_state_snapshots_total", "State chunks written that hold a partition's whole join "
+                     "state, each retiring every chunk before it (stream/joiner/engine.py, PartitionJoin._compact: "
+                     "once the live chunks outweigh twice the state). Many a minute: a partition whose event time "
+                     "stands still (an input stalled) compacting over and over.")
+LIVE_CHUNKS = Gauge("streamrec_join_state_live_chunks", "Chunks of the join state log not retired (tombstoned) yet, "
+                    "per partition: what a restore of the partition reads. Compaction keeps it bounded.", ["partition"])
+
 ASSIGN_RETRIES = PCounter("streamrec_join_assign_retries_total", "Times the kafka driver could not read the partition "
                           "layout or the start positions (the group's committed offsets) of partitions assigned to it "
                           "and asked again: the broker unreachable or slow during a rebalance.")
@@ -69,3 +76,4 @@ def record(res: BatchResult, positives: int, engines: dict[int, PartitionJoin], 
             WATERMARK.labels(str(p)).set(eng.watermark)
         oldest, newest = eng.oldest_pending_ts(), eng.topic_max[0]
         OLDEST_PENDING.labels(str(p)).set(0.0 if oldest is None or newest is None else max(0, newest - oldest) / 1000)
+        LIVE_CHUNKS.labels(str(p)).set(eng.live_chunks)

@@ -1231,6 +1231,8 @@ class JoinPipeline:
             # is acknowledged (a flush raises at a failed one). Sent together, an idempotent producer that drops a
             # failed message and goes on could land the tombstones without it, and the restore lost the state.
             self.producer.flush()
+            self.totals.counts["snapshots"] += len(replaced)
+            m.SNAPSHOTS.inc(len(replaced))
             for partition, seqs in replaced:
                 self._tombstone(partition, seqs)
         t2 = time.monotonic()
