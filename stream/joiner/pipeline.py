@@ -392,6 +392,7 @@ class JoinTotals:
             "state_too_large": c["state_too_large"],  # impressions dead-lettered: their join state alone too large
             "late_clicks_too_large": c["late_clicks_too_large"],  # late click records dead-lettered: too large
             "evicted_impressions": c["evicted_impressions"],
+            "snapshots": c["snapshots"],  # state chunks written holding a partition's whole state (engine._compact)
             "overflow_clicks": c["overflow_clicks"],
             # records set aside past the event-time frontier, counted once per batch they wait (how much waiting
             # happened); of them, clicks the waiting cap had no room for; the most held at once (the hold's memory)

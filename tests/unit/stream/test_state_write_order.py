@@ -14,6 +14,7 @@ from stream.joiner import metrics as m
 from stream.joiner.engine import PartitionJoin
 from stream.joiner.pipeline import JoinPipeline, JoinTotals
 from stream.joiner.state_log import chunk_key, encode_chunk
+from streamrec.commands.common import kv_lines
 from tests.unit.stream.test_join_engine import STALL, Feed, imp
 
 
@@ -88,3 +89,13 @@ def test_a_stalled_partitions_compaction_counts_each_snapshot_written_and_its_li
     assert snapshots >= 2 and most < len(batches) // 2  # compacted, more than once: the log stays bounded
     assert REGISTRY.get_sample_value("streamrec_join_state_snapshots_total") - counted == snapshots
     assert p.totals.counts["snapshots"] == snapshots
+
+
+def test_the_join_summary_says_how_many_snapshots_the_run_wrote() -> None:
+    """The summary printed at exit (``--json``, or the text lines) had every other count of the run but this one."""
+    p, _ = _pipeline()
+    snapshot = SimpleNamespace(chunk=SimpleNamespace(seq=3, snapshot=True), retired=[1, 2])
+    plain = SimpleNamespace(chunk=SimpleNamespace(seq=8, snapshot=False), retired=[7])
+    p._write_state({0: snapshot, 1: plain}, {0: [b"part0", b"part1"], 1: [b"c"]})  # type: ignore[dict-item]
+    summary = p.totals.summary()
+    assert summary["snapshots"] == 1 and "\n  snapshots: 1\n" in kv_lines(summary)
