@@ -1,8 +1,10 @@
-"""The text ``streamrec monitor --help`` (and ``streamrec report --follow``) shows, and the exit statuses of
-``--once``: kept apart from ``rules.py`` and ``engine.py`` so that building the command line's parser imports none
-of the monitor (0.1 s per command)."""
+"""The text ``streamrec monitor --help`` (and ``streamrec report --follow``) shows, the exit statuses of
+``--once`` and the way alerts and the report write a time: kept apart from ``rules.py`` and ``engine.py`` so that
+building the command line's parser imports none of the monitor (0.1 s per command)."""
 
 from __future__ import annotations
+
+import datetime as dt
 
 # ``streamrec monitor --once``: its exit status, for a health check that cannot read the printed states.
 ONCE_OK = 0  # every source scraped and no rule's condition holds
@@ -73,3 +75,8 @@ examples:
   streamrec monitor --rules my-rules.toml --check
   streamrec monitor --source learner=http://learner:9102/metrics --metrics-port 9104
 """
+
+
+def utc_text(t: float) -> str:
+    """Unix seconds as the page and the alerts' text show a time: ``2026-12-06 13:23:16 UTC``."""
+    return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")

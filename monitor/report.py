@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from monitor.cli_text import FOLLOW_TAIL_BYTES
+from monitor.cli_text import FOLLOW_TAIL_BYTES, utc_text
 from monitor.expr import counter_rise
 from stream.errors import StreamrecError
 from stream.files import MAX_STATE_FILE_BYTES, NotRegularFile, open_regular, read_regular, read_tail, write_atomic
@@ -1134,11 +1134,6 @@ def _date(t: float) -> dt.datetime | None:
     """Unix seconds as a UTC date; None for 0 or less (not set yet) and for what no date can be (NaN, +Inf, 1e300:
     metric values, which a scraped process sets)."""
     return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc) if 0 < t <= MAX_T else None
-
-
-def utc_text(t: float) -> str:
-    """Unix seconds as the page and the alerts' text show a time: ``2026-12-06 13:23:16 UTC``."""
-    return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def served_quality(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:

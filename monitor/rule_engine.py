@@ -50,8 +50,8 @@ from typing import Any
 from prometheus_client import Counter as PCounter
 
 from monitor.alerts import Alert, AlertKind, AlertState, Severity, alert_fingerprint, decode_value, encode_value
+from monitor.cli_text import utc_text
 from monitor.expr import Labels, Point, Window, labels_of, ranged_metrics
-from monitor.report import utc_text
 from monitor.rules import HISTORY_MAX_SERIES, Rule, RulesConfig
 from monitor.scrape import Snapshot
 
