@@ -19,13 +19,14 @@ a file in a variable), nothing else (a password may hold spaces).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import re
 import threading
 import urllib.parse
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 MASK = "***"
 _MIN_REGISTERED = 4  # shorter values are not scrubbed as free text (they would mask ordinary words)
@@ -180,6 +181,15 @@ class RedactingFilter(logging.Filter):
         elif record.exc_text:
             record.exc_text = redact(record.exc_text)
         return True
+
+
+class RedactingArgumentParser(argparse.ArgumentParser):
+    """The CLI's parser (and, by argparse's ``add_parser``, every subcommand's): its usage errors quote what was typed
+    (``unrecognized arguments: --redis-ulr redis://u:PASSWORD@h``, ``invalid int value: '...'``), scrubbed here as
+    every other CLI error line is."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(redact(message))
 
 
 def install_log_redaction(logger: logging.Logger | None = None) -> None:

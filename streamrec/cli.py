@@ -14,12 +14,13 @@ import os
 import sys
 from collections.abc import Sequence
 
+from stream.secrets import RedactingArgumentParser, redact
 from streamrec.commands import COMMANDS, report
 from streamrec.commands.common import EXIT_FAILED, EXIT_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = RedactingArgumentParser(
         prog="streamrec",
         description="Streaming online learning for click-through-rate ranking: replay and join events, "
         "train DeepFM continuously, refresh the hot-embedding cache, serve scores.",
@@ -41,7 +42,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from confluent_kafka import KafkaException
 
     from stream.errors import ConfigError, StreamrecError
-    from stream.secrets import redact
 
     try:
         code = int(args.func(args))

@@ -164,3 +164,20 @@ def test_replay_of_an_event_log_checks_rows_against_the_limits_section(tmp_path:
         main(["replay", "--dataset", str(tmp_path / "log.csv"), "--time-unit", "ms", "--clicked-col", "",
               "--no-progress"])
     assert got["table"].n_impressions == 1 and got["table"].stats["rejected_rows"] == 0
+
+
+@pytest.mark.parametrize("argv", [
+    ["counts", "top", "--kind", "item", "--redis-ulr", "redis://u:Sup3rSecretPW@127.0.0.1:1/0"],  # a mistyped flag
+    ["counts", "top", "--kind", "item", "--k", "redis://u:Sup3rSecretPW@127.0.0.1:1/0"],  # a value in the wrong place
+])
+def test_a_usage_error_quoting_a_url_does_not_print_its_password(argv: list[str],
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's usage errors quote what was typed ("unrecognized arguments: ...", "invalid int value: ..."): a
+    Redis url's password reached stderr (and the journal or CI log collecting it) in clear, where every other CLI
+    error line is scrubbed of credentials (README: Security)."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Sup3rSecretPW" not in err
+    assert "redis://***@127.0.0.1:1/0" in err  # still says which argument it was
