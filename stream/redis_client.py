@@ -202,11 +202,13 @@ def _tls_options(settings: RedisSettings) -> dict[str, Any]:
     """The TLS files as redis-py's options, checked first: redis-py loads them at its first connection, where a CA
     file that holds no certificate, a key that is not the certificate's or an unreadable file failed every command
     late with an obscure error (retried as an outage). Loading them once here (:func:`stream.tls.client_context`)
-    makes each a ConfigError naming the setting and the file when the client is built."""
+    makes each a ConfigError naming the setting and the file when the client is built. The certificate and host-name
+    checks are set here, not left to redis-py's defaults: redis-py 5 (which pyproject allows) checks no host name."""
     client_context("redis", ("ssl_ca_certs", settings.ssl_ca_certs), ("ssl_certfile", settings.ssl_certfile),
                    ("ssl_keyfile", settings.ssl_keyfile))
-    return {name: str(path) for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-            if (path := getattr(settings, name)) is not None}
+    return {"ssl_cert_reqs": "required", "ssl_check_hostname": True,
+            **{name: str(path) for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+               if (path := getattr(settings, name)) is not None}}
 
 
 # Every command's bound where a caller names none. A Redis that stops answering without closing its connections (a

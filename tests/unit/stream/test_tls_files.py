@@ -122,3 +122,20 @@ def test_a_redis_client_with_an_unusable_tls_file_fails_when_built_naming_the_se
     good = RedisSettings(url="rediss://127.0.0.1:1/0", ssl_ca_certs=files.good.ca, ssl_certfile=files.good.cert,
                          ssl_keyfile=files.good.key)
     connect(good, retries=0).close()  # good files: built (lazily, nothing sent)
+
+
+@pytest.mark.parametrize("with_ca", [True, False])
+def test_a_rediss_client_checks_the_servers_host_name_whatever_redis_pys_default(files: Files, with_ca: bool) -> None:
+    """The host-name check of a rediss:// connection is streamrec's setting, not redis-py's default: pyproject allows
+    redis-py 5, whose ``ssl_check_hostname`` defaults to False, where any certificate a trusted CA signed (the
+    system's CAs when ssl_ca_certs is unset: any public site's) was taken for the Redis's. Nothing is sent."""
+    from stream.config import RedisSettings
+    from stream.redis_client import connect
+
+    rs = RedisSettings(url="rediss://127.0.0.1:1/0", ssl_ca_certs=files.good.ca if with_ca else None)
+    client = connect(rs, retries=0)
+    try:
+        kw = client.connection_pool.connection_kwargs
+        assert kw.get("ssl_check_hostname") is True and kw.get("ssl_cert_reqs") == "required"
+    finally:
+        client.close()
