@@ -71,19 +71,24 @@ _SERVER_STATE_ERRORS = (redis.exceptions.OutOfMemoryError, redis.exceptions.Read
 # "Error running script (...): @user_script:1: WRONGTYPE ..." (an ERR reply, redis.call; a pipeline puts "Command # 1
 # (...) of pipeline caused error: " before it); Redis 7 replies with the command's own code.
 _SCRIPT_CODE = re.compile(r"@user_script: ?\d+: -?([A-Z][A-Z0-9_]*) ")
+# Redis 6 answers a command its ACL denies inside a script with no code at all: "@user_script: 1: The user executing
+# the script can't run this command or subcommand" (or "... can't access at least one of the keys mentioned in the
+# command"): NOPERM all the same, the ACL's to fix; struck, every message was dead-lettered for it.
+_SCRIPT_ACL = "The user executing the script can't "
 
 
 def _server_state(exc: redis.ResponseError) -> bool:
     """Whether a Redis error reply is one of :data:`_SERVER_STATE`: by redis-py's class, else by the reply's code
     (redis-py keeps it as ``status_code``; an error re-raised from a script's result, ``stream/history.py``, has only
-    its text, which starts with the code), or by the code of the command a script called (:data:`_SCRIPT_CODE`)."""
+    its text, which starts with the code), or by the code of the command a script called (:data:`_SCRIPT_CODE`;
+    Redis 6's text for one its ACL denied, :data:`_SCRIPT_ACL`)."""
     if isinstance(exc, _SERVER_STATE_ERRORS):
         return True
     text = str(exc)
     code = getattr(exc, "status_code", None) or text.split(" ", 1)[0]
     if code in _SERVER_STATE:
         return True
-    return any(c in _SERVER_STATE for c in _SCRIPT_CODE.findall(text))
+    return any(c in _SERVER_STATE for c in _SCRIPT_CODE.findall(text)) or _SCRIPT_ACL in text
 
 
 # After an infrastructure failure (:func:`is_infrastructure`) a join driver rewinds to its committed offsets and waits

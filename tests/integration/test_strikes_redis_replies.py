@@ -12,6 +12,7 @@ import redis
 
 from stream.history import UserHistory
 from stream.strikes import is_infrastructure
+from streamrec.stack import LocalStack
 
 
 def _reply(call) -> redis.RedisError:  # noqa: ANN001 - a callable
@@ -51,3 +52,27 @@ def test_redis_error_replies_to_a_messages_data_give_strikes_and_out_of_memory_g
         assert is_infrastructure(exc_pcall) and is_infrastructure(exc_call), (str(exc_pcall), str(exc_call))
     finally:
         redis_client.delete(*redis_client.keys(f"{prefix}:*"))
+
+
+def test_a_command_the_acl_denies_inside_a_script_is_infrastructure_not_the_messages_fault(
+        stack: LocalStack, redis_client: redis.Redis) -> None:
+    """An ACL user allowed to run scripts but not a command they call (``+@all -lpush``; ``+@read +@scripting``
+    without ``+@write``): Redis 6 answers ``ERR ... The user executing the script can't run this command or
+    subcommand``, with no NOPERM code, and every message was struck and then dead-lettered for the ACL's fault (all of
+    them: the same call fails for each). Denied outside a script the same command is NOPERM, infrastructure already."""
+    prefix = f"strikes-acl-{uuid.uuid4().hex[:8]}"
+    user, password = f"{prefix}-user", uuid.uuid4().hex
+    redis_client.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all", "-lpush")
+    limited = redis.Redis.from_url(stack.redis_url, username=user, password=password)
+    try:
+        history = UserHistory(limited, prefix=prefix)
+        exc_pcall = _reply(lambda: history.append_many([7], [1], [1000]))  # redis.pcall: the script's result
+        exc_call = _reply(lambda: limited.eval("return redis.call('lpush', KEYS[1], 'x')", 1, f"{prefix}:k"))
+        exc_plain = _reply(lambda: limited.lpush(f"{prefix}:k", "x"))
+        assert is_infrastructure(exc_plain), str(exc_plain)
+        assert is_infrastructure(exc_pcall) and is_infrastructure(exc_call), (str(exc_pcall), str(exc_call))
+    finally:
+        limited.close()
+        redis_client.execute_command("ACL", "DELUSER", user)
+        if keys := redis_client.keys(f"{prefix}:*"):
+            redis_client.delete(*keys)
