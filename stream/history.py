@@ -383,11 +383,13 @@ class UserHistory:
     # One command for a whole batch: redis-py spends ~5 us packing each pipelined command, so thousands of
     # LRANGEs cost more client time than the server's work. A server-side loop over KEYS does the same reads.
     # A key of the wrong type (damaged or written by someone else) reads as one malformed entry, not as an
-    # error that fails the whole batch.
+    # error that fails the whole batch. Any other error (an ACL denying LRANGE: NOPERM, or Redis 6's "The user
+    # executing the script can't run this command") fails the read: read as malformed, every user had no history.
     _LRANGE_MANY = (
         "local out = {} for i, k in ipairs(KEYS) do "
         "local r = redis.pcall('LRANGE', k, 0, ARGV[1]) "
-        "if r['err'] then r = {'!wrongtype'} end out[i] = r end return out"
+        "if r['err'] then if not string.find(r['err'], 'WRONGTYPE', 1, true) then return r end "
+        "r = {'!wrongtype'} end out[i] = r end return out"
     )
 
     def _script(self) -> Any:

@@ -76,3 +76,26 @@ def test_a_command_the_acl_denies_inside_a_script_is_infrastructure_not_the_mess
         redis_client.execute_command("ACL", "DELUSER", user)
         if keys := redis_client.keys(f"{prefix}:*"):
             redis_client.delete(*keys)
+
+
+def test_a_history_read_the_acl_denies_fails_as_infrastructure_not_as_empty_histories(
+        stack: LocalStack, redis_client: redis.Redis) -> None:
+    """The history read's script turned every error of its LRANGE into one malformed entry, meant for a key of the
+    wrong type: under an ACL denying LRANGE (``+@write +@scripting`` without ``+@read``) every user read as having no
+    history, and the joiner emitted every sample without its history feature, counted only as malformed entries. A key
+    of the wrong type still reads as malformed (no history, the others' histories read)."""
+    prefix = f"strikes-acl-{uuid.uuid4().hex[:8]}"
+    user, password = f"{prefix}-user", uuid.uuid4().hex
+    redis_client.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all", "-lrange")
+    limited = redis.Redis.from_url(stack.redis_url, username=user, password=password)
+    try:
+        UserHistory(redis_client, prefix=prefix).append_many([7], [11], [1000])
+        redis_client.set(UserHistory(redis_client, prefix=prefix).key(8), "not a list")
+        assert UserHistory(redis_client, prefix=prefix).as_of([7, 8], [2000, 2000]) == [[11], []]
+        exc = _reply(lambda: UserHistory(limited, prefix=prefix).as_of([7, 8], [2000, 2000]))
+        assert isinstance(exc, redis.ResponseError) and is_infrastructure(exc), str(exc)
+    finally:
+        limited.close()
+        redis_client.execute_command("ACL", "DELUSER", user)
+        if keys := redis_client.keys(f"{prefix}:*"):
+            redis_client.delete(*keys)
