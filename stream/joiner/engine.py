@@ -56,8 +56,9 @@ State durability is event-sourced (``stream/joiner/state_log.py``): every batch 
 chunk is retired (tombstoned) once nothing it holds can matter any more. While event time stands still
 (the impressions stalled after their quorum, or never reaching it) nothing retires, and a batch of
 clicks on impressions that never come wrote a chunk each for as long as the stall lasted: so once the
-live chunks outweigh twice the live state (plus ``COMPACT_SLACK``), the batch's chunk holds the whole
-live state instead and every older chunk retires (:meth:`PartitionJoin._compact`).
+live chunks outweigh twice the live state (plus ``COMPACT_SLACK``; a chunk weighs its items plus ``CHUNK_WEIGHT``
+for its own framing), the batch's chunk holds the whole live state instead and every older chunk retires
+(:meth:`PartitionJoin._compact`).
 """
 
 from __future__ import annotations
@@ -87,9 +88,16 @@ _ID, _TS, _DENSE = attrgetter("impression_id"), attrgetter("ts"), attrgetter("de
 _CLICK_TS = attrgetter("click_ts")  # of a Pending
 _SECOND = itemgetter(1)  # of a (due time, impression_id) timer
 _NO_OFFSET = -1
-# Compaction (``PartitionJoin._compact``): the live chunks' weight (a chunk: 1 + its listed items) may exceed twice the
-# weight of one chunk holding the whole live state by this much before they are replaced by such a chunk.
+# Compaction (``PartitionJoin._compact``): the live chunks' weight (a chunk: CHUNK_WEIGHT + its listed items) may
+# exceed twice the weight of one chunk holding the whole live state by this much before they are replaced by such a
+# chunk.
 COMPACT_SLACK = 1_000
+# A chunk's own cost in listed items: an empty chunk encodes to ~350 bytes and a waiting click adds ~31
+# (state_log.encode_chunk), and each chunk is one more Kafka record to write, read and decode at a restore. Counted
+# as 1, a stall whose batches each brought a click or two on impressions that never come grew the log by a chunk a
+# batch up to the waiting cap (100,000 chunks, each mostly framing) before the first snapshot: its chunks' items
+# alone never outweighed twice the state they held.
+CHUNK_WEIGHT = 12
 
 
 @dataclass(frozen=True)
@@ -443,7 +451,7 @@ class PartitionJoin:
         """Count ``c`` live until the watermark passes its ``retire_at`` (:meth:`_retire`)."""
         retire_at = c.max_ref_ts + self.cfg.window_ms + self.cfg.late_retention_ms if c.max_ref_ts >= 0 else -1
         heapq.heappush(self._chunks, (retire_at, c.seq))
-        weight = 1 + len(c.added) + len(c.joined) + len(c.waiting) + len(c.evicted) + len(c.unwaited)
+        weight = CHUNK_WEIGHT + len(c.added) + len(c.joined) + len(c.waiting) + len(c.evicted) + len(c.unwaited)
         self._live[c.seq] = (c.max_ref_ts, weight)
         self._live_weight += weight
 
@@ -453,7 +461,7 @@ class PartitionJoin:
         the clicks themselves: a snapshot holds each, and one id's clicks waiting by the thousand (a burst on an
         impression not come yet) made a snapshot that alone outweighed twice the bound: every batch after it wrote
         the whole state again."""
-        held = 1 + 2 * (len(self.pending) + len(self.finalized))
+        held = CHUNK_WEIGHT + 2 * (len(self.pending) + len(self.finalized))
         if self._live_weight <= 2 * (held + len(self.waiting)) + COMPACT_SLACK:
             return False
         return self._live_weight > 2 * (held + sum(map(len, self.waiting.values()))) + COMPACT_SLACK

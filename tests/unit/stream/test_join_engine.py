@@ -487,6 +487,20 @@ def test_a_partition_short_of_its_impressions_quorum_keeps_a_bounded_state_log_t
     _same_outputs_after(j, back, f)
 
 
+def test_a_stall_below_the_waiting_cap_keeps_its_chunks_few_though_every_one_of_them_is_state() -> None:
+    # Below the waiting cap every orphan click a stalled batch brings is live state, so its chunk's items never
+    # outweighed twice the state they hold: with a chunk counted as 1 + its items, 2,000 batches of three such clicks
+    # left 2,001 live chunks (each mostly framing: ~350 bytes against ~31 a click) and no snapshot. A chunk's own cost
+    # (CHUNK_WEIGHT) makes the many small chunks compact into one.
+    cfg = dataclasses.replace(CFG, watermark_quorum=16)
+    j, f, log, most = _stalled(cfg, 40, 2000)
+    assert len(j.waiting) == 6000 and cfg.max_waiting > 6000  # every click kept: no cap at work
+    assert most <= 600, most
+    back = PartitionJoin.restore(0, cfg, [decode_chunk(v) for v in log.values()])
+    assert back.waiting == j.waiting and back.offsets == j.offsets and back.finalized == j.finalized
+    _same_outputs_after(j, back, f)
+
+
 def test_many_clicks_waiting_on_one_impression_id_do_not_make_every_later_batch_write_the_whole_state() -> None:
     # A burst of clicks on one impression not come yet (a bot, a client retrying) waits as one id of the state but is
     # a snapshot's weight each: measured by ids, the snapshot alone outweighed twice the state plus the slack, and each
