@@ -6,7 +6,8 @@ Map the file's columns with a :class:`ColumnMap` (the CLI's ``--*-col`` flags) a
 Reading
     ``.parquet``/``.pq`` with ``pyarrow.parquet``; ``.csv``/``.tsv``/``.txt`` (optionally ``.gz``,
     ``.bz2``, ``.zst``) with ``pyarrow.csv``, delimiter tab for ``.tsv`` and comma otherwise unless
-    given. Only the mapped columns are read. A CSV file needs a header row. In CSV files the id columns
+    given. Only the mapped columns are read. A CSV file needs a header row; a quoted value may hold line breaks
+    (RFC 4180), in a file of any size. In CSV files the id columns
     are read as text: a column whose values are all canonical non-negative integers (``0``, ``42``,
     not ``007``) becomes integer ids, any other column stays string ids, so an id's text (what
     :func:`stream.ids.stable_hash` hashes) never changes; ``-1`` is a negative integer id there (a canonical
@@ -379,7 +380,7 @@ _MAX_CSV_BLOCK = 256 << 20  # the longest CSV row read (Arrow reads whole rows p
 _ROW_RE = re.compile(r"^(?:CSV parse error: )?(?:(In CSV column #\d+): )?Row #(\d+): (.*)$", re.S)
 
 
-def _csv_error(path: Path, exc: BaseException, read: Any, serial: pcsv.ReadOptions,
+def _csv_error(path: Path, exc: BaseException, read: Any, serial: pcsv.ReadOptions, parse: pcsv.ParseOptions,
                names: Sequence[str] = (), cols: ColumnMap | None = None) -> EventLogError:
     """One message for an Arrow CSV error: file, line (from a single-threaded re-read, which Arrow numbers), the
     column by its header name and role (Arrow numbers it: ``names`` is the header), and Arrow's reason with the
@@ -391,7 +392,7 @@ def _csv_error(path: Path, exc: BaseException, read: Any, serial: pcsv.ReadOptio
     if "Empty CSV file" in msg:
         return EventLogError(f"cannot read {path} as CSV: it is empty (a CSV file needs a header row)")
     try:
-        read(serial)
+        read(serial, parse)
     except (pa.ArrowException, OSError, UnicodeDecodeError) as again:
         msg = str(again) if isinstance(again, pa.ArrowException) else msg
     m = _ROW_RE.match(msg)
@@ -418,18 +419,34 @@ def _column_named(arrow_column: str, names: Sequence[str], cols: ColumnMap | Non
     return f"column {names[i]!r}" + (f" (the {' and '.join(roles)} column)" if roles else "")
 
 
-def _csv(path: Path, read: Any, names: Sequence[str] = (), cols: ColumnMap | None = None) -> Any:
-    """``read(ReadOptions)``, retried with larger blocks for a long row; Arrow errors as :func:`_csv_error` (with the
-    header ``names`` and the map ``cols`` to name a column)."""
+def _csv(path: Path, read: Any, parse: pcsv.ParseOptions, names: Sequence[str] = (),
+         cols: ColumnMap | None = None) -> Any:
+    """``read(ReadOptions, ParseOptions)``, retried with quoted line breaks allowed and with larger blocks for a long
+    row; Arrow errors as :func:`_csv_error` (with the header ``names`` and the map ``cols`` to name a column).
+
+    Arrow splits a file into blocks at line ends unless told that values may hold them (``newlines_in_values``, a
+    slower split): a quoted value holding a line break (RFC 4180; pandas and Excel write multi-line text so) that a
+    block boundary cut made the file unreadable past its first 1 MiB ("out of sync with chunker", or a ragged row at
+    a wrong line), while the same rows in a small file were read. A cut always fails a block's parse, so a file that
+    does not parse is read again with them allowed, and only that read's error is reported (but for an unclosed
+    quote, which then swallows the rest of the file: the first read named its line)."""
     block = 1 << 20
+    plain = parse  # without quoted line breaks: the fast split
+    first: BaseException | None = None  # plain's error
     while True:
         try:
-            return read(pcsv.ReadOptions(block_size=block))
+            return read(pcsv.ReadOptions(block_size=block), parse)
         except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
+            if isinstance(exc, pa.ArrowInvalid) and not parse.newlines_in_values:
+                first, parse = exc, pcsv.ParseOptions(delimiter=plain.delimiter, newlines_in_values=True)
+                continue
             if not (isinstance(exc, pa.ArrowInvalid) and "straddling object" in str(exc)):
-                raise _csv_error(path, exc, read, pcsv.ReadOptions(block_size=block, use_threads=False), names,
-                                 cols) from None
+                raise _csv_error(path, exc, read, pcsv.ReadOptions(block_size=block, use_threads=False), parse,
+                                 names, cols) from None
             if block >= _MAX_CSV_BLOCK:
+                if first is not None and "straddling object" not in str(first):
+                    raise _csv_error(path, first, read, pcsv.ReadOptions(use_threads=False), plain, names,
+                                     cols) from None
                 raise EventLogError(f"cannot read {path} as CSV: a row is longer than {_MAX_CSV_BLOCK >> 20} MiB (an "
                                     "unclosed quote?)") from None
             block *= 16
@@ -447,11 +464,11 @@ def _read_csv(path: Path, fh: io.FileIO, ext: str, cols: ColumnMap, wanted: list
                 raise EventLogError(f"{path} looks like a {what} file (it starts with {head!r}), not CSV text: name "
                                     f"it {path.stem}{name}")
 
-    def header(ro: pcsv.ReadOptions) -> list[str]:
-        with _stream(fh, codec) as src, pcsv.open_csv(src, read_options=ro, parse_options=parse) as reader:
+    def header(ro: pcsv.ReadOptions, po: pcsv.ParseOptions) -> list[str]:
+        with _stream(fh, codec) as src, pcsv.open_csv(src, read_options=ro, parse_options=po) as reader:
             return list(reader.schema.names)
 
-    have = _csv(path, header)
+    have = _csv(path, header, parse)
     _check_columns(path, have, cols, wanted)
     # Ids as text: Arrow would read ids past 2**63-1 as floats (losing digits); see _ids(). Times and dense values
     # as text too: Arrow's inference read `nan`, `NA` or `null` as a missing value and `inf` as a float, so a row's
@@ -467,9 +484,9 @@ def _read_csv(path: Path, fh: io.FileIO, ext: str, cols: ColumnMap, wanted: list
     if limit is not None:
         # Streaming stops early, but it infers types from the first block only: if a later block
         # does not fit them, read the whole file (which infers over all of it) instead.
-        def head_rows(ro: pcsv.ReadOptions) -> pa.Table | None:
+        def head_rows(ro: pcsv.ReadOptions, po: pcsv.ParseOptions) -> pa.Table | None:
             batches, rows = [], 0
-            with _stream(fh, codec) as src, pcsv.open_csv(src, read_options=ro, parse_options=parse,
+            with _stream(fh, codec) as src, pcsv.open_csv(src, read_options=ro, parse_options=po,
                                                          convert_options=convert) as reader:
                 while rows < limit:
                     try:
@@ -477,8 +494,8 @@ def _read_csv(path: Path, fh: io.FileIO, ext: str, cols: ColumnMap, wanted: list
                     except StopIteration:
                         break
                     except pa.ArrowInvalid as exc:
-                        if "straddling object" in str(exc):
-                            raise
+                        if "straddling object" in str(exc) or not po.newlines_in_values:
+                            raise  # retried by _csv (quoted line breaks; larger blocks)
                         # a type inferred from the first block does not fit a later one (or a bad row: the
                         # whole read reports it)
                         return None
@@ -487,14 +504,14 @@ def _read_csv(path: Path, fh: io.FileIO, ext: str, cols: ColumnMap, wanted: list
                 schema = reader.schema
             return pa.Table.from_batches(batches, schema=schema).slice(0, limit)
 
-        table = _csv(path, head_rows, have, cols)
+        table = _csv(path, head_rows, parse, have, cols)
         if table is not None:
             return table
-    def whole(ro: pcsv.ReadOptions) -> pa.Table:
+    def whole(ro: pcsv.ReadOptions, po: pcsv.ParseOptions) -> pa.Table:
         with _stream(fh, codec) as src:
-            return pcsv.read_csv(src, read_options=ro, parse_options=parse, convert_options=convert)
+            return pcsv.read_csv(src, read_options=ro, parse_options=po, convert_options=convert)
 
-    table = _csv(path, whole, have, cols)
+    table = _csv(path, whole, parse, have, cols)
     return table if limit is None else table.slice(0, limit)
 
 

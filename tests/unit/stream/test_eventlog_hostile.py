@@ -335,3 +335,19 @@ def test_a_parquet_list_feature_entry_that_is_not_utf8_refuses_the_file_as_a_bin
                              "tags": tags}), path)
     with pytest.raises(EventLogError, match=r"feature column 'tags': list values are not UTF-8 text"):
         load(path, clicked=None, features=("tags",))
+
+
+@pytest.mark.parametrize("limit", [None, 20_000])
+@pytest.mark.parametrize("mapped", [True, False])
+def test_quoted_line_breaks_are_read_in_a_file_of_many_csv_blocks(tmp_path: Path, limit: int | None,
+                                                                  mapped: bool) -> None:
+    """RFC 4180 quotes a value holding a line break (pandas and Excel write multi-line text so): Arrow's blocks
+    split at line ends and got out of sync with such a file past its first 1 MiB block, and the file was refused
+    with advice to set an Arrow option no flag sets, while the same rows in a small file were read."""
+    lines = [HEADER + ",note", *(f'{r},"first line\nsecond, line {k}"' for k, r in enumerate(rows(30_000)))]
+    path = write(tmp_path / "multiline.csv", lines)
+    assert path.stat().st_size > 1 << 20  # more than one block
+    table = load(path, limit, features=("genre", "note") if mapped else ("genre",))
+    assert table.n_impressions == (limit or 30_000) and not table.raw
+    if mapped:
+        assert table.context[0].dicts[-1]["note"] == f"first line\nsecond, line {table.n_impressions - 1}"
