@@ -112,11 +112,13 @@ what it would refuse.
 from __future__ import annotations
 
 import contextlib
+import csv
+import functools
 import io
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -381,7 +383,8 @@ _ROW_RE = re.compile(r"^(?:CSV parse error: )?(?:(In CSV column #\d+): )?Row #(\
 
 
 def _csv_error(path: Path, exc: BaseException, read: Any, serial: pcsv.ReadOptions, parse: pcsv.ParseOptions,
-               names: Sequence[str] = (), cols: ColumnMap | None = None) -> EventLogError:
+               names: Sequence[str] = (), cols: ColumnMap | None = None,
+               line_of: Callable[[int], int | None] | None = None) -> EventLogError:
     """One message for an Arrow CSV error: file, line (from a single-threaded re-read, which Arrow numbers), the
     column by its header name and role (Arrow numbers it: ``names`` is the header), and Arrow's reason with the
     row text escaped and clipped."""
@@ -398,7 +401,10 @@ def _csv_error(path: Path, exc: BaseException, read: Any, serial: pcsv.ReadOptio
     m = _ROW_RE.match(msg)
     if m is None:
         return EventLogError(f"cannot read {path} as CSV: {_escaped(msg)}")
-    column, line, reason = m.groups()
+    column, record, reason = m.groups()
+    line = line_of(int(record)) if line_of is not None else None
+    where = (f"line {line} (the header is line 1)" if line is not None
+             else f"record {record} (the header is record 1; blank lines not counted)")
     detail = re.match(r"Expected (\d+) columns, got (\d+): (.*)$", reason, re.S)
     if detail:
         reason = (f"expected {detail[1]} columns, got {detail[2]} (a missing or extra delimiter, or an unclosed "
@@ -407,7 +413,28 @@ def _csv_error(path: Path, exc: BaseException, read: Any, serial: pcsv.ReadOptio
         if "invalid UTF8" in reason:
             reason += " (a Latin-1 or other non-UTF-8 file? convert it to UTF-8)"
         reason = _escaped(f"{_column_named(column, names, cols)}: {reason}" if column else reason)
-    return EventLogError(f"cannot read {path} as CSV at line {line} (the header is line 1): {reason}")
+    return EventLogError(f"cannot read {path} as CSV at {where}: {reason}")
+
+
+def _file_line(fh: io.FileIO, codec: str | None, delimiter: str, record: int) -> int | None:
+    """The line of ``fh`` (from 1) where CSV record ``record`` starts, as Arrow numbers records in its errors (the
+    header is 1, empty lines are skipped, a quoted value may span lines): Arrow's number was reported as the line,
+    wrong after a blank line or a quoted line break. None when the file cannot be scanned so (a field over the csv
+    module's 128 KiB limit). A second pass over the file, on the error path only."""
+    count, end = 0, 0  # records seen; the line the last one ended on
+    with _stream(fh, codec) as src:
+        text = io.TextIOWrapper(io.BufferedReader(src), encoding="latin-1", newline="")  # bytes kept, as one char each
+        reader = csv.reader(text, delimiter=delimiter)
+        try:
+            for fields_ in reader:
+                if fields_:  # [] is an empty line, which Arrow skips
+                    count += 1
+                    if count == record:
+                        return end + 1
+                end = reader.line_num
+        except csv.Error:  # the record itself does not parse (an unclosed quote at the end), or one before it
+            return end + 1 if count == record - 1 else None
+    return None
 
 
 def _column_named(arrow_column: str, names: Sequence[str], cols: ColumnMap | None) -> str:
@@ -420,7 +447,7 @@ def _column_named(arrow_column: str, names: Sequence[str], cols: ColumnMap | Non
 
 
 def _csv(path: Path, read: Any, parse: pcsv.ParseOptions, names: Sequence[str] = (),
-         cols: ColumnMap | None = None) -> Any:
+         cols: ColumnMap | None = None, line_of: Callable[[int], int | None] | None = None) -> Any:
     """``read(ReadOptions, ParseOptions)``, retried with quoted line breaks allowed and with larger blocks for a long
     row; Arrow errors as :func:`_csv_error` (with the header ``names`` and the map ``cols`` to name a column).
 
@@ -442,11 +469,11 @@ def _csv(path: Path, read: Any, parse: pcsv.ParseOptions, names: Sequence[str] =
                 continue
             if not (isinstance(exc, pa.ArrowInvalid) and "straddling object" in str(exc)):
                 raise _csv_error(path, exc, read, pcsv.ReadOptions(block_size=block, use_threads=False), parse,
-                                 names, cols) from None
+                                 names, cols, line_of) from None
             if block >= _MAX_CSV_BLOCK:
                 if first is not None and "straddling object" not in str(first):
                     raise _csv_error(path, first, read, pcsv.ReadOptions(use_threads=False), plain, names,
-                                     cols) from None
+                                     cols, line_of) from None
                 raise EventLogError(f"cannot read {path} as CSV: a row is longer than {_MAX_CSV_BLOCK >> 20} MiB (an "
                                     "unclosed quote?)") from None
             block *= 16
@@ -468,7 +495,8 @@ def _read_csv(path: Path, fh: io.FileIO, ext: str, cols: ColumnMap, wanted: list
         with _stream(fh, codec) as src, pcsv.open_csv(src, read_options=ro, parse_options=po) as reader:
             return list(reader.schema.names)
 
-    have = _csv(path, header, parse)
+    line_of = functools.partial(_file_line, fh, codec, parse.delimiter)  # an error's line
+    have = _csv(path, header, parse, line_of=line_of)
     _check_columns(path, have, cols, wanted)
     # Ids as text: Arrow would read ids past 2**63-1 as floats (losing digits); see _ids(). Times and dense values
     # as text too: Arrow's inference read `nan`, `NA` or `null` as a missing value and `inf` as a float, so a row's
@@ -504,14 +532,14 @@ def _read_csv(path: Path, fh: io.FileIO, ext: str, cols: ColumnMap, wanted: list
                 schema = reader.schema
             return pa.Table.from_batches(batches, schema=schema).slice(0, limit)
 
-        table = _csv(path, head_rows, parse, have, cols)
+        table = _csv(path, head_rows, parse, have, cols, line_of)
         if table is not None:
             return table
     def whole(ro: pcsv.ReadOptions, po: pcsv.ParseOptions) -> pa.Table:
         with _stream(fh, codec) as src:
             return pcsv.read_csv(src, read_options=ro, parse_options=po, convert_options=convert)
 
-    table = _csv(path, whole, parse, have, cols)
+    table = _csv(path, whole, parse, have, cols, line_of)
     return table if limit is None else table.slice(0, limit)
 
 

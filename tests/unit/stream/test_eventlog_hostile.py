@@ -351,3 +351,20 @@ def test_quoted_line_breaks_are_read_in_a_file_of_many_csv_blocks(tmp_path: Path
     assert table.n_impressions == (limit or 30_000) and not table.raw
     if mapped:
         assert table.context[0].dicts[-1]["note"] == f"first line\nsecond, line {table.n_impressions - 1}"
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+@pytest.mark.parametrize("name", ["shifted.csv", "shifted.csv.gz"])
+def test_a_ragged_row_after_blank_lines_and_quoted_line_breaks_is_named_by_its_line_in_the_file(
+        tmp_path: Path, newline: str, name: str) -> None:
+    """Arrow numbers records, skipping empty lines and counting a quoted multi-line value once: its number was
+    reported as the line, which pointed an editor two lines above the bad row here."""
+    lines = [HEADER + ",note", *(f"{r},x" for r in rows(4))]
+    lines[2] = lines[2][:-1] + '"two\nlines"'  # record 3 spans lines 3-4
+    lines[4:4] = [""]  # an empty line: line 6
+    lines.append("1,2")  # record 6, line 8 of the file
+    content = ("\n".join(lines) + "\n").replace("\n", newline).encode()
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(content) if name.endswith(".gz") else content)
+    with pytest.raises(EventLogError, match=r"at line 8 \(the header is line 1\): expected 6 columns, got 2"):
+        load(path, features=("genre", "note"))
