@@ -15,7 +15,8 @@ parser, so serving sees exactly the clicks training saw). Degraded modes, each c
   theirs (the batch read is repeated per user to find which one).
   ``streamrec_serving_history_malformed_total`` counts the users.
 * **Redis unavailable** (down, refusing, slower than ``redis_timeout_s``, or refusing this service's
-  credentials or an ACL permission: a ``NOPERM`` answer is not malformed data): every user of the request
+  credentials or an ACL permission: a ``NOPERM`` answer, or Redis 6's codeless one from inside the read's script,
+  ``stream.strikes.acl_denied``, is not malformed data): every user of the request
   has no history; ``streamrec_serving_history_unavailable_total`` counts the requests. The request path
   never retries (the client is built with retries off, ``serving/service.py``), and after a failure
   requests skip Redis for ``retry_after_s`` (a breaker), so an outage costs one timeout per
@@ -51,6 +52,7 @@ import redis
 from serving.metrics import ServingMetrics
 from stream.history import UserHistory
 from stream.keyspace import KeyspaceWatch
+from stream.strikes import acl_denied
 
 log = logging.getLogger("streamrec.serve")
 
@@ -119,7 +121,7 @@ class HistoryReader:
         self._skip_until = self.clock() + self.retry_after_s
         self.metrics.history_unavailable.inc()
         self.metrics.history_errors.inc()
-        if isinstance(exc, _REFUSED):
+        if isinstance(exc, _REFUSED) or acl_denied(exc):
             self._log("refused", "history unavailable: Redis refused this service's login or ACL permission (%s: %s); "
                       "check [redis] username and password_file; scoring without history, Redis skipped for %.1fs",
                       type(exc).__name__, exc, self.retry_after_s)
@@ -158,8 +160,8 @@ class HistoryReader:
             hists = fetch()
         except _UNAVAILABLE as exc:
             return self._unavailable(len(users), exc)
-        except _MALFORMED:
-            return self._per_user(users)
+        except _MALFORMED as exc:  # an ACL's refusal inside the read's script is Redis 6's codeless ERR: not data
+            return self._unavailable(len(users), exc) if acl_denied(exc) else self._per_user(users)
         except redis.RedisError as exc:
             return self._unavailable(len(users), exc)
         if not all(_valid(h) for h in hists):

@@ -91,6 +91,16 @@ def _server_state(exc: redis.ResponseError) -> bool:
     return any(c in _SERVER_STATE for c in _SCRIPT_CODE.findall(text)) or _SCRIPT_ACL in text
 
 
+def acl_denied(exc: BaseException) -> bool:
+    """Whether a Redis error is its ACL refusing a command (NOPERM), also one a script called, which Redis 6 says
+    without a code (:data:`_SCRIPT_ACL`): the configuration's to fix, never the data's (serving's history read counts
+    it as Redis unavailable, ``serving/history.py``, not as malformed data)."""
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return True
+    text = str(exc) if isinstance(exc, redis.ResponseError) else ""
+    return text.startswith("NOPERM ") or "NOPERM" in _SCRIPT_CODE.findall(text) or _SCRIPT_ACL in text
+
+
 # After an infrastructure failure (:func:`is_infrastructure`) a join driver rewinds to its committed offsets and waits
 # before reading again: the first wait, and the longest (doubling in between; back to the first after a good batch).
 RECOVERY_BACKOFF_S = (1.0, 30.0)

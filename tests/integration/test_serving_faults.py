@@ -1008,3 +1008,30 @@ def test_an_updater_stopped_during_a_long_load_says_it_stopped_without_that_thre
         updater.stop(timeout_s=0.2)
     assert "still busy" in caplog.text and "serve-updater" in caplog.text
     time.sleep(1.5)  # the load ends on its own (a daemon thread): not left running into the next test
+
+
+def test_a_history_read_the_redis_acl_denies_is_unavailable_not_malformed_on_redis_6(
+        stack, redis_client: redis.Redis, prefix: str) -> None:
+    """An ACL denying LRANGE inside the history read's script: Redis 6 answers with no NOPERM code ("The user executing
+    the script can't run this command or subcommand", a plain ResponseError), so the read was taken for malformed data:
+    every user re-read alone on every request (one more round trip each), each counted malformed, and no breaker. It
+    is Redis refusing this service (module docstring of serving/history.py): unavailable, Redis skipped for a while."""
+    from serving.history import HistoryReader
+    from serving.metrics import ServingMetrics
+
+    user, password = f"{prefix}-user", uuid.uuid4().hex
+    redis_client.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all", "-lrange")
+    limited = redis.Redis.from_url(stack.redis_url, username=user, password=password)
+    try:
+        UserHistory(redis_client, prefix=prefix).append_many([1], [11], [1000])
+        metrics = ServingMetrics(lambda: None)
+        hr = HistoryReader(UserHistory(limited, prefix=prefix), 50, metrics, retry_after_s=3600)
+        assert hr.read([1, 2]) == [[], []] and hr.read([1]) == [[]]
+        assert metrics.registry.get_sample_value("streamrec_serving_history_malformed_total") == 0
+        assert metrics.registry.get_sample_value("streamrec_serving_history_unavailable_total") == 2
+        assert metrics.registry.get_sample_value("streamrec_serving_history_errors_total") == 1  # the second skipped
+    finally:
+        limited.close()
+        redis_client.execute_command("ACL", "DELUSER", user)
+        if keys := redis_client.keys(f"{prefix}:*"):
+            redis_client.delete(*keys)
