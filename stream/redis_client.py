@@ -203,7 +203,7 @@ def _tls_options(settings: RedisSettings) -> dict[str, Any]:
     file that holds no certificate, a key that is not the certificate's or an unreadable file failed every command
     late with an obscure error (retried as an outage). Loading them once here (:func:`stream.tls.client_context`)
     makes each a ConfigError naming the setting and the file when the client is built. The certificate and host-name
-    checks are set here, not left to redis-py's defaults: redis-py 5 (which pyproject allows) checks no host name."""
+    checks are set here, not left to redis-py's defaults: redis-py before 6.0 checked no host name."""
     client_context("redis", ("ssl_ca_certs", settings.ssl_ca_certs), ("ssl_certfile", settings.ssl_certfile),
                    ("ssl_keyfile", settings.ssl_keyfile))
     return {"ssl_cert_reqs": "required", "ssl_check_hostname": True,

@@ -126,7 +126,7 @@ def test_a_redis_client_with_an_unusable_tls_file_fails_when_built_naming_the_se
 
 @pytest.mark.parametrize("with_ca", [True, False])
 def test_a_rediss_client_checks_the_servers_host_name_whatever_redis_pys_default(files: Files, with_ca: bool) -> None:
-    """The host-name check of a rediss:// connection is streamrec's setting, not redis-py's default: pyproject allows
+    """The host-name check of a rediss:// connection is streamrec's setting, not redis-py's default: pyproject allowed
     redis-py 5, whose ``ssl_check_hostname`` defaults to False, where any certificate a trusted CA signed (the
     system's CAs when ssl_ca_certs is unset: any public site's) was taken for the Redis's. Nothing is sent."""
     from stream.config import RedisSettings
@@ -139,3 +139,20 @@ def test_a_rediss_client_checks_the_servers_host_name_whatever_redis_pys_default
         assert kw.get("ssl_check_hostname") is True and kw.get("ssl_cert_reqs") == "required"
     finally:
         client.close()
+
+
+def test_the_redis_py_floor_is_one_whose_cluster_clients_check_host_names() -> None:
+    """A Redis Cluster client of redis-py before 6.0 drops the ``ssl_check_hostname`` that :func:`connect` sets (it is
+    not among the cluster's allowed connection keys) and its ``SSLConnection`` defaults to no check: a rediss://
+    cluster checked no host name under pyproject's old floor (redis>=5.0). From 6.0 the check is the default."""
+    import redis.cluster
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from stream.setting_values import tomllib
+
+    deps = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())["project"]
+    req = next(Requirement(d) for d in deps["dependencies"] if Requirement(d).name == "redis")
+    floor = min(Version(s.version) for s in req.specifier if s.operator in (">=", "=="))
+    assert floor >= Version("6.0"), str(req)
+    assert "ssl_check_hostname" in redis.cluster.REDIS_ALLOWED_KEYS  # the installed one passes it on, too
