@@ -44,6 +44,7 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import ClusterPipeline, ClusterPubSub, RedisCluster
 from redis.commands.core import Script
+from redis.connection import parse_url
 from redis.exceptions import (
     AskError,
     AuthenticationError,
@@ -227,6 +228,16 @@ def scaled_timeout_s(base_s: float, size: float, size_per_base: float) -> float:
     return base_s * max(1.0, size / size_per_base)
 
 
+def _cluster(url: str, retries: int | None, options: dict[str, Any]) -> RedisCluster:
+    """A Redis Cluster client of ``url`` with ``options``. A ``connection_class`` among them (the whole-reply one) is
+    kept: ``RedisCluster.from_url`` lets the URL's options win, and a rediss:// URL's is redis-py's ``SSLConnection``,
+    so a TLS cluster's commands were bounded read by read, not by whole reply, on serving's request path."""
+    if "connection_class" not in options:
+        return RedisCluster.from_url(url, retry=_retry(retries), **options)
+    given = {k: v for k, v in parse_url(url).items() if k not in ("connection_class", "db")}  # db: 0 (RedisSettings)
+    return RedisCluster(**{**given, **options}, retry=_retry(retries))
+
+
 def connect(settings: RedisSettings, *, timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float | None = None,
             retries: int | None = None, check: bool = False, whole_reply: bool = False) -> Any:
     """A client of the Redis ``settings`` names, with its credentials and TLS applied: a :class:`redis.Redis`, or with
@@ -246,8 +257,7 @@ def connect(settings: RedisSettings, *, timeout_s: float = DEFAULT_TIMEOUT_S, co
         options["connection_class"] = connection_class(settings.url)
     client: Client | LazyClient
     if settings.cluster:  # made at its first use (LazyClient): an unreachable cluster fails commands, not connect()
-        client = LazyClient(lambda: refresh_outside_deadlines(
-            RedisCluster.from_url(settings.url, retry=_retry(retries), **options)), cluster=True)
+        client = LazyClient(lambda: refresh_outside_deadlines(_cluster(settings.url, retries, options)), cluster=True)
     else:
         options["retry"] = _retry(retries)
         if retries == 0:

@@ -141,6 +141,29 @@ def test_a_rediss_client_checks_the_servers_host_name_whatever_redis_pys_default
         client.close()
 
 
+@pytest.mark.parametrize("url", ["rediss://u:pw@127.0.0.1:1/0", "redis://127.0.0.1:1"])
+def test_a_cluster_client_asked_for_whole_reply_deadlines_keeps_them_over_a_rediss_url(
+        monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    """Serving asks for whole-reply deadlines (``whole_reply=True``, stream/redis_deadline.py). redis-py's
+    ``RedisCluster.from_url`` lets the URL's options win over the caller's, and a rediss:// URL's connection class is
+    ``SSLConnection``: a TLS cluster's nodes were bounded read by read again. Made with no node contacted (the node
+    discovery and the command table left out), the client's connection class is the whole-reply one, with the URL's
+    address and credentials."""
+    import redis.cluster
+
+    from stream.config import RedisSettings
+    from stream.redis_client import connect
+    from stream.redis_deadline import connection_class
+
+    monkeypatch.setattr(redis.cluster.NodesManager, "initialize", lambda self, *a, **k: None)
+    monkeypatch.setattr(redis.cluster.CommandsParser, "__init__", lambda self, *a, **k: None)
+    client = connect(RedisSettings(url=url, cluster=True), whole_reply=True).client()
+    kw = client.nodes_manager.connection_kwargs
+    assert kw["connection_class"] is connection_class(url)
+    assert list(client.nodes_manager.startup_nodes) == ["127.0.0.1:1"]
+    assert (kw.get("username"), kw.get("password")) == (("u", "pw") if url.startswith("rediss") else (None, None))
+
+
 def test_the_redis_py_floor_is_one_whose_cluster_clients_check_host_names() -> None:
     """A Redis Cluster client of redis-py before 6.0 drops the ``ssl_check_hostname`` that :func:`connect` sets (it is
     not among the cluster's allowed connection keys) and its ``SSLConnection`` defaults to no check: a rediss://
