@@ -10,6 +10,7 @@
 #   DEMO_DIR (.streamrec/demo/<id>)  DEMO_STACK (1: `streamrec stack up`; 0: use the stack the STREAMREC_*
 #   settings name)  DEMO_JOIN_PORT (19201)  DEMO_LEARNER_PORT (19202)  DEMO_SERVE_PORT (18080)
 #   DEMO_INTERVAL (1: seconds between the monitor's scrapes)  SR (.venv/bin/streamrec)  PY (.venv/bin/python)
+#   DEMO_IDLE (5: seconds without input after which the join and the training end)
 set -euo pipefail
 
 SR=${SR:-.venv/bin/streamrec}
@@ -20,6 +21,7 @@ run=${DEMO_DIR:-.streamrec/demo/$id}
 join_port=${DEMO_JOIN_PORT:-19201}
 learner_port=${DEMO_LEARNER_PORT:-19202}
 serve_port=${DEMO_SERVE_PORT:-18080}
+idle=${DEMO_IDLE:-5}
 interval=${DEMO_INTERVAL:-1}
 # the monitor runs in the background: a value it refuses ended it at once, unnoticed until the end of the run
 [[ $interval =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] && awk "BEGIN { exit !($interval > 0 && $interval < 1e9) }" ||
@@ -99,12 +101,12 @@ step "replay $dataset into demo-$id-impressions / -clicks"
 digest replay "$run/replay.json"
 
 step "join (group demo-$id-join)"
-follow joiner "$run/join.json" "$SR" join --driver kafka --app-id "demo-$id-join" --exit-when-idle 5 --drain \
+follow joiner "$run/join.json" "$SR" join --driver kafka --app-id "demo-$id-join" --exit-when-idle "$idle" --drain \
   --metrics-port "$join_port"
 "$SR" counts top --kind item --event click --days 30 --k 5
 
 step "train (checkpoints and deltas in $run)"
-follow learner "$run/train.json" "$SR" train --checkpoint-dir "$run/checkpoints" --exit-when-idle 5 \
+follow learner "$run/train.json" "$SR" train --checkpoint-dir "$run/checkpoints" --exit-when-idle "$idle" \
   --metrics-port "$learner_port"
 
 step "refresh: hot set from Redis, artifact, validation, publish"

@@ -25,9 +25,19 @@ BIN = Path(sys.executable).parent
 LIMIT = 50_000  # impressions replayed (of 100,000): ~78,000 samples to train instead of ~155,000
 
 
-def demo_env(stack: LocalStack, run: Path, limit: int) -> dict[str, str]:
-    """demo.sh's settings for a run on the session's stack, on ports and in a directory of its own."""
-    return {**os.environ, "DEMO_DATASET": "ml-100k", "DEMO_STACK": "0", "DEMO_DIR": str(run), "DEMO_LIMIT": str(limit),
+# A model sized for ML-100k's 943 users and 1,682 items instead of the defaults' millions of rows (a 100 MB table that
+# every checkpoint, the refresh and serving's load copied): for the tests of demo.sh's own control flow, whose proof
+# does not depend on the model. The end-to-end test keeps the defaults a user gets.
+SMALL_MODEL = {"STREAMREC_LEARNER_BUCKETS": "5000", "STREAMREC_LEARNER_CTX_BUCKETS": "1000",
+               "STREAMREC_LEARNER_ID_CAPACITY": "5000", "STREAMREC_LEARNER_COLD_TRACKER_CAPACITY": "10000",
+               "STREAMREC_LEARNER_MLP": "64,64"}
+
+
+def demo_env(stack: LocalStack, run: Path, limit: int, small_model: bool = False) -> dict[str, str]:
+    """demo.sh's settings for a run on the session's stack, on ports and in a directory of its own. The join and the
+    training end 2 s after their input (not 5): the stage before each wrote all of it before it started."""
+    return {**os.environ, **(SMALL_MODEL if small_model else {}), "DEMO_IDLE": "2", "DEMO_DATASET": "ml-100k",
+            "DEMO_STACK": "0", "DEMO_DIR": str(run), "DEMO_LIMIT": str(limit),
             "DEMO_JOIN_PORT": str(free_port()), "DEMO_LEARNER_PORT": str(free_port()),
             "DEMO_SERVE_PORT": str(free_port()), "SR": str(BIN / "streamrec"), "PY": sys.executable,
             "STREAMREC_KAFKA_BOOTSTRAP_SERVERS": stack.bootstrap_servers, "STREAMREC_REDIS_URL": stack.redis_url}
@@ -68,7 +78,8 @@ def test_a_monitor_that_ended_early_is_reported_and_the_demo_still_writes_its_re
     set -e at the very end: exit 1, "kill: (pid) - No such process", no report of the run that had finished."""
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
-    proc = subprocess.Popen(["bash", str(ROOT / "streamrec" / "demo.sh")], cwd=ROOT, env=demo_env(stack, run, 5_000),
+    proc = subprocess.Popen(["bash", str(ROOT / "streamrec" / "demo.sh")], cwd=ROOT,
+                            env=demo_env(stack, run, 5_000, small_model=True),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     out = []
@@ -113,7 +124,8 @@ def test_a_sigint_that_stops_the_learner_stops_the_backgrounded_demo_before_it_r
     the learner takes it, saves what it trained and exits 0 ("reason": "signal"). A Ctrl-C to the group stopped the
     learner, and the demo went on to refresh and serve the partly trained model, exit 0."""
     run = tmp_path / "run"
-    proc = subprocess.Popen(["bash", str(ROOT / "streamrec" / "demo.sh")], cwd=ROOT, env=demo_env(stack, run, 5_000),
+    proc = subprocess.Popen(["bash", str(ROOT / "streamrec" / "demo.sh")], cwd=ROOT,
+                            env=demo_env(stack, run, 5_000, small_model=True),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert proc.stdout is not None
