@@ -222,6 +222,23 @@ class SaslMechanism(Choice):
 # (faust's own default is 1000 s; stream/joiner/worker.py maps the property onto it)
 MAX_POLL_INTERVAL_MS = 300_000
 
+_VERIFY_CERTIFICATES = "enable.ssl.certificate.verification"
+# librdkafka's spellings of a boolean property (rdkafka_conf.c, _RK_C_BOOL): these, in any case, and nothing around
+# them (" f", "yes", "off" it refuses when a client is built)
+_LIBRDKAFKA_BOOL = {"true": True, "t": True, "1": True, "false": False, "f": False, "0": False}
+
+
+def librdkafka_bool(key: str, raw: str) -> bool:
+    """A boolean ``[kafka.extra]`` property as librdkafka reads it, for code that must act on it too (the faust driver
+    maps it onto its TLS context): the faust driver took ``"f"`` for true, librdkafka for false. A spelling librdkafka
+    refuses is a ConfigError naming the property, for both drivers alike."""
+    try:
+        return _LIBRDKAFKA_BOOL[raw.lower()]
+    except KeyError:
+        raise ConfigError(f"[kafka.extra] {key} = {raw!r}: librdkafka takes true/false, t/f or 1/0 (any case, no "
+                          "spaces)") from None
+
+
 # librdkafka properties a [kafka] setting gives (stream.kafka applies [kafka.extra] last, over them): refused in extra
 _OWNED_PROPERTIES = {"bootstrap.servers": "bootstrap_servers", "security.protocol": "security_protocol",
                      "sasl.mechanism": "sasl_mechanism", "sasl.mechanisms": "sasl_mechanism",
@@ -326,6 +343,7 @@ class KafkaSettings:
                                              "partitions": 100_000, "replication_factor": 1_000})
         if poll is not None:
             self._check_poll_interval(poll.strip())
+        self.verifies_certificates()  # a spelling librdkafka refuses: refused here, for either join driver
         from stream.secrets import names_credential, register
 
         for k, v in self.extra.items():  # sasl.oauthbearer.client.secret, ssl.key.pem ...: scrubbed from all output
@@ -364,6 +382,12 @@ class KafkaSettings:
             if tls:
                 raise ConfigError(f"[kafka] {', '.join(tls)} set but security_protocol = {protocol}: TLS settings "
                                   "are used only with SSL or SASL_SSL")
+
+    def verifies_certificates(self) -> bool:
+        """``[kafka.extra] enable.ssl.certificate.verification`` as librdkafka reads it (:func:`librdkafka_bool`; on
+        when unset): the one reading of both join drivers, the faust driver's TLS context and the kafka driver's."""
+        raw = self.extra.get(_VERIFY_CERTIFICATES)
+        return True if raw is None else librdkafka_bool(_VERIFY_CERTIFICATES, raw)
 
     def _check_poll_interval(self, poll: str) -> None:
         """``[kafka.extra] max.poll.interval.ms`` (``poll``) below ``session_timeout_ms``: the poll interval is what is

@@ -174,7 +174,7 @@ def weakened_tls(kafka: KafkaSettings) -> str | None:
     ``ssl.endpoint.identification.algorithm = none`` (any certificate the CA signed, whatever host it names)."""
     if not kafka.security_protocol.tls:
         return None
-    if kafka.extra.get("enable.ssl.certificate.verification", "true").strip().lower() in ("false", "f", "0"):
+    if not kafka.verifies_certificates():
         how = "any certificate is accepted, self-signed or not"
     elif kafka.extra.get("ssl.endpoint.identification.algorithm", "https").strip().lower() == "none":
         how = "any certificate the CA signed is accepted, whatever host it names"

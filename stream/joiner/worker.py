@@ -61,7 +61,8 @@ Security: the ``[kafka]`` security settings reach faust (aiokafka underneath) as
   the faust driver refuses it (a ConfigError naming ``--driver kafka``, which supports it).
 * ``[kafka.extra]``: those are librdkafka properties. Two are mapped onto the TLS context
   (``ssl.endpoint.identification.algorithm = none``: no host-name check; ``enable.ssl.certificate.verification
-  = false``: no verification at all), ``max.partition.fetch.bytes`` onto faust's ``consumer_max_fetch_size``
+  = false``, or f/0 in any case, as librdkafka reads it: ``KafkaSettings.verifies_certificates``: no verification at
+  all), ``max.partition.fetch.bytes`` onto faust's ``consumer_max_fetch_size``
   (the same limit: what one fetch brings of a partition; 8 MB when unset), and ``max.poll.interval.ms`` onto faust's
   ``broker_max_poll_interval`` (seconds; librdkafka's 300 s when unset, the kafka driver's, not faust's 1000 s)
   and onto faust's ``broker_rebalance_timeout`` too: librdkafka sends the poll interval as its JoinGroup rebalance
@@ -157,7 +158,7 @@ def _ssl_context(kafka: KafkaSettings) -> ssl.SSLContext:
                          ("ssl_key_location", kafka.ssl_key_location), kafka.ssl_key_password.reveal())
     if kafka.extra.get("ssl.endpoint.identification.algorithm", "https").lower() == "none":
         ctx.check_hostname = False
-    if kafka.extra.get("enable.ssl.certificate.verification", "true").lower() in ("false", "0"):
+    if not kafka.verifies_certificates():
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
     return ctx

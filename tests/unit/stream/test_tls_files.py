@@ -91,6 +91,47 @@ def test_the_faust_driver_loads_good_tls_files_and_an_encrypted_key_with_its_pas
         assert isinstance(broker_credentials(k), faust.SSLCredentials)
 
 
+# enable.ssl.certificate.verification's spellings and what librdkafka reads (rdkafka_conf.c: true/t/1, false/f/0, any
+# case); None: librdkafka refuses it when a client is built
+VERIFY_SPELLINGS = [("true", True), ("t", True), ("T", True), ("TRUE", True), ("1", True), ("True", True),
+                    ("false", False), ("f", False), ("F", False), ("FALSE", False), ("0", False), ("False", False),
+                    ("yes", None), ("no", None), ("off", None), (" f", None), ("false ", None), ("", None)]
+
+
+@pytest.mark.parametrize(("raw", "verifies"), VERIFY_SPELLINGS)
+def test_both_join_drivers_read_certificate_verification_as_librdkafka_does_and_refuse_what_it_refuses(
+        files: Files, raw: str, verifies: bool | None) -> None:
+    """The faust driver took ``"f"`` (and ``"F"``, ``"FALSE"``) for verification on where librdkafka, the kafka
+    driver's client, reads it as off: the two drivers of one deployment checked the broker's certificate differently."""
+    import ssl
+
+    import confluent_kafka
+
+    from stream.joiner.worker import broker_credentials
+    from stream.kafka import _security, weakened_tls
+
+    prop = "enable.ssl.certificate.verification"
+    try:  # the table is librdkafka's: it takes exactly the spellings read as True or False here
+        confluent_kafka.Producer({prop: raw, "log_level": 0})
+    except confluent_kafka.KafkaException:
+        assert verifies is None, raw
+    else:
+        assert verifies is not None, raw
+
+    def settings() -> KafkaSettings:
+        return KafkaSettings(security_protocol=SecurityProtocol.SSL, ssl_ca_location=files.good.ca, extra={prop: raw})
+
+    if verifies is None:
+        with pytest.raises(ConfigError, match=f"\\[kafka.extra\\] {prop} = {raw!r}"):
+            settings()
+        return
+    k = settings()
+    assert _security(k)[prop] == raw and (weakened_tls(k) is None) is verifies  # the kafka driver (librdkafka)
+    context = broker_credentials(k).context  # type: ignore[union-attr]  # the faust driver
+    assert (context.verify_mode, context.check_hostname) == ((ssl.CERT_REQUIRED, True) if verifies else
+                                                             (ssl.CERT_NONE, False))
+
+
 REDIS_CASES = ["ca holds no certificate", "ca is a fifo", "key of another certificate", "key holds no key",
                "encrypted key (no password setting)", "certificate holds no certificate"]
 
