@@ -25,7 +25,7 @@ import logging
 import re
 import threading
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 MASK = "***"
@@ -190,6 +190,51 @@ class RedactingArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         super().error(redact(message))
+
+
+# Where a flag's credential is safer than on the command line, which every local user reads (ps, /proc/PID/cmdline)
+_SAFER_THAN_ARGV = {
+    "--redis-url": "[redis] password_file (a mounted secret) or password_env (a variable's name) in the --config file, "
+                   "or STREAMREC_REDIS_PASSWORD / STREAMREC_REDIS_PASSWORD_FILE",
+    "--source": "the rules file's [sources] (--rules FILE, readable by its owner only)",
+}
+_argv_warned = False
+
+
+def _holds_password(value: str) -> bool:
+    """Whether a command-line value carries a credential: a URL's ``user:PASSWORD@`` (a user alone is none) or a
+    ``password=`` / ``token=`` style pair (a query parameter)."""
+    url = _URL_USERINFO.search(value)
+    return bool(url and url["userinfo"].partition(":")[2]) or bool(_KV_SECRET.search(value))
+
+
+def command_line_secrets(argv: Sequence[str]) -> list[str]:
+    """The flags of ``argv`` whose value holds a password (``--redis-url redis://u:PASSWORD@h``, ``--x=value``), each
+    once, in order; a value after no flag is named ``an argument``."""
+    found: dict[str, None] = {}
+    for before, token in zip(["", *argv], argv, strict=False):
+        flag, eq, value = token.partition("=") if token.startswith("--") else ("", "", token)
+        if not eq and token.startswith("-"):
+            continue
+        if _holds_password(value):
+            found[flag or (before if before.startswith("-") else "an argument")] = None
+    return list(found)
+
+
+def warn_command_line_secrets(argv: Sequence[str]) -> None:
+    """A WARNING (once per process) naming each flag given a password on the command line, never the password: any
+    local user reads it in ``ps`` for the life of the process (redis-cli and mysql warn likewise). Not refused: scripts
+    that do it keep working. Logged before the command sets up logging, Python's last-resort handler writes it."""
+    global _argv_warned
+    flags = command_line_secrets(argv)
+    if _argv_warned or not flags:
+        return
+    _argv_warned = True
+    for flag in flags:
+        safer = _SAFER_THAN_ARGV.get(flag, "a settings file (--config) or an environment variable (STREAMREC_...)")
+        logging.getLogger("streamrec.secrets").warning(redact(
+            f"{flag}: a password given on the command line can be read by every user of this machine (ps, "
+            f"/proc/PID/cmdline) while the process runs; give it in {safer} instead (README, Security)"))
 
 
 def install_log_redaction(logger: logging.Logger | None = None) -> None:

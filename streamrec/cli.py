@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from stream.secrets import RedactingArgumentParser, redact
+from stream.secrets import RedactingArgumentParser, redact, warn_command_line_secrets
 from streamrec.commands import COMMANDS, report
 from streamrec.commands.common import EXIT_FAILED, EXIT_USAGE
 
@@ -33,10 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    warn_command_line_secrets(given := list(sys.argv[1:] if argv is None else argv))  # a password in `ps`: said
+    args, extra = (parser := build_parser()).parse_known_args(given)
     if extra:  # the command's parser says it (its usage), as its other errors; flags before the command: the top's
-        early = (given := list(sys.argv[1:] if argv is None else argv))[:given.index(args.command)]
+        early = given[:given.index(args.command)]
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
         (parser if early else sub).error(f"unrecognized arguments: {' '.join(early or extra)}")
     from confluent_kafka import KafkaException

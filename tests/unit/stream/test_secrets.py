@@ -464,3 +464,37 @@ def test_a_password_with_a_comma_written_into_bootstrap_servers_is_not_quoted_in
     text = redact(str(bad.value))  # as the CLI prints it
     assert "b00t" not in text and "alice" not in text, text
     assert "broker-1:9092" in text and "sasl_username" in text, text
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["serve", "--redis-url", "redis://u:PASSWORD@h:6379/0"], ["--redis-url"]),
+    (["join", "--redis-url=rediss://:PASSWORD@h"], ["--redis-url"]),
+    (["monitor", "--source", "learner=http://u:PASSWORD@h/metrics", "--source", "s=http://h/m?token=PASSWORD"],
+     ["--source"]),
+    (["serve", "--redis-url", "redis://streamrec@h/0"], []),  # a user alone is no secret
+    (["serve", "--redis-url", "redis://h/0", "--config", "/run/secrets/password_file.toml"], []),
+])
+def test_command_line_secrets_names_each_flag_given_a_password_and_no_other(argv: list[str], flags: list[str]) -> None:
+    from stream.secrets import command_line_secrets
+
+    assert command_line_secrets(argv) == flags
+
+
+def test_a_password_on_the_command_line_is_warned_once_naming_the_flag_and_the_safe_ways_never_the_password(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Any local user reads a process's arguments (``ps``, /proc/PID/cmdline) while it runs: the CLI says so at start,
+    as redis-cli does for ``-a``, and still runs the command (here it stops at a missing --config, exit 2)."""
+    from stream import secrets
+    from streamrec.cli import main
+
+    monkeypatch.setattr(secrets, "_argv_warned", False)
+    argv = ["counts", "top", "--kind", "item", "--redis-url", "redis://u:ArgvPa55word@127.0.0.1:1/0",
+            "--config", str(tmp_path / "nope.toml")]
+    with caplog.at_level(logging.WARNING, "streamrec.secrets"):
+        assert main(argv) == 2
+        assert main(argv) == 2  # once per process
+    said = [r.getMessage() for r in caplog.records if r.name == "streamrec.secrets"]
+    assert len(said) == 1 and said[0].startswith("--redis-url: a password given on the command line"), said
+    assert "password_file" in said[0] and "password_env" in said[0] and "STREAMREC_REDIS_PASSWORD" in said[0]
+    assert "ArgvPa55word" not in caplog.text + "".join(capsys.readouterr())
