@@ -81,14 +81,14 @@ def _server_state(exc: redis.ResponseError) -> bool:
     """Whether a Redis error reply is one of :data:`_SERVER_STATE`: by redis-py's class, else by the reply's code
     (redis-py keeps it as ``status_code``; an error re-raised from a script's result, ``stream/history.py``, has only
     its text, which starts with the code), or by the code of the command a script called (:data:`_SCRIPT_CODE`;
-    Redis 6's text for one its ACL denied, :data:`_SCRIPT_ACL`)."""
+    an ACL's refusal however Redis says it, :func:`acl_denied`)."""
     if isinstance(exc, _SERVER_STATE_ERRORS):
         return True
     text = str(exc)
     code = getattr(exc, "status_code", None) or text.split(" ", 1)[0]
     if code in _SERVER_STATE:
         return True
-    return any(c in _SERVER_STATE for c in _SCRIPT_CODE.findall(text)) or _SCRIPT_ACL in text
+    return any(c in _SERVER_STATE for c in _SCRIPT_CODE.findall(text)) or acl_denied(exc)
 
 
 def acl_denied(exc: BaseException) -> bool:
