@@ -61,6 +61,7 @@ class DelayedFeedbackWeights:
         self.positives = 0  # positives seen among OBSERVED and DELAYED_POSITIVE rows ...
         self.delayed = 0  # ... and how many of them came as DELAYED_POSITIVE
         self.elapsed_ms: int | None = None  # the wait of the OBSERVED 0s (their label_delay_ms) of late; None: none
+        self.unknown_elapsed = False  # the counts came from a state that did not say their elapsed time
 
     @property
     def late_share(self) -> float:
@@ -77,11 +78,11 @@ class DelayedFeedbackWeights:
         waited = (kinds == OBSERVED) & (labels <= 0.5)
         if label_delay_ms is not None and waited.any():
             longest = int(np.asarray(label_delay_ms, np.int64)[waited].max())
-            if self.elapsed_ms is not None and longest != self.elapsed_ms:
+            if self.unknown_elapsed or (self.elapsed_ms is not None and longest != self.elapsed_ms):
                 # Another elapsed time (a restart under another policy or elapsed_s): the share counted was of the
                 # old one. Kept, a run restored from es_dfm weighed fake_negative's clicks by its S = 0.25, not 1.
                 self.positives = self.delayed = 0
-            self.elapsed_ms = longest
+            self.elapsed_ms, self.unknown_elapsed = longest, False
         corrected = kinds != FINAL
         self.positives += int((labels[corrected] > 0.5).sum())
         self.delayed += int((kinds == DELAYED_POSITIVE).sum())
@@ -104,8 +105,12 @@ class DelayedFeedbackWeights:
         return {"positives": self.positives, "delayed": self.delayed, **elapsed}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Counts of a state without ``elapsed_ms`` (saved before it was kept, or before any ``OBSERVED`` 0) are of an
+        unknown elapsed time: the first ``OBSERVED`` 0 starts them again, as a change of elapsed time does (a
+        fake_negative run's counts, every click late, held a resumed es_dfm stream's share at ~1)."""
         self.positives, self.delayed = int(d.get("positives", 0)), int(d.get("delayed", 0))
         self.elapsed_ms = None if d.get("elapsed_ms") is None else int(d["elapsed_ms"])
+        self.unknown_elapsed = self.elapsed_ms is None and self.positives > 0
 
     @staticmethod
     def merged(states: list[dict[str, Any]]) -> dict[str, Any]:

@@ -477,6 +477,17 @@ def test_a_restart_under_another_elapsed_time_weighs_by_the_new_policy_not_the_c
     assert again.late_share == pytest.approx((1 + 0.5 * 20) / (4 + 20))  # this stream's counts and the prior
 
 
+def test_counts_from_a_checkpoint_that_does_not_say_their_elapsed_time_do_not_hold_an_es_dfm_stream_at_fnw() -> None:
+    """A checkpoint written before ``elapsed_ms`` was kept holds counts of an unknown policy: a fake_negative run's
+    (every click late) resumed under es_dfm weighed its clicks by S ~ 1 for as many clicks again, not its own 1/4."""
+    old = DelayedFeedbackWeights()
+    old.load_state_dict({"positives": 100_000, "delayed": 100_000})  # an older format: no elapsed_ms
+    kinds = np.array([OBSERVED] * 4 + [DELAYED_POSITIVE], np.int8)
+    for _ in range(1000):
+        old.observe(kinds, np.array([1, 1, 1, 0, 1], np.float32), np.array([9000] * 3 + [60_000, 90_000]))
+    assert old.late_share == pytest.approx(0.25, abs=0.01)
+
+
 def test_a_restore_under_another_es_dfm_elapsed_s_counts_the_late_share_afresh_in_one_process_and_resharded() -> None:
     """[joiner] elapsed_s changed across a learner restart (es_dfm at 60 s, then at 30 s). Not refused: the importance
     weights make the loss the true distribution's under any elapsed time, so the restored model's parameters estimate
