@@ -300,6 +300,9 @@ class BaseRateBias:
         self.delay_rate = float(d.get("delay_rate", 0.0))
         self.bins = {int(s): [int(i), int(c)] for s, i, c in d.get("bins", [])}
         self.bin_delay_s = {int(s): float(x) for s, x in d.get("bin_delay_s", [])}
+        clicks = sum(c for _, c in self.bins.values())
+        if "bin_delay_s" not in d and clicks:  # a state from before them: the delays spread over the seconds by clicks
+            self.bin_delay_s = {s: self.click_delay_s * c / clicks for s, (_, c) in self.bins.items() if c}
         self.elapsed_ms = None if d.get("elapsed_ms") is None else int(d["elapsed_ms"])
 
 
