@@ -52,6 +52,17 @@ from learner.event_clock import EventClock, FirstTime
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 
+def observed_wait(kinds: np.ndarray, labels: np.ndarray, label_delay_ms: np.ndarray) -> int | None:
+    """The elapsed time a batch's ``OBSERVED`` 0s waited (their ``label_delay_ms``, shapes ``(B,)``), the bulk's: the
+    most common one (the longer of a tie), never one row's (a single stray row, taken as the max, started the late
+    share's counts again twice); None without an ``OBSERVED`` 0."""
+    waited = np.asarray(label_delay_ms, np.int64)[(kinds == OBSERVED) & (labels <= 0.5)]
+    if not len(waited):
+        return None
+    values, counts = np.unique(waited, return_counts=True)
+    return int(values[counts == counts.max()].max())
+
+
 class DelayedFeedbackWeights:
     """Per-sample loss weights for a batch of kinds, labels and the model's (detached) click probabilities."""
 
@@ -73,16 +84,15 @@ class DelayedFeedbackWeights:
 
     def observe(self, kinds: np.ndarray, labels: np.ndarray, label_delay_ms: np.ndarray | None = None) -> None:
         """Count the positives of a batch (before its weights are computed: the estimate is causal), and the elapsed
-        time of its ``OBSERVED`` 0s (shapes ``(B,)``; ``label_delay_ms`` None: not read, the share is counted). An
-        elapsed time other than the last one starts the counts again (the prior takes over)."""
-        waited = (kinds == OBSERVED) & (labels <= 0.5)
-        if label_delay_ms is not None and waited.any():
-            longest = int(np.asarray(label_delay_ms, np.int64)[waited].max())
-            if self.unknown_elapsed or (self.elapsed_ms is not None and longest != self.elapsed_ms):
+        time of its ``OBSERVED`` 0s (:func:`observed_wait`; shapes ``(B,)``; ``label_delay_ms`` None: not read, the
+        share is counted). An elapsed time other than the last one starts the counts again (the prior takes over)."""
+        wait = None if label_delay_ms is None else observed_wait(kinds, labels, label_delay_ms)
+        if wait is not None:
+            if self.unknown_elapsed or (self.elapsed_ms is not None and wait != self.elapsed_ms):
                 # Another elapsed time (a restart under another policy or elapsed_s): the share counted was of the
                 # old one. Kept, a run restored from es_dfm weighed fake_negative's clicks by its S = 0.25, not 1.
                 self.positives = self.delayed = 0
-            self.elapsed_ms, self.unknown_elapsed = longest, False
+            self.elapsed_ms, self.unknown_elapsed = wait, False
         corrected = kinds != FINAL
         self.positives += int((labels[corrected] > 0.5).sum())
         self.delayed += int((kinds == DELAYED_POSITIVE).sum())
@@ -241,9 +251,8 @@ class BaseRateBias:
             self.bin_delay_s[k] = self.bin_delay_s.get(k, 0.0) + d
         if len(self.bins) > self.max_bins:
             self.stopped = True
-        waited = (kinds[corrected] == OBSERVED) & ~click
-        if waited.any():
-            self.elapsed_ms = int(delay[waited].max())
+        wait = observed_wait(kinds[corrected], labels[corrected], delay)
+        self.elapsed_ms = self.elapsed_ms if wait is None else wait
         if self.now_ms is not None and self.bins and self.elapsed_ms is not None:
             counts = np.array(list(self.bins.values()), np.float64)  # (bins, 2)
             secs_f = np.fromiter(self.bins, np.float64)  # (bins,)

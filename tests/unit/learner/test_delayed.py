@@ -510,6 +510,20 @@ def test_counts_from_a_checkpoint_that_does_not_say_their_elapsed_time_do_not_ho
     assert old.late_share == pytest.approx(0.25, abs=0.01)
 
 
+def test_one_stray_observed_zero_does_not_start_the_late_share_counts_again() -> None:
+    """The elapsed time is the bulk's, never one row's: a single OBSERVED 0 with another label_delay_ms (a foreign
+    producer, a damaged row) in a batch of es_dfm's took the counts of the whole stream back to the prior, twice."""
+    w = DelayedFeedbackWeights()
+    kinds = np.array([OBSERVED] * 4 + [DELAYED_POSITIVE], np.int8)
+    labels = np.array([1, 1, 1, 0, 1], np.float32)
+    for _ in range(1000):
+        w.observe(kinds, labels, np.array([9000] * 3 + [60_000, 90_000]))
+    stray = np.array([OBSERVED] * 4, np.int8), np.zeros(4, np.float32), np.array([60_000] * 3 + [1_800_000])
+    w.observe(*stray)
+    w.observe(kinds, labels, np.array([9000] * 3 + [60_000, 90_000]))
+    assert w.late_share == pytest.approx(0.25, abs=0.01) and w.elapsed_ms == 60_000
+
+
 def test_a_restore_under_another_es_dfm_elapsed_s_counts_the_late_share_afresh_in_one_process_and_resharded() -> None:
     """[joiner] elapsed_s changed across a learner restart (es_dfm at 60 s, then at 30 s). Not refused: the importance
     weights make the loss the true distribution's under any elapsed time, so the restored model's parameters estimate
