@@ -83,7 +83,8 @@ class Recording:
     record read but ``start`` (a scrape, a failed one, the rules' states, an alert): a step while a source did not
     answer split its scrapes nowhere (110 -> 115 read as 5 s where 35 had passed). A ``start`` line is left out: one
     that begins a rotated file is stamped at the rotation, after the ``now`` of the record written right after it
-    (:class:`RunLog <monitor.run_log.RunLog>`)."""
+    (:class:`RunLog <monitor.run_log.RunLog>`). With :attr:`keep`, a scrape keeps the samples of those metrics only
+    (every scrape is kept, its time and source counted, however few of its samples are)."""
 
     scrapes: dict[str, list[tuple[float, list[Sample], int]]] = field(default_factory=dict)
     errors: list[tuple[float, str, str]] = field(default_factory=list)
@@ -94,6 +95,7 @@ class Recording:
     bad_lines: int = 0
     epoch: int = 0  # of the last record read
     last_t: float = -math.inf  # its t
+    keep: frozenset[str] | None = None  # the metrics whose samples are kept (None: all): :func:`metrics_read`
     _shared: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)  # _sample(): one copy each
 
     @property
@@ -115,8 +117,8 @@ class Recording:
             self.epoch, self.last_t = self.epoch + (t < self.last_t), t
         if kind == "scrape" and isinstance(rec.get("samples"), list):
             samples = [self._sample(s) for s in rec["samples"]  # labels are strings: others broke every series()
-                       if isinstance(s, list) and len(s) == 3 and isinstance(s[1], dict)
-                       and all(isinstance(v, str) for v in s[1].values())]
+                       if isinstance(s, list) and len(s) == 3 and (self.keep is None or str(s[0]) in self.keep)
+                       and isinstance(s[1], dict) and all(isinstance(v, str) for v in s[1].values())]
             self.scrapes.setdefault(str(rec.get("source")), []).append((float(t), samples, self.epoch))
         elif kind == "scrape_error":
             self.errors.append((float(t), str(rec.get("source")), str(rec.get("error"))))
@@ -128,6 +130,13 @@ class Recording:
             self.starts.append(dict(rec))
         else:
             self.bad_lines += 1
+
+    def kept(self, name: str) -> str:
+        """``name``, whose samples this recording kept; a LookupError where the read left them out: a section that
+        reads a metric it does not declare (:func:`reads`) would say "not recorded" of a metric the run log holds."""
+        if self.keep is not None and name not in self.keep:
+            raise LookupError(f"{name}: not kept when the run log was read; declare it in its section's @reads(...)")
+        return name
 
     def _sample(self, s: list[Any]) -> Sample:
         """One recorded sample, its name and label set shared with every scrape that recorded the same: a run log
@@ -169,17 +178,20 @@ def run_log_files(path: Path) -> list[Path]:
     return [*rotated, *([path] if path.exists() else [])]
 
 
-def read_run_log(path: str | Path) -> Recording:
+def read_run_log(path: str | Path, *, every_metric: bool = False) -> Recording:
     """The run log ``path`` with its rotated predecessors, read line by line (a run log holds up to ``keep`` times
-    ``max_bytes``: it is streamed, not bounded). Each file is opened with :func:`~stream.files.open_regular`: one that
-    is a FIFO or a device is refused unread (``NotRegularFile``, an OSError naming it), where a FIFO hung the report
-    and ``/dev/zero`` was read until memory ran out."""
+    ``max_bytes``: it is streamed, not bounded), keeping the samples of the metrics some section reads
+    (:func:`metrics_read`), or of ``every_metric``: ~70% of the ML-1M demo's samples were series no section draws
+    (the per-field gradient norms, the time to admission), held in memory and scanned by every series read. Each file
+    is opened with :func:`~stream.files.open_regular`: one that is a FIFO or a device is refused unread
+    (``NotRegularFile``, an OSError naming it), where a FIFO hung the report and ``/dev/zero`` was read until memory
+    ran out."""
     path = Path(path)
     files = run_log_files(path)
     if not files:
         raise ReportError(f"run log {path}: no such file (the monitor writes it with [run_log] path = ... in its "
                           "rules file)")
-    rec = Recording(files=[str(p) for p in files])
+    rec = Recording(files=[str(p) for p in files], keep=None if every_metric else metrics_read())
     for p in files:
         with open_regular(p) as (raw, _), io.TextIOWrapper(io.BufferedReader(raw), "utf-8", "replace") as f:
             for line in f:
@@ -331,6 +343,7 @@ def _grouped(rec: Recording, name: str, by: Sequence[str], where: Mapping[str, s
              ) -> Iterator[tuple[str, int, float, str, frozenset[tuple[tuple[str, str], ...]], float]]:
     """Per source, scrape (with its epoch) and value of the ``by`` labels: the label sets of ``name`` there and their
     sum (or max)."""
+    rec.kept(name)
     for src, scrapes in rec.scrapes.items():
         if source is not None and src != source:
             continue
@@ -463,12 +476,13 @@ def histogram_numbered(rec: Recording, name: str, by: str) -> dict[str, dict[str
     # per source and label value, per scrape (epoch, t), per series (its labels but le): le or "sum"/"count" -> value
     per: dict[tuple[str, str], list[tuple[int, float, dict[tuple[tuple[str, str], ...], dict[float | str, float]]]]]
     per = {}
-    fields = {f"{name}_sum": "sum", f"{name}_count": "count"}
+    bucket, total, count = (rec.kept(n) for n in histogram_names(name))
+    fields = {total: "sum", count: "count"}
     for src, scrapes in rec.scrapes.items():
         for e, t, samples in epochs(scrapes):
             for n, lb, v in samples:
                 field: float | str | None = fields.get(n)
-                if n == f"{name}_bucket" and "le" in lb:
+                if n == bucket and "le" in lb:
                     field = _value(_le(lb["le"]))
                 if field is not None:
                     one = tuple(sorted((a, b) for a, b in lb.items() if a != "le"))
@@ -499,6 +513,11 @@ def histogram_numbered(rec: Recording, name: str, by: str) -> dict[str, dict[str
         out[k] = {**({"mean": []} if {"sum", "count"} <= has else {}),
                   **({"p50": [], "p90": []} if any(isinstance(f, float) for f in has) else {}), **curves}
     return out
+
+
+def histogram_names(name: str) -> tuple[str, str, str]:
+    """The series a Prometheus histogram ``name`` is exported as: its buckets, sum and count."""
+    return f"{name}_bucket", f"{name}_sum", f"{name}_count"
 
 
 def _le(le: str) -> float | str:
@@ -646,6 +665,26 @@ class Inputs:
     deltas: list[tuple[float, int, int]] = field(default_factory=list)
 
 
+Draw = Callable[[Plotter, Inputs], Section]  # a section: it draws and describes what the run log recorded
+_READS: dict[Draw, frozenset[str]] = {}  # reads()
+
+
+def reads(*names: str) -> Callable[[Draw], Draw]:
+    """Declares the metrics a section reads from the run log, a histogram by its :func:`histogram_names`: the one
+    list of them. :func:`read_run_log` keeps their samples and no others (:func:`metrics_read`), and a section that
+    reads another raises (:meth:`Recording.kept`) rather than call it "not recorded"."""
+    def declare(f: Draw) -> Draw:
+        _READS[f] = frozenset(names)
+        return f
+
+    return declare
+
+
+def metrics_read() -> frozenset[str]:
+    """Every metric the :data:`SECTIONS` read, as each declares them (:func:`reads`)."""
+    return frozenset().union(*(_READS.get(f, ()) for f in SECTIONS))
+
+
 def _missing(names: Iterable[str], who: str) -> str:
     return f"not recorded: {', '.join(names)} (exported by {who}) is not in the run log"
 
@@ -670,6 +709,8 @@ def _named(curves: Mapping[str, _T], name: str) -> dict[str, _T]:
     return {(f"{name} {k}" if k else name): s for k, s in curves.items()}
 
 
+@reads("streamrec_learner_served_auc", "streamrec_learner_window_auc", "streamrec_learner_served_ne",
+       "streamrec_learner_event_time_seconds")
 def s_quality(p: Plotter, inp: Inputs) -> Section:
     sec = Section("served-quality", "Served quality: AUC and normalized entropy",
                   "Each impression's first prediction (made before the learner trained on it) against the label it "
@@ -750,6 +791,8 @@ def event_time_plot(ax: Any, rec: Recording, curves: Mapping[str, Series | Numbe
     return n
 
 
+@reads("streamrec_learner_cold_auc", "streamrec_learner_warm_auc", "streamrec_learner_served_cold_auc",
+       "streamrec_learner_bucket_share")
 def s_cold(p: Plotter, inp: Inputs) -> Section:
     sec = Section("cold-warm", "Cold vs warm users",
                   "Window AUC of cold users' samples (their first cold_k impressions) and of warm users' "
@@ -775,6 +818,8 @@ def s_cold(p: Plotter, inp: Inputs) -> Section:
     return sec
 
 
+@reads("streamrec_join_samples_total", "streamrec_events_total", "streamrec_learner_samples_total",
+       "streamrec_serving_requests_total", "streamrec_serving_candidates_total")
 def s_throughput(p: Plotter, inp: Inputs) -> Section:
     sec = Section("throughput", "Throughput of each stage",
                   "Per second between consecutive scrapes: samples written by the joiner "
@@ -818,6 +863,7 @@ def s_throughput(p: Plotter, inp: Inputs) -> Section:
     return sec
 
 
+@reads("streamrec_learner_lag_samples", "streamrec_join_pending_impressions", "streamrec_join_input_paused")
 def s_lag(p: Plotter, inp: Inputs) -> Section:
     sec = Section("lag", "Lag",
                   "The learner's lag: messages of the samples topic not yet trained, summed over partitions "
@@ -839,6 +885,7 @@ def s_lag(p: Plotter, inp: Inputs) -> Section:
     return sec
 
 
+@reads(*histogram_names("streamrec_learner_grad_norm"), "streamrec_learner_update_norm")
 def s_grad(p: Plotter, inp: Inputs) -> Section:
     sec = Section("gradient-norms", "Gradient and update norms",
                   "L2 norm of each optimizer step's gradient, dense part (MLP, bias) and embedding rows apart: the "
@@ -862,6 +909,7 @@ def s_grad(p: Plotter, inp: Inputs) -> Section:
     return sec
 
 
+@reads("streamrec_learner_field_coverage", "streamrec_learner_id_occupancy")
 def s_coverage(p: Plotter, inp: Inputs) -> Section:
     sec = Section("coverage", "Feature coverage",
                   "Per field, the share of recent samples carrying it (streamrec_learner_field_coverage; a field "
@@ -880,6 +928,8 @@ def s_coverage(p: Plotter, inp: Inputs) -> Section:
     return sec
 
 
+@reads("streamrec_learner_rss_bytes", "streamrec_learner_cuda_memory_bytes",
+       "streamrec_learner_memory_growth_bytes_per_hour")
 def s_memory(p: Plotter, inp: Inputs) -> Section:
     sec = Section("memory", "Memory",
                   "The learner's resident set (streamrec_learner_rss_bytes) and, on CUDA, device memory allocated "
@@ -904,6 +954,7 @@ def s_memory(p: Plotter, inp: Inputs) -> Section:
     return sec
 
 
+@reads("streamrec_serving_hot_cache_hit_rate", "streamrec_serving_embedding_lookups_total")
 def s_hot(p: Plotter, inp: Inputs) -> Section:
     sec = Section("hot-set", "Hot set and hit rate",
                   "Share of serving's embedding row reads answered by the artifact's hot set since serving started "
@@ -928,6 +979,7 @@ def s_hot(p: Plotter, inp: Inputs) -> Section:
     return sec
 
 
+@reads("streamrec_learner_samples_total", "streamrec_serving_delta_seq", "streamrec_join_watermark_ms")
 def s_fresh(p: Plotter, inp: Inputs) -> Section:
     sec = Section("freshness", "Freshness",
                   "How far behind the newest training the served model is. Top: samples trained at each delta the "
@@ -1004,6 +1056,7 @@ def _min_numbered(rec: Recording, name: str) -> Numbered:
     yet), in its :func:`epochs` (keyed by ``t`` alone, a scrape after a step back overwrote the one at that time
     before it). Two joiners of one group were read as the last source's."""
     out: dict[tuple[int, float], float] = {}
+    rec.kept(name)
     for scrapes in rec.scrapes.values():
         for e, t, samples in epochs(scrapes):
             vals = [v for n, _, v in samples if n == name and v > 0 and math.isfinite(v)]
@@ -1020,6 +1073,7 @@ def _min_over(rec: Recording, name: str) -> Series:
     return _flat(_min_numbered(rec, name))
 
 
+@reads("streamrec_dlq_messages_total")
 def s_dlq(p: Plotter, inp: Inputs) -> Section:
     sec = Section("dead-letters", "Dead letters",
                   "Malformed messages sent to <topic>.dlq, by source topic and reason, as the stages counted them "
@@ -1056,6 +1110,7 @@ def s_dlq(p: Plotter, inp: Inputs) -> Section:
 _STATE_COLOR = {"pending": "tab:orange", "firing": "tab:red", "resolved": "tab:green"}
 
 
+@reads()
 def s_alerts(p: Plotter, inp: Inputs) -> Section:
     sec = Section("alerts", "Alerts",
                   "Each rule's state at every evaluation the monitor recorded (worst over its label sets: "
@@ -1121,7 +1176,7 @@ def alert_line(t: float, a: Mapping[str, Any]) -> str:
             f"id={a.get('fingerprint', '-')}: {a.get('message')}")
 
 
-SECTIONS: tuple[Callable[[Plotter, Inputs], Section], ...] = (
+SECTIONS: tuple[Draw, ...] = (
     s_quality, s_cold, s_throughput, s_lag, s_grad, s_coverage, s_memory, s_hot, s_fresh, s_dlq, s_alerts)
 
 
@@ -1168,7 +1223,7 @@ def build_sections(inp: Inputs) -> list[Section]:
         return [_beyond(p, f, inp) for f in SECTIONS]
 
 
-def _beyond(p: Plotter, f: Callable[[Plotter, Inputs], Section], inp: Inputs) -> Section:
+def _beyond(p: Plotter, f: Draw, inp: Inputs) -> Section:
     """Section ``f``, saying how many of its values were beyond :data:`PLOT_MAX` and so not drawn."""
     before = p.beyond
     sec = f(p, inp)

@@ -496,7 +496,7 @@ def test_a_run_log_is_read_with_one_copy_of_each_name_and_label_set_and_every_sa
              for i in range(20) for src in ("learner", "rank1")]
     path = tmp_path / "run-log.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    rec = report.read_run_log(path)
+    rec = report.read_run_log(path, every_metric=True)
     parsed = [[(str(n), dict(lb), report._value(v)) for n, lb, v in json.loads(json.dumps(line))["samples"]]
               for line in lines]
     assert [s for src in ("learner", "rank1") for _, s, _ in rec.scrapes[src]] == parsed[0::2] + parsed[1::2]
