@@ -10,7 +10,8 @@ Prometheus' ``rate`` and ``histogram_quantile`` do); nothing else is derived.
 
 Sections (:data:`SECTIONS`): served quality, cold vs warm users, throughput, lag, gradient norms, feature
 coverage, memory, hot set and hit rate, freshness, dead letters, alerts. A section whose metrics are not in the
-run log says so ("not recorded", naming the metrics and who exports them) instead of drawing an empty plot.
+run log says so ("not recorded", naming the metrics and who exports them) instead of drawing an empty plot. Each
+section declares the metrics it reads (:func:`reads`): the run log's other samples are not kept (:func:`read_run_log`).
 
 The time axis of every plot is **wall-clock time** since the run log began: the learner exports no event time,
 so "over event time" is only as good as the order the samples arrived in (event-time order in a replay). The
