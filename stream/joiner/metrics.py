@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
+from contextlib import suppress
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter as PCounter
 from prometheus_client import Gauge
 
 from stream.joiner.backpressure import CLICKS as CLICKS_INPUT
-from stream.joiner.backpressure import IMPRESSIONS
+from stream.joiner.backpressure import IMPRESSIONS, PAUSED
 from stream.metrics import DLQ_MESSAGES, EVENTS
 
 if TYPE_CHECKING:
     from stream.joiner.engine import BatchResult, PartitionJoin
 
-__all__ = ["ASSIGN_RETRIES", "DLQ_MESSAGES", "held", "record"]
+__all__ = ["ASSIGN_RETRIES", "DLQ_MESSAGES", "forget", "held", "record"]
 
 SAMPLES = PCounter("streamrec_join_samples_total", "Samples written, by label.", ["label"])
 CLICKS = PCounter("streamrec_join_clicks_total", "Clicks by outcome (joined, late, orphan, duplicate, "
@@ -53,10 +55,29 @@ REDIS_EMPTIED = PCounter("streamrec_join_redis_emptied_total", "Times the joiner
                          "again from empty.", ["tag"])
 
 
+INPUTS = (IMPRESSIONS, CLICKS_INPUT)
+
+
 def held(counts: dict[str, int]) -> None:
     """The held records per input (absent: none)."""
-    for kind in (IMPRESSIONS, CLICKS_INPUT):
+    for kind in INPUTS:
         HELD.labels(kind).set(counts.get(kind, 0))
+
+
+PER_PARTITION = (WATERMARK, OLDEST_PENDING, LIVE_CHUNKS)  # the gauges labelled by partition alone (and PAUSED)
+
+
+def forget(partitions: Iterable[int]) -> None:
+    """Remove the per-partition gauges' series of ``partitions``, whose engines this worker dropped (revoked, lost, or
+    a rewind that restores them with the next batch): a series kept would go on exporting the last value of a partition
+    that another worker owns now, frozen beside the owner's live one (an alert taking the max fires on it for ever, a
+    sum counts the partition twice). The drivers call it after their last pause sync of them, which sets a resumed
+    input's :data:`PAUSED` to 0. Counters stay: they are this worker's totals and never go back."""
+    for p in partitions:
+        labels = [(gauge, (str(p),)) for gauge in PER_PARTITION] + [(PAUSED, (kind, str(p))) for kind in INPUTS]
+        for gauge, values in labels:
+            with suppress(KeyError):  # never set (no watermark yet, never paused): older prometheus_client raises
+                gauge.remove(*values)
 
 
 def record(res: BatchResult, positives: int, engines: dict[int, PartitionJoin], totals: Counter[str]) -> None:

@@ -680,7 +680,7 @@ class JoinPipeline:
                 "(none)" if imps is None else imps, "(none)" if clicks is None else clicks, p)
 
     def forget(self, partitions: set[int]) -> None:
-        """Drop the in-memory state of revoked partitions (it is durable in the state log)."""
+        """Drop the in-memory state of revoked partitions (it is durable in the state log), and their gauges."""
         self._held_groups = {tp: h for tp, h in self._held_groups.items() if tp[1] not in partitions}
         self._held_list = []  # what the driver passes again is not that list any more
         self.held_counts = {tp: n for tp, n in self.held_counts.items() if tp[1] not in partitions}
@@ -691,6 +691,7 @@ class JoinPipeline:
             self._last_click.pop(p, None)
             for key in [k for k in self._parts if k[0] == p]:
                 del self._parts[key]
+        m.forget(partitions)
 
     def waiting(self) -> dict[int, int]:
         """Per held partition, the impression ids whose clicks wait for their impression (backpressure.py)."""

@@ -357,13 +357,14 @@ class FaustJoinWorker:
         self._idle.reset()
         self._settled = False
         gone = {tp.partition for tp in revoked if tp.topic == self.kafka.impressions_topic}
-        self.pipeline.forget(gone)  # their held records too: unacknowledged, the next owner reads them
+        self.pipeline.drop_held({(tp.topic, tp.partition) for tp in revoked})  # the next owner reads them
         cast(BatchConsumer, self.app.consumer).forget_kept({TP(tp.topic, tp.partition) for tp in revoked})
         self._assigned -= {tp.partition for tp in revoked}
         self.unfetched.forget(tp.partition for tp in revoked)
         # faust keeps its paused set across a rebalance (a re-assigned partition stays paused): resume them
         self.gate.release(gone)
         self._sync_pauses()
+        self.pipeline.forget(gone)  # after the resume: it removes their gauges, PAUSED too (metrics.forget)
 
     def _topic(self, kind: str) -> str:
         return topic_of(self.kafka, kind)
