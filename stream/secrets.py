@@ -203,9 +203,12 @@ _argv_warned = False
 
 def _holds_password(value: str) -> bool:
     """Whether a command-line value carries a credential: a URL's ``user:PASSWORD@`` (a user alone is none) or a
-    ``password=`` / ``token=`` style pair (a query parameter)."""
+    ``password=`` / ``token=`` style pair (a query parameter). The user-info is the authority's, before the host (up
+    to its last '@', an unencoded one in a password kept): an '@' past the host (``http://h:9100/m?owner=ml@corp``)
+    was read as ``user h, password 9100/m?owner=ml``."""
     url = _URL_USERINFO.search(value)
-    return bool(url and url["userinfo"].partition(":")[2]) or bool(_KV_SECRET.search(value))
+    authority = re.split(r"[/?#]", value[url.end("scheme"):], maxsplit=1)[0] if url else ""
+    return bool(authority.rpartition("@")[0].partition(":")[2]) or bool(_KV_SECRET.search(value))
 
 
 def command_line_secrets(argv: Sequence[str]) -> list[str]:

@@ -498,3 +498,19 @@ def test_a_password_on_the_command_line_is_warned_once_naming_the_flag_and_the_s
     assert len(said) == 1 and said[0].startswith("--redis-url: a password given on the command line"), said
     assert "password_file" in said[0] and "password_env" in said[0] and "STREAMREC_REDIS_PASSWORD" in said[0]
     assert "ArgvPa55word" not in caplog.text + "".join(capsys.readouterr())
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["monitor", "--source", "learner=http://learner:9100/metrics?owner=ml@corp"], []),  # '@' past the host: no user
+    (["serve", "--server", "http://serving:8000/users/u@example.com"], []),
+    (["serve", "--redis-url", "redis://u:p@ss@h:6379/0"], ["--redis-url"]),  # an unencoded '@' in the password
+    (["serve", "--redis-url=redis://u:a:b@[::1]:6379/0"], ["--redis-url"]),  # a ':' in it, an IPv6 host
+    (["serve", "--redis-url", "redis://u:1234@h"], ["--redis-url"]),  # digits only: not a port
+])
+def test_command_line_secrets_reads_a_password_in_a_urls_user_info_only_not_an_at_sign_past_its_host(
+        argv: list[str], flags: list[str]) -> None:
+    """The user-info of a URL ends at its host: ``http://h:9100/m?owner=ml@corp`` holds none, yet was taken for
+    ``user h, password 9100/m?owner=ml`` and warned about a password there was not."""
+    from stream.secrets import command_line_secrets
+
+    assert command_line_secrets(argv) == flags
