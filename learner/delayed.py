@@ -275,6 +275,8 @@ class BaseRateBias:
         if self.done:
             return None
         self.observe(labels, kinds, ts_ms, label_delay_ms)
+        if self.done:  # the fit is over: its per-second counts go (class docstring, Memory; done stays done)
+            self.bins, self.bin_delay_s = {}, {}
         logit = _logit(self.rate)
         if not math.isfinite(logit):  # never a NaN or inf bias: it would be checkpointed and served
             return None

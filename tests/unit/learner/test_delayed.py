@@ -314,7 +314,7 @@ def test_a_bias_restored_done_stays_done_and_its_summary_survives_a_restart() ->
     for idx in np.array_split(np.arange(len(labels)), 300):
         if a.update(model, labels[idx], kinds[idx], ts[idx], delays[idx]) is None:
             break
-    assert a.done and a.bins
+    assert a.done
     state = a.state_dict()
     assert state["bins"] == []  # only the fit reads them, and it is over
     b = BaseRateBias(min_positives=50)
@@ -322,6 +322,22 @@ def test_a_bias_restored_done_stays_done_and_its_summary_survives_a_restart() ->
     assert b.done and b.summary() == a.summary()
     model.bias.data.fill_(7.0)  # training owns it now
     assert b.update(model, np.ones(10, np.float32), np.zeros(10, np.int8)) is None and model.bias.item() == 7.0
+
+
+def test_a_done_bias_rule_frees_its_per_second_counts_and_click_delays() -> None:
+    """Memory, the class docstring: a pair of counts per second of event time (up to ``max_bins``) and, since the
+    es_dfm fit, a click-delay sum per second too, only until done. Once done nothing reads them (the fit is over, a
+    checkpoint leaves them out), yet the learner held both for the rest of its life."""
+    labels, kinds, ts, delays = _es_dfm_stream(rate=0.1, mean_delay_s=30, seconds=400, per_s=100, elapsed_s=60)
+    b, model = BaseRateBias(min_positives=50), _bias_model()
+    seen = 0
+    for idx in np.array_split(np.arange(len(labels)), 400):
+        seen = max(seen, len(b.bins))
+        if b.update(model, labels[idx], kinds[idx], ts[idx], delays[idx]) is None:
+            break
+    assert b.done and seen > 100  # it counted per second until done ...
+    assert (b.bins, b.bin_delay_s) == ({}, {})  # ... and holds none after
+    assert b.rate == pytest.approx(0.1, rel=0.1)
 
 
 @pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 1.5])
