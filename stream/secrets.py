@@ -39,7 +39,8 @@ _pattern: re.Pattern[str] | None = None
 # makes the URL unparseable, and the error quoting it must still not leak it). Only whitespace ends a token: a
 # password may hold a quote (``'`` unencoded, RFC 3986) or ``"<>`` (urlsplit and redis-py take them), and a stop
 # there showed it whole. A URL with no ``@`` is left as it is.
-_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+._-]*://)(?P<userinfo>\S*)@")
+_URL_SCHEME = re.compile(r"\b[A-Za-z][A-Za-z0-9+._-]*://")
+_URL_USERINFO = re.compile(rf"(?P<scheme>{_URL_SCHEME.pattern})(?P<userinfo>\S*)@")
 _KV_SECRET = re.compile(r"(?i)(?P<key>\b[\w.-]*(?:password|passwd|passphrase|secret|token|api[_-]?key|signing[_-]?key|"
                         r"key[._-]?pem|sasl[._]password)[\w.-]*)(?<!_file)(?<!_env)(?P<kq>['\"]?)(?P<sep>\s*[=:]\s*)(?P<q>['\"]?)(?P<val>[^\s'\"&,;}]+)")
 # librdkafka's sensitive properties include a private key given inline (``ssl.key.pem``,
@@ -205,10 +206,13 @@ def _holds_password(value: str) -> bool:
     """Whether a command-line value carries a credential: a URL's ``user:PASSWORD@`` (a user alone is none) or a
     ``password=`` / ``token=`` style pair (a query parameter). The user-info is the authority's, before the host (up
     to its last '@', an unencoded one in a password kept): an '@' past the host (``http://h:9100/m?owner=ml@corp``)
-    was read as ``user h, password 9100/m?owner=ml``."""
+    was read as ``user h, password 9100/m?owner=ml``. A pair is read from the URL on, if any: before it is a name
+    (``--source token-service=http://h/m``: a ``token=`` pair whose value was the URL)."""
     url = _URL_USERINFO.search(value)
     authority = re.split(r"[/?#]", value[url.end("scheme"):], maxsplit=1)[0] if url else ""
-    return bool(authority.rpartition("@")[0].partition(":")[2]) or bool(_KV_SECRET.search(value))
+    scheme = _URL_SCHEME.search(value)
+    return (bool(authority.rpartition("@")[0].partition(":")[2])
+            or bool(_KV_SECRET.search(value, scheme.start() if scheme else 0)))
 
 
 def command_line_secrets(argv: Sequence[str]) -> list[str]:

@@ -514,3 +514,16 @@ def test_command_line_secrets_reads_a_password_in_a_urls_user_info_only_not_an_a
     from stream.secrets import command_line_secrets
 
     assert command_line_secrets(argv) == flags
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["monitor", "--source", "token-service=http://auth:9100/metrics"], []),
+    (["monitor", "--source=secrets-sync=http://sync:9100/metrics"], []),
+    (["monitor", "--source", "auth=http://auth:9100/metrics?token=PASSWORD"], ["--source"]),  # in the URL: one
+])
+def test_a_sources_name_is_a_label_not_a_password_pair(argv: list[str], flags: list[str]) -> None:
+    """``--source NAME=URL``: a source named ``token-service`` read as a ``token=`` pair whose value was its URL, and
+    the monitor was warned of a password on its command line that it did not have."""
+    from stream.secrets import command_line_secrets
+
+    assert command_line_secrets(argv) == flags
