@@ -65,7 +65,6 @@ from stream.secrets import hide_url_path, redact, redacted_repr
 log = logging.getLogger("streamrec.alerts")
 
 
-
 class Severity(str, enum.Enum):
     INFO = "info"
     WARNING = "warning"
@@ -347,7 +346,6 @@ class LogSink:
         pass
 
 
-
 # librdkafka error codes (KafkaError.code(), from produce() or a delivery report) that refuse one alert for good:
 # too large for the broker or topic (MESSAGE_TOO_LARGE, RECORD_LIST_TOO_LARGE), a record the broker will not
 # take (INVALID_RECORD), or a producer not allowed to write the topic (TOPIC_/CLUSTER_AUTHORIZATION_FAILED, an
@@ -486,7 +484,6 @@ class KafkaSink:
         self._discard_producer()  # every attempt waited for its acknowledgements: nothing is outstanding
 
 
-
 class WebhookSink:
     """``POST`` each alert as a JSON body to ``url``, one request per alert, every request ended by the
     attempt's deadline (:func:`post_json`), shortened where too large (:meth:`_post`). 2xx: delivered.
@@ -551,5 +548,3 @@ class WebhookSink:
 
     def close(self) -> None:
         pass
-
-

@@ -276,4 +276,3 @@ class Monitor:
                 **({"run_log": {"path": str(self.run_log.path), "records": self.run_log.records,
                                 "rotations": self.run_log.rotations, "failures": self.run_log.failures}}
                    if self.run_log is not None else {})}
-

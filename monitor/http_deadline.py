@@ -26,7 +26,6 @@ def time_left(deadline: float, what: str) -> float:
     return left
 
 
-
 class _DeadlineReader(io.RawIOBase):
     """Reads a socket, each read given only the time left until ``deadline``: a peer that trickles
     bytes is cut off at the deadline, not once per read. Reads through the socket's own file object
@@ -212,5 +211,3 @@ def check_http_url(url: str) -> str | None:
     if not parts.hostname:
         return "the URL names no host"
     return None
-
-

@@ -656,4 +656,3 @@ class RuleEngine:
                                          AlertKind.ABSENT if is_absent else AlertKind.SERIES,
                                          self._fingerprint(rule.name, lb, is_absent)))
         return rows
-

@@ -156,5 +156,3 @@ class RunLog:
 
     def close(self) -> None:
         self._file.close()
-
-

@@ -175,7 +175,6 @@ class Scraper:
         return snap
 
 
-
 # -- stale samples --------------------------------------------------------------------------------
 def warn_stale(snap: Snapshot, logged: Iterable[str] = ()) -> set[str]:
     """Log each source of ``snap`` whose samples were stamped too old or too far ahead to be current, except those
@@ -187,5 +186,3 @@ def warn_stale(snap: Snapshot, logged: Iterable[str] = ()) -> set[str]:
                     "read as no data (a target exporting what it last saw long ago, or a clock ahead of this "
                     "host's?)", source, n, first)
     return set(snap.stale)
-
-

@@ -166,5 +166,3 @@ class FiringStateFile:
                 log.error("state file %s: cannot write it (%s); a restart now would forget what is firing",
                           self.path, exc)
             self.failing = True
-
-
