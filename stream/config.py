@@ -467,6 +467,10 @@ class RedisSettings:
         if parts.scheme not in ("redis", "rediss", "unix"):
             raise ConfigError(f"[redis] url: got {redact(self.url)!r}, expected redis://host:port/db, "
                               "rediss://host:port/db (TLS) or unix:///path/to/socket")
+        # redis-py takes a url without a host ('redis://:pw@:7000') as localhost, a cluster client as node 'None:7000'
+        if parts.scheme != "unix" and not unquote(parts.hostname or "").strip():
+            raise ConfigError(f"[redis] url: {redact(self.url)!r} names no host: expected "
+                              f"{parts.scheme}://host:port/db (a unix socket: unix:///path/to/socket)")
         # redis-py reads the path as the db number and silently takes db 0 for one that is not a number ("/abc")
         if parts.scheme != "unix" and not re.fullmatch(r"/?[0-9]*", unquote(parts.path)):
             raise ConfigError(f"[redis] url: the path of {redact(self.url)!r} is not a database number: expected "

@@ -287,6 +287,18 @@ def test_a_duration_or_rate_past_ten_years_of_seconds_is_refused_at_start(cls: s
         build(settings_class, section, {section: {name: 1e30}}, {})
 
 
+@pytest.mark.parametrize("url", ["redis://:pw@:7000", "rediss://@:6379", "redis://", "rediss://", "redis://:7000",
+                                 "redis:///0", "redis://user:pw@/1", "redis://%20:6379"])
+def test_a_redis_url_that_names_no_host_is_refused_without_showing_its_password(url: str) -> None:
+    """redis-py takes a tcp url without a host as localhost (a single-node client talked to whatever listens there)
+    and a cluster client named its node 'None:7000'; refused here, the password masked. unix:// urls name a path."""
+    with pytest.raises(ConfigError, match=r"^\[redis\] url: .* names no host: expected rediss?://host:port/db") as no:
+        RedisSettings(url=url)
+    assert "pw" not in str(no.value)
+    assert RedisSettings(url="unix:///run/redis.sock").url == "unix:///run/redis.sock"
+    assert RedisSettings(url="redis://[::1]:6379/0").url == "redis://[::1]:6379/0"
+
+
 @pytest.mark.parametrize("url", ["redis://h:1/0?socket_timeout=60", "rediss://h:1?ssl_check_hostname=false",
                                  "redis://h:1/?decode_responses=true", "redis://h:1?db=3",
                                  "unix:///tmp/r.sock?db=1&socket_timeout=9", "redis://h:1?password=x"])
