@@ -38,18 +38,34 @@ predicts 1 everywhere (one step of 256 delayed positives on the demo's ML-1M str
 weigh ~1e-6 and nothing pulls it back (the demo's daemon served 1.000 to every impression for 15 k samples, and
 its whole-run NE went above 1). Capped, an observed 0 weighs at least ``(1 - 0.95)(1 + 0.95) ~ 0.1``; the
 correction is off only where the true click rate is above 0.95.
+
+A change of the ``OBSERVED`` 0s' elapsed time starts the late share's counts again, the prior taking over: counted in
+``streamrec_learner_elapsed_changes_total`` and logged (a WARNING at most once a minute, with the changes since the
+last one). Now and then it is a joiner restarted under another policy; changing all the time, joiners with different
+policies writing one samples topic, which holds ``S`` at its prior.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from prometheus_client import Counter
 
 from learner.event_clock import EventClock, FirstTime
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
+
+log = logging.getLogger("streamrec.train")
+
+ELAPSED_CHANGES = Counter("streamrec_learner_elapsed_changes_total", "Batches whose OBSERVED 0s waited another elapsed "
+                          "time than the last ones (a joiner's [joiner] emission or elapsed_s changed, or joiners of "
+                          "two policies write one samples topic): each starts the late share's counts again, per "
+                          "process (a sharded learner's ranks each count their own rows).")
 
 
 def observed_wait(kinds: np.ndarray, labels: np.ndarray, label_delay_ms: np.ndarray) -> int | None:
@@ -66,13 +82,18 @@ def observed_wait(kinds: np.ndarray, labels: np.ndarray, label_delay_ms: np.ndar
 class DelayedFeedbackWeights:
     """Per-sample loss weights for a batch of kinds, labels and the model's (detached) click probabilities."""
 
-    def __init__(self, prior_late_share: float = 0.5, prior_weight: float = 20.0, max_p: float = 0.95) -> None:
+    def __init__(self, prior_late_share: float = 0.5, prior_weight: float = 20.0, max_p: float = 0.95,
+                 clock: Callable[[], float] = time.monotonic, log_every_s: float = 60.0) -> None:
         self.prior_late_share, self.prior_weight = prior_late_share, prior_weight
         self.max_p = max_p  # the prediction in the weights is capped here (module docstring)
         self.positives = 0  # positives seen among OBSERVED and DELAYED_POSITIVE rows ...
         self.delayed = 0  # ... and how many of them came as DELAYED_POSITIVE
         self.elapsed_ms: int | None = None  # the wait of the OBSERVED 0s (their label_delay_ms) of late; None: none
         self.unknown_elapsed = False  # the counts came from a state that did not say their elapsed time
+        self.elapsed_changes = 0  # batches whose elapsed time was another than the last one's (module docstring)
+        self.clock, self.log_every_s = clock, log_every_s  # the change warning: at most one per log_every_s
+        self._unlogged = 0  # changes since the last warning
+        self._logged_at: float | None = None
 
     @property
     def late_share(self) -> float:
@@ -92,10 +113,28 @@ class DelayedFeedbackWeights:
                 # Another elapsed time (a restart under another policy or elapsed_s): the share counted was of the
                 # old one. Kept, a run restored from es_dfm weighed fake_negative's clicks by its S = 0.25, not 1.
                 self.positives = self.delayed = 0
+            if self.elapsed_ms is not None and wait != self.elapsed_ms:
+                self._changed(self.elapsed_ms, wait)
             self.elapsed_ms, self.unknown_elapsed = wait, False
         corrected = kinds != FINAL
         self.positives += int((labels[corrected] > 0.5).sum())
         self.delayed += int((kinds == DELAYED_POSITIVE).sum())
+
+    def _changed(self, old_ms: int, new_ms: int) -> None:
+        """Count a change of elapsed time, and warn of it unless a warning went out in the last ``log_every_s``
+        (alternating policies change it at every other batch: one line a minute, with how many since the last)."""
+        self.elapsed_changes += 1
+        self._unlogged += 1
+        ELAPSED_CHANGES.inc()
+        now = self.clock()
+        if self._logged_at is not None and now - self._logged_at < self.log_every_s:
+            return
+        log.warning("the OBSERVED samples' elapsed time changed from %d ms to %d ms (%d change(s) since the last "
+                    "warning, %d in all): the late share of delayed clicks starts again from its prior at each. A "
+                    "joiner restarted under another [joiner] emission or elapsed_s? Changing all the time: joiners of "
+                    "different policies write one samples topic, and S stays at its prior", old_ms, new_ms,
+                    self._unlogged, self.elapsed_changes)
+        self._logged_at, self._unlogged = now, 0
 
     def weights(self, kinds: np.ndarray, labels: torch.Tensor, probs: torch.Tensor) -> torch.Tensor | None:
         """``(B,)`` float32 weights, or None when every row is FINAL (no correction: plain mean loss)."""

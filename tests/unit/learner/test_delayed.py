@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from learner.delayed import BaseRateBias, DelayedFeedbackWeights, fit_delayed_rate
 from learner.served import ServedQuality
@@ -563,3 +564,28 @@ def test_a_restore_under_another_es_dfm_elapsed_s_counts_the_late_share_afresh_i
         w.observe(late, np.array([1, 0, 1, 1], np.float32), np.array([9000, 30_000, 50_000, 70_000]))
         assert w.elapsed_ms == 30_000
         assert w.late_share == pytest.approx((2 + 0.5 * 20) / (3 + 20))  # this window's counts and the prior only
+
+
+def test_batches_alternating_two_elapsed_times_count_every_change_and_warn_once_a_minute(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two joiners of different policies writing one samples topic (fake_negative's 0s at once, es_dfm's after 60 s)
+    start the late share again at every other batch, S held at its prior: each change is counted, and the WARNING
+    goes out at most once a minute of the clock, saying how many changes since the last one and both elapsed times."""
+    now = [0.0]
+    w = DelayedFeedbackWeights(clock=lambda: now[0])
+    kinds = np.array([OBSERVED, OBSERVED, DELAYED_POSITIVE], np.int8)
+    labels = np.array([0, 1, 1], np.float32)
+    before = REGISTRY.get_sample_value("streamrec_learner_elapsed_changes_total") or 0.0
+    with caplog.at_level("WARNING", logger="streamrec.train"):
+        for i in range(10):  # one batch every 20 s, the waits alternating: 9 changes at t = 20 .. 180 s
+            now[0] = 20.0 * i
+            wait = 0 if i % 2 == 0 else 60_000
+            w.observe(kinds, labels, np.array([wait, 5000, wait + 7000], np.int64))  # (B,) label_delay_ms
+            assert REGISTRY.get_sample_value("streamrec_learner_elapsed_changes_total") == before + i
+            assert w.positives == 2  # this batch's clicks only: the counts started again
+    warned = [r.getMessage() for r in caplog.records if "elapsed time changed" in r.getMessage()]
+    assert len(warned) == 3  # at t = 20, 80 and 140 s; the changes at 160 and 180 s wait for the next minute
+    assert "from 0 ms to 60000 ms (1 change(s) since the last warning, 1 in all)" in warned[0]
+    assert "(3 change(s) since the last warning, 4 in all)" in warned[1]
+    assert "from 0 ms to 60000 ms (3 change(s) since the last warning, 7 in all)" in warned[2]
+    assert w.elapsed_changes == 9
