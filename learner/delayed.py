@@ -57,6 +57,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
+from learner.checkpoint import count
 from learner.event_clock import EventClock, FirstTime
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
@@ -156,9 +157,19 @@ class DelayedFeedbackWeights:
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Counts of a state without ``elapsed_ms`` (saved before it was kept, or before any ``OBSERVED`` 0) are of an
         unknown elapsed time: the first ``OBSERVED`` 0 starts them again, as a change of elapsed time does (a
-        fake_negative run's counts, every click late, held a resumed es_dfm stream's share at ~1)."""
-        self.positives, self.delayed = int(d.get("positives", 0)), int(d.get("delayed", 0))
-        self.elapsed_ms = None if d.get("elapsed_ms") is None else int(d["elapsed_ms"])
+        fake_negative run's counts, every click late, held a resumed es_dfm stream's share at ~1).
+
+        Counts that no stream counts (:func:`_sound_counts`) are a ValueError naming the value: a damaged checkpoint
+        (the restore uses the previous one). Loaded, ``positives = -prior_weight`` divided by zero in
+        :attr:`late_share` on every batch, and each batch's messages were struck for it."""
+        c = {"positives": 0, "delayed": 0,
+             **{k: d[k] for k in ("positives", "delayed", "elapsed_ms") if d.get(k) is not None}}
+        _sound_counts("delayed feedback state (delayed_weights)", c)
+        if c["delayed"] > c["positives"]:  # every delayed positive is one of the positives counted
+            raise ValueError(f"delayed feedback state (delayed_weights): delayed {c['delayed']} > positives "
+                             f"{c['positives']}: no stream counts more delayed positives than positives")
+        self.positives, self.delayed = c["positives"], c["delayed"]
+        self.elapsed_ms = c.get("elapsed_ms")
         self.unknown_elapsed = self.elapsed_ms is None and self.positives > 0
 
     @staticmethod
@@ -395,6 +406,16 @@ def fit_delayed_rate(impressions: np.ndarray, clicks: np.ndarray, age_s: np.ndar
             if converged:
                 break
     return (float(r), float(lam)) if _sound(r, lam) else fresh
+
+
+def _sound_counts(state: str, counts: dict[str, Any]) -> None:
+    """A ValueError naming ``state`` and the first of ``counts`` (name -> value) that is not an integer >= 0
+    (:func:`learner.checkpoint.count`): a damaged or edited checkpoint, refused at load, not at every batch."""
+    for name in counts:
+        try:
+            count(counts, name)
+        except ValueError as exc:
+            raise ValueError(f"{state}: {exc}") from None
 
 
 def _sound(r: float, lam: float) -> bool:

@@ -589,3 +589,38 @@ def test_batches_alternating_two_elapsed_times_count_every_change_and_warn_once_
     assert "(3 change(s) since the last warning, 4 in all)" in warned[1]
     assert "from 0 ms to 60000 ms (3 change(s) since the last warning, 7 in all)" in warned[2]
     assert w.elapsed_changes == 9
+
+
+CORRUPT_DELAYED_COUNTS = {
+    "positives_at_minus_the_prior_weight": ({"positives": -20, "delayed": 0}, "positives"),  # S divided by zero
+    "negative_positives": ({"positives": -3, "delayed": 0}, "positives"),
+    "negative_delayed": ({"positives": 5, "delayed": -1}, "delayed"),
+    "more_delayed_than_positives": ({"positives": 2, "delayed": 7}, "delayed 7 > positives 2"),
+    "fractional_positives": ({"positives": 2.5, "delayed": 0}, "positives"),
+    "text_delayed": ({"positives": 2, "delayed": "x"}, "delayed"),
+    "negative_elapsed_time": ({"positives": 2, "delayed": 1, "elapsed_ms": -5}, "elapsed_ms"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT_DELAYED_COUNTS))
+def test_delayed_feedback_counts_no_stream_counts_are_refused_at_load_naming_the_state_and_value(case: str) -> None:
+    """A damaged or edited checkpoint's counts are refused when loaded (the restore then uses the previous
+    checkpoint), not at every batch: ``positives = -20`` divided by zero in the late share of each batch, and the
+    batch's messages were struck for it; other negative counts gave negative or NaN weights."""
+    state, named = CORRUPT_DELAYED_COUNTS[case]
+    w = DelayedFeedbackWeights()
+    with pytest.raises(ValueError, match="delayed_weights") as err:
+        w.load_state_dict(state)
+    assert named in str(err.value)
+    assert (w.positives, w.delayed, w.elapsed_ms) == (0, 0, None)  # nothing of it kept
+    kinds = np.array([OBSERVED, DELAYED_POSITIVE], np.int8)
+    out = w.weights(kinds, torch.tensor([0.0, 1.0]), torch.tensor([0.3, 0.6]))  # a batch still trains
+    assert out is not None and bool(torch.isfinite(out).all())
+
+
+def test_sound_delayed_feedback_counts_still_load_including_states_without_elapsed_time() -> None:
+    w = DelayedFeedbackWeights()
+    w.load_state_dict({"positives": 4, "delayed": 4, "elapsed_ms": 0})
+    assert (w.positives, w.delayed, w.elapsed_ms, w.late_share) == (4, 4, 0, 1.0)
+    w.load_state_dict({})
+    assert (w.positives, w.delayed, w.elapsed_ms) == (0, 0, None)

@@ -18,6 +18,7 @@ from learner.batch import to_tensors
 from learner.config import Device, LearnerSettings
 from learner.daemon import Learner
 from stream.config import KafkaSettings
+from stream.samples import OBSERVED, SampleBatch
 from tests.unit.learner.test_safe_loads import CFG, B, samples
 
 
@@ -42,6 +43,10 @@ def _meta_field(name: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return lambda raw: raw["meta"].__setitem__(name, value)
 
 
+def _state_field(part: str, name: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda raw: raw[part].__setitem__(name, value)
+
+
 DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
     "other_shape": _other_shape, "missing_tensor": _missing_tensor,
     "meta_without_samples_trained": _meta_without_samples, "negative_offset": _negative_offset,
@@ -61,7 +66,10 @@ DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
     "topic_number": _meta_field("topic", 5), "topic_list": _meta_field("topic", ["a"]),
     "lineage_object": _meta_field("lineage", {}), "lineage_number": _meta_field("lineage", 5),
     "lineage_not_an_id": _meta_field("lineage", "abc"),  # the directory's lineage continued in silence
-    "shape_empty_list": _meta_field("shape", [])}
+    "shape_empty_list": _meta_field("shape", []),
+    # counts no stream counts: the late share divided by zero on every batch, each batch's messages struck for it
+    "delayed_weights_negative": _state_field("delayed_weights", "positives", -20),
+    "delayed_weights_more_delayed_than_positives": _state_field("delayed_weights", "delayed", 3)}
 
 
 def _two_checkpoints(tmp_path: Path, seed: int, second_rows: int) -> tuple[LearnerSettings, KafkaSettings]:
@@ -175,3 +183,29 @@ def test_a_fallback_past_a_damaged_newest_checkpoint_keeps_none_of_its_state(tmp
     finally:
         resumed.close()
         fresh.close()
+
+
+def test_a_learner_resumed_past_negative_delayed_feedback_counts_trains_its_next_batch_without_striking_it(
+        tmp_path: Path) -> None:
+    """The newest checkpoint's ``delayed_weights`` say ``positives = -20`` (edited, damaged): loaded, the late share
+    of every batch of observed zeros divided by zero (``-20 + 20``), the batch raised and each of its messages got
+    a strike. Refused at load, the previous checkpoint resumes and the batch trains."""
+    ls, kafka = _two_checkpoints(tmp_path, seed=3, second_rows=32)
+    newest = ck.list_checkpoints(tmp_path / "ck")[-1]
+    raw = ck.load(newest)
+    raw["delayed_weights"] = {"positives": -20, "delayed": 0}
+    newest.unlink()
+    torch.save(raw, newest)
+    learner = Learner(kafka, ls)
+    try:
+        assert learner._restore() and learner.trainer is not None and learner.trainer.samples == 32
+        n = 16
+        batch = SampleBatch.from_columns(  # es_dfm's observed zeros, out after 60 s: no click among them
+            impression_id=[f"o{k}" for k in range(n)], ts=np.arange(500, 500 + n) * 1000, label=np.zeros(n),
+            label_delay_ms=np.full(n, 60_000), user_id=np.arange(n), item_id=np.arange(n) % 30,
+            history=[[1, 2]] * n, context={"device": np.zeros(n, np.int64)},
+            dense={"price": np.ones(n, np.float32)}, kind=np.full(n, OBSERVED, np.int8))
+        learner._train(to_tensors(batch, CFG))  # raised ZeroDivisionError: every message of it struck
+        assert learner.trainer.samples == 32 + n
+    finally:
+        learner.close()
