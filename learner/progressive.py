@@ -177,8 +177,22 @@ class ProgressiveMetrics:
         return state
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        self.pos, self.neg = np.asarray(d["pos"]).copy(), np.asarray(d["neg"]).copy()
-        self.loss_sum, self.count = float(d["loss_sum"]), int(d["count"])
+        """A ValueError naming the value when the histogram or sums are none that :meth:`update` makes (a damaged
+        or edited checkpoint: the restore uses the previous one). A histogram of another length than ``bins`` was
+        loaded, and every later batch's update raised (numpy cannot add ``bins`` counts to it): each batch's
+        messages were struck for a fault of the checkpoint."""
+        pos, neg = np.asarray(d["pos"]), np.asarray(d["neg"])
+        for name, h in (("pos", pos), ("neg", neg)):
+            if h.shape != (self.bins,) or h.dtype.kind not in "iu" or (h < 0).any():
+                raise ValueError(f"progressive metrics state: {name} is a {h.dtype} histogram of shape {h.shape}"
+                                 f"{' with negative counts' if h.dtype.kind in 'iuf' and (h < 0).any() else ''}, "
+                                 f"not {self.bins} counts >= 0: the state is damaged")
+        loss_sum, count = float(d["loss_sum"]), d["count"]
+        if not (np.isfinite(loss_sum) and loss_sum >= 0 and isinstance(count, int | np.integer) and count >= 0):
+            raise ValueError(f"progressive metrics state: loss_sum {loss_sum!r}, count {count!r}: not a finite sum "
+                             ">= 0 and an integer count >= 0: the state is damaged")
+        self.pos, self.neg = pos.astype(np.int64), neg.astype(np.int64)
+        self.loss_sum, self.count = loss_sum, int(count)
         self._recent, self._recent_ts, self._recent_n = deque(), deque(), 0
         if "window_probs" in d:  # older states have no window: it starts empty
             probs = np.array(d["window_probs"], np.float64).reshape(-1)

@@ -69,7 +69,9 @@ DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
     "shape_empty_list": _meta_field("shape", []),
     # counts no stream counts: the late share divided by zero on every batch, each batch's messages struck for it
     "delayed_weights_negative": _state_field("delayed_weights", "positives", -20),
-    "delayed_weights_more_delayed_than_positives": _state_field("delayed_weights", "delayed", 3)}
+    "delayed_weights_more_delayed_than_positives": _state_field("delayed_weights", "delayed", 3),
+    # a histogram of another length: every later batch's metrics update raised, each batch's messages struck
+    "metrics_histogram_short": _state_field("metrics", "pos", np.zeros(5, np.int64))}
 
 
 def _two_checkpoints(tmp_path: Path, seed: int, second_rows: int) -> tuple[LearnerSettings, KafkaSettings]:
