@@ -352,6 +352,9 @@ class BaseRateBias:
                 "elapsed_ms": self.elapsed_ms}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """A state of :meth:`state_dict`. Values no stream makes (:meth:`_check_state`) are a ValueError naming the
+        value: a damaged or edited checkpoint, which the restore passes over for the previous one."""
+        self._check_state(d)
         self.impressions, self.positives = int(d.get("impressions", 0)), int(d.get("positives", 0))
         self.corrected, self.stopped = bool(d.get("corrected", False)), bool(d.get("stopped", False))
         self.clock.load(d.get("clock"), None if d.get("now_ms") is None else int(d["now_ms"]))
@@ -365,6 +368,22 @@ class BaseRateBias:
         if "bin_delay_s" not in d and clicks:  # a state from before them: the delays spread over the seconds by clicks
             self.bin_delay_s = {s: self.click_delay_s * c / clicks for s, (_, c) in self.bins.items() if c}
         self.elapsed_ms = None if d.get("elapsed_ms") is None else int(d["elapsed_ms"])
+
+    @staticmethod
+    def _check_state(d: dict[str, Any]) -> None:
+        """Raise a ValueError naming the first value of ``d`` no stream makes. Loaded, each broke every batch until
+        training owned the bias: ``impressions = -20`` divided the running rate by zero, a ``rate`` of 1 the logit
+        (each batch's messages struck), and a negative count or delay sum set the bias from a rate that is none."""
+        state = "base-rate bias state (base_rate_bias)"
+        bins, delays = d.get("bins", []), d.get("bin_delay_s", [])
+        _sound_counts(state, {k: d[k] for k in ("impressions", "positives", "elapsed_ms") if d.get(k) is not None})
+        _sound_counts(state, {f"bins[{s}]": n for s, *counts in bins for n in counts})
+        if "rate" in d and not 0.0 < float(d["rate"]) < 1.0:  # (NaN too)
+            raise ValueError(f"{state}: rate {d['rate']!r} is not a click rate in (0, 1)")
+        for name, v in [("delay_rate", d.get("delay_rate", 0.0)), ("click_delay_s", d.get("click_delay_s", 0.0)),
+                        *((f"bin_delay_s[{s}]", x) for s, x in delays)]:
+            if not (math.isfinite(float(v)) and float(v) >= 0.0):
+                raise ValueError(f"{state}: {name} {v!r} is not a finite number >= 0")
 
 
 def fit_delayed_rate(impressions: np.ndarray, clicks: np.ndarray, age_s: np.ndarray, click_delay_s: float,

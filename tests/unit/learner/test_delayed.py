@@ -624,3 +624,44 @@ def test_sound_delayed_feedback_counts_still_load_including_states_without_elaps
     assert (w.positives, w.delayed, w.elapsed_ms, w.late_share) == (4, 4, 0, 1.0)
     w.load_state_dict({})
     assert (w.positives, w.delayed, w.elapsed_ms) == (0, 0, None)
+
+
+CORRUPT_BIAS_STATES = {
+    "impressions_at_minus_the_prior": ({"impressions": -20}, "impressions"),  # the running rate divided by zero
+    "negative_positives": ({"positives": -1}, "positives"),
+    "rate_of_one": ({"rate": 1.0}, "rate 1.0"),  # its logit divided by zero on every batch
+    "negative_rate": ({"rate": -0.2}, "rate -0.2"),
+    "nan_rate": ({"rate": float("nan")}, "rate nan"),
+    "infinite_delay_rate": ({"delay_rate": float("inf")}, "delay_rate inf"),
+    "negative_click_delay_sum": ({"click_delay_s": -5.0}, "click_delay_s -5.0"),
+    "negative_bin": ({"bins": [[3, 4, -1]]}, "bins[3]"),
+    "nan_bin_delay": ({"bins": [[3, 4, 1]], "bin_delay_s": [[3, float("nan")]]}, "bin_delay_s[3] nan"),
+    "negative_elapsed_time": ({"elapsed_ms": -1}, "elapsed_ms"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT_BIAS_STATES))
+def test_a_bias_rule_state_no_stream_makes_is_refused_at_load_naming_the_value(case: str) -> None:
+    """A damaged or edited checkpoint's bias rule is refused when loaded (the restore uses the previous checkpoint):
+    loaded, ``impressions = -20`` or ``rate = 1`` divided by zero in every batch's bias update, striking its
+    messages."""
+    change, named = CORRUPT_BIAS_STATES[case]
+    sound = BaseRateBias()
+    sound.observe(np.array([0, 1, 0, 0], np.float32), None)
+    bias = BaseRateBias()
+    with pytest.raises(ValueError, match="base_rate_bias") as err:
+        bias.load_state_dict({**sound.state_dict(), **change})
+    assert named in str(err.value)
+    model = torch.nn.Module()
+    model.register_parameter("bias", torch.nn.Parameter(torch.zeros(1)))
+    got = bias.update(model, np.array([0, 1], np.float32), np.array([FINAL, FINAL], np.int8))  # a batch still trains
+    assert got is not None and math.isfinite(got)
+
+
+def test_a_sound_bias_rule_state_of_a_corrected_stream_still_loads() -> None:
+    bias = BaseRateBias(min_positives=1000)
+    kinds = np.array([OBSERVED, OBSERVED, DELAYED_POSITIVE], np.int8)
+    bias.observe(np.array([0, 0, 1], np.float32), kinds, np.array([1000, 2000, 1000]), np.array([0, 0, 4000]))
+    again = BaseRateBias(min_positives=1000)
+    again.load_state_dict(bias.state_dict())
+    assert again.state_dict() == bias.state_dict()

@@ -71,7 +71,9 @@ DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
     "delayed_weights_negative": _state_field("delayed_weights", "positives", -20),
     "delayed_weights_more_delayed_than_positives": _state_field("delayed_weights", "delayed", 3),
     # a histogram of another length: every later batch's metrics update raised, each batch's messages struck
-    "metrics_histogram_short": _state_field("metrics", "pos", np.zeros(5, np.int64))}
+    "metrics_histogram_short": _state_field("metrics", "pos", np.zeros(5, np.int64)),
+    # the bias rule's logit of its rate divided by zero on every batch until training owned the bias
+    "base_rate_bias_rate_of_one": lambda raw: raw.__setitem__("base_rate_bias", {"positives": 1, "rate": 1.0})}
 
 
 def _two_checkpoints(tmp_path: Path, seed: int, second_rows: int) -> tuple[LearnerSettings, KafkaSettings]:
