@@ -191,6 +191,17 @@ def count(meta: Mapping[str, Any], name: str, least: int = 0) -> int:
     return v
 
 
+def state_counts(state: str, counts: Mapping[str, Any]) -> None:
+    """A ValueError naming the learner state ``state`` and the first of ``counts`` (name -> value) that is no
+    :func:`count` (an integer >= 0): a damaged or edited checkpoint's state, refused at load (the restore uses the
+    previous checkpoint) instead of breaking every batch trained after it."""
+    for name in counts:
+        try:
+            count(counts, name)
+        except ValueError as exc:
+            raise ValueError(f"{state}: {exc}") from None
+
+
 def partition_counts(meta: Mapping[str, Any], name: str) -> dict[int, int]:
     """``meta[name]`` as partition -> count, every key a partition number's decimal text and every value a
     :func:`count`; else a ValueError naming the field (``{"0": 1.5}`` was resumed at offset 1); KeyError: absent

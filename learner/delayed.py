@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
-from learner.checkpoint import count
+from learner.checkpoint import state_counts
 from learner.event_clock import EventClock, FirstTime
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
@@ -159,12 +159,12 @@ class DelayedFeedbackWeights:
         unknown elapsed time: the first ``OBSERVED`` 0 starts them again, as a change of elapsed time does (a
         fake_negative run's counts, every click late, held a resumed es_dfm stream's share at ~1).
 
-        Counts that no stream counts (:func:`_sound_counts`) are a ValueError naming the value: a damaged checkpoint
-        (the restore uses the previous one). Loaded, ``positives = -prior_weight`` divided by zero in
-        :attr:`late_share` on every batch, and each batch's messages were struck for it."""
+        Counts that no stream counts (:func:`~learner.checkpoint.state_counts`) are a ValueError naming the value: a
+        damaged checkpoint (the restore uses the previous one). Loaded, ``positives = -prior_weight`` divided by zero
+        in :attr:`late_share` on every batch, and each batch's messages were struck for it."""
         c = {"positives": 0, "delayed": 0,
              **{k: d[k] for k in ("positives", "delayed", "elapsed_ms") if d.get(k) is not None}}
-        _sound_counts("delayed feedback state (delayed_weights)", c)
+        state_counts("delayed feedback state (delayed_weights)", c)
         if c["delayed"] > c["positives"]:  # every delayed positive is one of the positives counted
             raise ValueError(f"delayed feedback state (delayed_weights): delayed {c['delayed']} > positives "
                              f"{c['positives']}: no stream counts more delayed positives than positives")
@@ -376,8 +376,8 @@ class BaseRateBias:
         (each batch's messages struck), and a negative count or delay sum set the bias from a rate that is none."""
         state = "base-rate bias state (base_rate_bias)"
         bins, delays = d.get("bins", []), d.get("bin_delay_s", [])
-        _sound_counts(state, {k: d[k] for k in ("impressions", "positives", "elapsed_ms") if d.get(k) is not None})
-        _sound_counts(state, {f"bins[{s}]": n for s, *counts in bins for n in counts})
+        state_counts(state, {k: d[k] for k in ("impressions", "positives", "elapsed_ms") if d.get(k) is not None})
+        state_counts(state, {f"bins[{s}]": n for s, *counts in bins for n in counts})
         if "rate" in d and not 0.0 < float(d["rate"]) < 1.0:  # (NaN too)
             raise ValueError(f"{state}: rate {d['rate']!r} is not a click rate in (0, 1)")
         for name, v in [("delay_rate", d.get("delay_rate", 0.0)), ("click_delay_s", d.get("click_delay_s", 0.0)),
@@ -425,16 +425,6 @@ def fit_delayed_rate(impressions: np.ndarray, clicks: np.ndarray, age_s: np.ndar
             if converged:
                 break
     return (float(r), float(lam)) if _sound(r, lam) else fresh
-
-
-def _sound_counts(state: str, counts: dict[str, Any]) -> None:
-    """A ValueError naming ``state`` and the first of ``counts`` (name -> value) that is not an integer >= 0
-    (:func:`learner.checkpoint.count`): a damaged or edited checkpoint, refused at load, not at every batch."""
-    for name in counts:
-        try:
-            count(counts, name)
-        except ValueError as exc:
-            raise ValueError(f"{state}: {exc}") from None
 
 
 def _sound(r: float, lam: float) -> bool:
