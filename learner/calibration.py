@@ -66,6 +66,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from learner.checkpoint import state_counts
 from learner.event_clock import EventClock, FirstTime
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
@@ -251,6 +252,28 @@ class OnlineCalibration:
                 "pending_chunks": [len(c[0]) for c in self.chunks],
                 "clicked": sorted(self.clicked)}
 
+    @staticmethod
+    def _pending_of(d: dict[str, Any], ids: np.ndarray) -> tuple[tuple[np.ndarray, ...], list[int]]:
+        """The pending pairs' columns (ids, logits, ts, labels), each ``(n,)``, and the sizes of the batches they came
+        in, else a ValueError naming the value: an empty batch matured on ``max()`` of no times and a column shorter
+        than the ids paired logits with other rows' labels, each raising at every batch (its messages struck), and a
+        label outside [0, 1] or NaN fitted ``(a, b)`` to NaN, served from then on."""
+        state = "calibration state (calibration)"
+        cols = (ids, *(torch.as_tensor(d[f"pending_{k}"]).numpy().astype(t).reshape(-1)
+                       for k, t in (("logits", np.float64), ("ts", np.int64), ("labels", np.float64))))
+        sizes = list(d.get("pending_chunks", [len(ids)]))
+        state_counts(state, {f"pending_chunks[{i}]": n for i, n in enumerate(sizes)})
+        if min(sizes, default=0) < 1 or sum(sizes) != len(ids):
+            raise ValueError(f"{state}: pending_chunks {sizes[:8]}... are not batch sizes >= 1 adding up to the "
+                             f"{len(ids)} pending ids")
+        for name, col in zip(("logits", "ts", "labels"), cols[1:], strict=True):
+            if len(col) != len(ids):
+                raise ValueError(f"{state}: pending_{name} holds {len(col)} values for {len(ids)} pending ids")
+        if not ((cols[3] >= 0) & (cols[3] <= 1)).all():  # (NaN too)
+            raise ValueError(f"{state}: pending_labels holds {cols[3][~((cols[3] >= 0) & (cols[3] <= 1))][0]}, "
+                             "not a label in [0, 1]")
+        return cols, sizes
+
     def max_curvature(self) -> float:
         """The largest ``H[0, 0]`` fits of rows read within ``MAX_FIT_LOGIT`` can build: each row adds at most
         ``0.25 * MAX_FIT_LOGIT^2`` and forgetting holds at most ``half_life_rows / ln 2`` rows' worth plus one group
@@ -274,19 +297,20 @@ class OnlineCalibration:
         return a, b, (h if sane else self.h0.copy())
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """A state of :meth:`state_dict`: ``(a, b, H)`` as :meth:`_restored` makes them sound; pending pairs that no
+        batch makes (:meth:`_pending_of`) are a ValueError naming the value, a damaged or edited checkpoint (the
+        restore uses the previous one)."""
         h = np.asarray(d["h"], np.float64).reshape(2, 2) if "h" in d else None
+        ids = np.asarray([str(i) for i in d.get("pending_ids", [])], object)
+        cols, sizes = self._pending_of(d, ids) if len(ids) else ((), [])
+        state_counts("calibration state (calibration)", {"rows": d.get("rows", 0)})
         self.a, self.b, self.h = self._restored(float(d.get("a", 1.0)), float(d.get("b", 0.0)), h)
         self.rows = int(d.get("rows", 0))
         self.clock.load(d.get("clock"), None if d.get("now_ms") is None else int(d["now_ms"]))
         self.first_times.load(d.get("first_ms"))
-        ids = np.asarray([str(i) for i in d.get("pending_ids", [])], object)
         self.chunks = deque()
-        if len(ids):
-            cols = (ids, torch.as_tensor(d["pending_logits"]).numpy().astype(np.float64),
-                    torch.as_tensor(d["pending_ts"]).numpy().astype(np.int64),
-                    torch.as_tensor(d["pending_labels"]).numpy().astype(np.float64))
-            bounds = np.cumsum([0, *d.get("pending_chunks", [len(ids)])])
-            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):  # the batches they came in: each matures whole
-                self.chunks.append(tuple(c[lo:hi] for c in cols))  # type: ignore[arg-type]
+        bounds = np.cumsum([0, *sizes])
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):  # the batches they came in: each matures whole
+            self.chunks.append(tuple(c[lo:hi] for c in cols))  # type: ignore[arg-type]
         self.waiting = set(ids.tolist())
         self.clicked = {str(i) for i in d.get("clicked", [])} & self.waiting

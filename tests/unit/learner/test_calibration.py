@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from learner.calibration import OnlineCalibration
 from learner.progressive import normalized_entropy
@@ -266,3 +267,44 @@ def test_a_curvature_built_by_fits_round_trips_unchanged() -> None:
     copy = OnlineCalibration()
     copy.load_state_dict(cal.state_dict())
     assert np.array_equal(copy.h, cal.h) and cal.h[0, 0] <= cal.max_curvature()
+
+
+def _with_pending() -> tuple[OnlineCalibration, list, dict]:
+    batches, _ = stream(4_000, scale=2.0)
+    cal = OnlineCalibration(max_pending=500)
+    run(cal, batches[: len(batches) // 2])
+    state = cal.state_dict()
+    assert cal.pending and len(state["pending_chunks"]) > 1
+    return cal, batches[len(batches) // 2:], state
+
+
+def _set(name: str, value) -> object:  # noqa: ANN001 - a state edit: the value, or a function of the old one
+    return lambda d: d.__setitem__(name, value(d[name]) if callable(value) else value)
+
+
+CORRUPT_PENDING = {
+    "an_empty_batch": (_set("pending_chunks", lambda c: [0, *c]), "pending_chunks"),  # max() of no times
+    "batches_past_the_ids": (_set("pending_chunks", lambda c: [*c[:-1], c[-1] + 3]), "pending_chunks"),
+    "negative_batch": (_set("pending_chunks", lambda c: [-1, *c[:-1], c[-1] + 1]), "pending_chunks[0]"),
+    "short_labels": (_set("pending_labels", lambda t: t[:-1]), "pending_labels holds"),
+    "nan_label": (_set("pending_labels", lambda t: t.index_fill(0, torch.tensor([0]), float("nan"))), "nan"),
+    "label_of_two": (_set("pending_labels", lambda t: t.index_fill(0, torch.tensor([0]), 2.0)), "2.0"),
+    "negative_rows": (_set("rows", -4), "rows"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT_PENDING))
+def test_calibration_pending_pairs_no_batch_makes_are_refused_at_load_naming_the_value(case: str) -> None:
+    """A damaged or edited checkpoint's pending pairs are refused when loaded (the restore uses the previous
+    checkpoint): an empty batch of them raised at every batch once it was due to mature (``max()`` of no times), a
+    labels column shorter than the logits paired them with other rows' and raised, each batch's messages struck;
+    a NaN label fitted ``(a, b)`` to NaN, served from then on."""
+    cal, rest, state = _with_pending()
+    edit, named = CORRUPT_PENDING[case]
+    edit(state)
+    fresh = OnlineCalibration(max_pending=500)
+    with pytest.raises(ValueError, match=r"calibration state \(calibration\)") as err:
+        fresh.load_state_dict(state)
+    assert named in str(err.value)
+    run(fresh, rest)  # the batches after it still train (nothing of the refused state was kept)
+    assert np.isfinite([fresh.a, fresh.b]).all()

@@ -73,7 +73,8 @@ DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
     # a histogram of another length: every later batch's metrics update raised, each batch's messages struck
     "metrics_histogram_short": _state_field("metrics", "pos", np.zeros(5, np.int64)),
     # the bias rule's logit of its rate divided by zero on every batch until training owned the bias
-    "base_rate_bias_rate_of_one": lambda raw: raw.__setitem__("base_rate_bias", {"positives": 1, "rate": 1.0})}
+    "base_rate_bias_rate_of_one": lambda raw: raw.__setitem__("base_rate_bias", {"positives": 1, "rate": 1.0}),
+    "calibration_negative_rows": _state_field("calibration", "rows", -4)}
 
 
 def _two_checkpoints(tmp_path: Path, seed: int, second_rows: int) -> tuple[LearnerSettings, KafkaSettings]:
