@@ -454,6 +454,20 @@ def rank_states(path: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
     return states
 
 
+@contextmanager
+def state_loaded(path: Path) -> Generator[None, None, None]:
+    """Around the ranks' restore of their states from ``rank_states``: a ValueError (a value no training makes, which
+    the state's ``load_state_dict`` refuses: negative counts, a rate outside (0, 1), a histogram of another length) is
+    a CheckpointError naming the checkpoint, the state and the value, and the fix. Raised bare, it named neither the
+    checkpoint nor what to do, and loaded, each such value broke every batch after it (its messages struck)."""
+    try:
+        yield
+    except ValueError as exc:
+        raise checkpoint.CheckpointError(
+            f"sharded checkpoint {path} is damaged: {exc}; move it out of {path.parent} to resume from (or unshard) "
+            "the one before it") from None
+
+
 def _rank_state(path: Path, rank: int) -> dict[str, Any]:
     """``rank-<rank>.pt`` of the checkpoint at ``path`` (a weights-only load); one that does not load is a
     CheckpointError naming it and the fix (out of memory is raised as it is: no fault of the file)."""

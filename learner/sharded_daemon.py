@@ -417,6 +417,22 @@ class ShardedLearner:
                 opt.state[p] = {"step": st["step"].clone(), "exp_avg": st["exp_avg"].clone(),
                                 "exp_avg_sq": st["exp_avg_sq"].clone()}
         states = sharded_checkpoint.rank_states(path, meta)
+        with sharded_checkpoint.state_loaded(path):  # a value no training makes: this checkpoint refused
+            self._load_states(meta, states)
+        if self.ctx.rank == 0:
+            self._base_samples = int(meta["samples_trained"])
+        self._base_steps = int(meta["steps"])
+        self.offsets = {int(p): int(o) for p, o in meta["offsets"].items()}
+        self.topic_ids = checkpoint.topic_recorded(meta)
+        self.partition_rows = Counter({int(p): int(n) for p, n in meta["partition_rows"].items()})
+        log.info("rank %d resumed from %s (%d ranks wrote it): %d samples trained, offsets %s", self.ctx.rank, path,
+                 meta["world_size"], meta["samples_trained"], self.offsets)
+        return True
+
+    def _load_states(self, meta: dict[str, Any], states: list[dict[str, Any]]) -> None:
+        """The ranks' own states (``rank_states``) into this rank: a ValueError for a value no training makes
+        (``sharded_checkpoint.state_loaded`` names the checkpoint)."""
+        assert self.trainer is not None
         assert self.ids is not None
         if self.ids.active:  # every rank's parts, whatever the world size that wrote them (collective)
             self.ids.load_state_dict(states, self.dmp)
@@ -447,15 +463,6 @@ class ShardedLearner:
                 self.trainer.metrics = merged_metrics(states, self.ls.metrics_window)
                 self.duplicates = int(meta["duplicates"])
             self.recent.load_merged([s.get("recent_ids", []) for s in states])
-        if self.ctx.rank == 0:
-            self._base_samples = int(meta["samples_trained"])
-        self._base_steps = int(meta["steps"])
-        self.offsets = {int(p): int(o) for p, o in meta["offsets"].items()}
-        self.topic_ids = checkpoint.topic_recorded(meta)
-        self.partition_rows = Counter({int(p): int(n) for p, n in meta["partition_rows"].items()})
-        log.info("rank %d resumed from %s (%d ranks wrote it): %d samples trained, offsets %s", self.ctx.rank, path,
-                 meta["world_size"], meta["samples_trained"], self.offsets)
-        return True
 
     def samples_trained(self) -> int:
         """This rank's share of the job's samples (rank 0 also counts those of earlier runs)."""

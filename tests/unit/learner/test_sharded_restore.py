@@ -203,3 +203,38 @@ def test_unshard_keeps_every_ranks_newest_recent_ids_so_one_process_resumed_from
     recent.load(single["recent_ids"])
     retried = np.array(["0-7", "0-6", "1-7", "1-6"])  # each rank's two newest, delivered again
     assert recent.filter(retried).tolist() == [False, False, False, False]
+
+
+@pytest.mark.parametrize(("part", "value", "named"), [
+    ("delayed_weights", {"positives": -20, "delayed": 0}, "delayed_weights"),  # S divided by zero on every batch
+    ("base_rate_bias", {"positives": 1, "rate": 1.0}, "base_rate_bias"),  # its logit divided by zero
+])
+def test_a_rank_state_no_training_makes_refuses_the_sharded_checkpoint_naming_it_the_state_and_the_value(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part: str, value: dict[str, Any], named: str) -> None:
+    """A rank-<r>.pt edited or damaged (no checksum covers it) with counts no stream counts: loaded, every batch of
+    the rank raised (each batch's messages struck); refused bare, a ValueError named neither the checkpoint nor the
+    fix. It is a damaged checkpoint, as a torn rank file is."""
+    import torch
+
+    from learner import checkpoint, sharded_checkpoint
+
+    first = learner(tmp_path, monkeypatch)
+    try:
+        first._build(CFG)
+        a_round(first, rows(16, T0))
+        path = first.save()
+    finally:
+        first.close()
+    rank0 = path / "rank-0.pt"
+    state = checkpoint.load(rank0)
+    state[part] = value
+    rank0.unlink()
+    torch.save(state, rank0)
+    again = learner(tmp_path, monkeypatch)
+    try:
+        with pytest.raises(checkpoint.CheckpointError) as err:
+            again._restore()
+        assert str(path) in str(err.value) and named in str(err.value) and "the one before it" in str(err.value)
+    finally:
+        again.close()
+    assert sharded_checkpoint.latest(tmp_path / "ckpt") is not None  # (left in place for the operator)
