@@ -46,6 +46,7 @@ positives only. The times are checkpoint state (``window_ts``; a state saved bef
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -206,6 +207,10 @@ class ServedQuality:
                 any(len(c) != len(ids) for c in cols) or len(set(ids)) != len(ids) or len(set(parts)) != len(parts):
             raise ValueError(f"served quality state: {len(parts)} partitions, sizes {sum(sizes)} in all, {len(ids)} "
                              f"ids ({len(set(ids))} distinct), columns of {[len(c) for c in cols]}: it does not add up")
+        # a finite prediction outside [0, 1] made a negative histogram bin, and the batch that resolved it raised
+        # (its messages struck); a non-finite one is a prediction as served, left out when resolved (:meth:`_resolve`)
+        if (bad := [x for x in cols[1] if math.isfinite(x) and not 0.0 <= x <= 1.0]):
+            raise ValueError(f"served quality state: pending probs hold {bad[0]!r}, not a probability in [0, 1]")
         rows = iter(zip(ids, *cols, strict=True))
         self._pending, self._where = {}, {}
         for part, n in zip(parts, sizes, strict=True):

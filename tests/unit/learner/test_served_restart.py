@@ -81,3 +81,29 @@ def test_the_delayed_positive_of_an_impression_served_a_nan_is_matched_not_count
     q.advance(2000)
     assert q.unmatched == 0 and q.pending == 0
     assert q.all.count == 1 and np.isfinite(q.all.logloss)  # b only
+
+
+@pytest.mark.parametrize("prob", [-0.5, 1.5])
+def test_a_served_state_with_a_pending_prediction_outside_0_1_is_refused_naming_it(prob: float) -> None:
+    """A damaged or edited checkpoint's pending prediction of -0.5 made a negative histogram bin when its label came:
+    the batch that resolved it raised (its messages struck). Refused at load: the restore uses the previous one."""
+    q = ServedQuality(window_ms=1000)
+    q.record(np.array(["a", "b"], object), np.array([0, 1]), np.full(2, OBSERVED, np.int8), np.zeros(2, np.float32),
+             np.array([0.5, 0.4]), None)
+    state = q.state_dict()
+    state["pending"]["probs"] = np.array([0.5, prob])
+    fresh = ServedQuality(window_ms=1000)
+    with pytest.raises(ValueError, match=f"served quality state: pending probs hold {prob}"):
+        fresh.load_state_dict(state)
+    fresh.record(np.array(["b"], object), np.array([5000]), np.array([DELAYED_POSITIVE], np.int8),
+                 np.ones(1, np.float32), np.array([0.5]), None)  # a batch still records
+    assert fresh.pending == 0
+
+
+def test_a_served_state_with_a_pending_nan_prediction_still_loads_as_served() -> None:
+    q = ServedQuality(window_ms=1000)
+    q.record(np.array(["a"], object), np.array([0]), np.array([OBSERVED], np.int8), np.zeros(1, np.float32),
+             np.array([float("nan")]), None)
+    again = ServedQuality(window_ms=1000)
+    again.load_state_dict(q.state_dict())
+    assert again.pending == 1
