@@ -64,15 +64,16 @@ def test_an_infinite_count_at_the_head_gives_its_place_to_the_next_valid_id(
 def test_a_days_head_of_refused_members_is_read_a_page_per_reply_so_a_trickling_redis_does_not_time_it_out(
         stack: LocalStack, redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One day's counts (a window of one key) whose first pages are all refused members (not a stable hash's text):
-    the hot set asks for k, then twice as many until k valid ids come, and each read ranks the day again. With the
-    refresh's whole-reply timeout and Redis trickling a byte per 2 ms, a page (TOP_PAGE = 2: ~40 bytes) is well within
-    it; the read of 32 members in one reply (~600 bytes, 1.2 s) was not, and the hot set failed as a Redis timeout
-    (at the real TOP_PAGE: a day with a million refused members at its head)."""
+    the hot set asks for k, then twice as many until k valid ids come, and each read ranks the day again. With a
+    whole-reply timeout of 1 s and Redis trickling a byte per 2 ms, a page (TOP_PAGE = 2: ~40 bytes, ~0.08 s) is well
+    within it, on a loaded machine too (0.45 s failed once at load 15); the read of 64 members in one reply (~1,200
+    bytes, 2.4 s) was not, and the hot set failed as a Redis timeout (at the real TOP_PAGE: a day with a million
+    refused members at its head)."""
     monkeypatch.setattr(counts_module, "TOP_PAGE", 2)
-    refused = {f"x{i:02d}": 1000.0 - i for i in range(30)}
+    refused = {f"x{i:02d}": 1000.0 - i for i in range(60)}
     _items(redis_client, prefix, {**refused, "1": 5.0, "2": 4.0, "3": 3.0})
     with TrickleProxy(stack.s.redis_port, gap_s=0.002) as proxy:
-        client = connect(RedisSettings(url=proxy.url), timeout_s=0.45, retries=0, whole_reply=True)
+        client = connect(RedisSettings(url=proxy.url), timeout_s=1.0, retries=0, whole_reply=True)
         try:
             counts = DailyCounts(client, prefix=prefix)
             proxy.trickling = True
