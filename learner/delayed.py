@@ -377,7 +377,7 @@ class BaseRateBias:
         state = "base-rate bias state (base_rate_bias)"
         bins, delays = d.get("bins", []), d.get("bin_delay_s", [])
         state_counts(state, {k: d[k] for k in ("impressions", "positives", "elapsed_ms") if d.get(k) is not None})
-        state_counts(state, {f"bins[{s}]": n for s, *counts in bins for n in counts})
+        state_counts(state, {f"bins[{s}][{i}]": n for s, *counts in bins for i, n in enumerate(counts)})
         if "rate" in d and not 0.0 < float(d["rate"]) < 1.0:  # (NaN too)
             raise ValueError(f"{state}: rate {d['rate']!r} is not a click rate in (0, 1)")
         for name, v in [("delay_rate", d.get("delay_rate", 0.0)), ("click_delay_s", d.get("click_delay_s", 0.0)),

@@ -634,7 +634,8 @@ CORRUPT_BIAS_STATES = {
     "nan_rate": ({"rate": float("nan")}, "rate nan"),
     "infinite_delay_rate": ({"delay_rate": float("inf")}, "delay_rate inf"),
     "negative_click_delay_sum": ({"click_delay_s": -5.0}, "click_delay_s -5.0"),
-    "negative_bin": ({"bins": [[3, 4, -1]]}, "bins[3]"),
+    "negative_bin_clicks": ({"bins": [[3, 4, -1]]}, "bins[3][1]"),
+    "negative_bin_impressions": ({"bins": [[3, -4, 1]]}, "bins[3][0]"),  # checked too, not only the last count
     "nan_bin_delay": ({"bins": [[3, 4, 1]], "bin_delay_s": [[3, float("nan")]]}, "bin_delay_s[3] nan"),
     "negative_elapsed_time": ({"elapsed_ms": -1}, "elapsed_ms"),
 }
