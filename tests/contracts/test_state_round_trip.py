@@ -11,8 +11,9 @@ and ``load_latest(safe=True)`` (``torch.load(weights_only=True)``, what the refr
 Parts with a state dict: ``IdMap`` and ``FieldIdMaps`` (learner/id_map.py), ``RowMapper`` (learner/row_mapper.py,
 restored with ``from_state``), ``ColdTracker``, ``ProgressiveMetrics`` (learner/progressive.py), the model with
 each sparse optimizer (learner/optim.py: rowwise_adagrad, rowwise_adagrad with boost, sparse_adam; the dense
-Adam comes along), ``RecentIds`` (the duplicate filter, learner/daemon.py), ``BaseRateBias``, ``OnlineCalibration``
-and ``ServedQuality`` (learner/served.py: its pending impressions and clocks too). Parts whose state is their store:
+Adam comes along), ``RecentIds`` (the duplicate filter, learner/daemon.py), ``BaseRateBias``,
+``DelayedFeedbackWeights`` (the late share), ``OnlineCalibration`` and ``ServedQuality`` (learner/served.py: its
+pending impressions and clocks too). Parts whose state is their store:
 ``DeltaWriter`` (learner/deltas.py: its directory), ``Strikes`` over ``FileStrikes`` and ``RedisStrikes``.
 
 Each part's driven outputs must also differ from a fresh part's (``test_..._depend_on_the_state``): otherwise
@@ -38,7 +39,7 @@ from learner import checkpoint
 from learner.batch import to_tensors
 from learner.calibration import OnlineCalibration
 from learner.daemon import RecentIds
-from learner.delayed import BaseRateBias
+from learner.delayed import BaseRateBias, DelayedFeedbackWeights
 from learner.deltas import DeltaWriter, load_delta
 from learner.features import FeatureConfig, FieldSpec
 from learner.id_map import FieldIdMaps, IdMap
@@ -296,6 +297,34 @@ def _load_bias(state: Any) -> BaseRateBias:
     return b
 
 
+def _es_dfm_rows(s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step ``s`` of an es_dfm stream (elapsed 3 s): 64 OBSERVED rows, 15% clicked in time (label 1, waited < 3 s),
+    the rest 0s that waited the 3 s, and the late clicks of 5% of step ``s - 1``'s as DELAYED_POSITIVEs: a late share
+    of ~0.25, away from the prior's 0.5 (under fake_negative it is 1 whatever the state). (kinds, labels, delays)"""
+    from stream.samples import DELAYED_POSITIVE, OBSERVED
+
+    rng = np.random.default_rng(500 + s)
+    on_time, late = rng.random(64) < 0.15, int((np.random.default_rng(499 + s).random(64) < 0.05).sum()) if s else 0
+    kinds = np.array([OBSERVED] * 64 + [DELAYED_POSITIVE] * late, np.int8)
+    labels = np.concatenate([on_time.astype(np.float32), np.ones(late, np.float32)])
+    delays = np.concatenate([np.where(on_time, rng.integers(0, 3000, 64), 3000), rng.integers(3000, 9000, late)])
+    return kinds, labels, delays.astype(np.int64)
+
+
+def _weights_step(w: DelayedFeedbackWeights, s: int) -> tuple[float, Any]:
+    kinds, labels, delays = _es_dfm_rows(s)
+    w.observe(kinds, labels, delays)
+    probs = torch.as_tensor(np.random.default_rng(200 + s).random(len(kinds)), dtype=torch.float32)
+    weights = w.weights(kinds, torch.as_tensor(labels), probs)
+    return w.late_share, None if weights is None else weights.numpy()
+
+
+def _load_weights(state: Any) -> DelayedFeedbackWeights:
+    w = DelayedFeedbackWeights()
+    w.load_state_dict(state)
+    return w
+
+
 def _calibration_step(c: OnlineCalibration, s: int) -> tuple[float, float, int, int]:
     ids, kinds, labels, ts, delays = _delayed_rows(s)
     logits = np.random.default_rng(100 + s).normal(-1.0, 2.0, len(ids))
@@ -352,6 +381,8 @@ PARTS: dict[str, Part] = {
     "recent_ids": Part(_recent, lambda r, s: r.filter(impression_ids_at(s)), RecentIds.state, _load_recent),
     "base_rate_bias": Part(lambda: BaseRateBias(min_positives=5, mature_delays=2.0), _bias_step,
                            BaseRateBias.state_dict, _load_bias),
+    "delayed_feedback_weights": Part(DelayedFeedbackWeights, _weights_step, DelayedFeedbackWeights.state_dict,
+                                     _load_weights),
     "online_calibration": Part(lambda: OnlineCalibration(maturity_s=2.0, prior_rows=10.0), _calibration_step,
                                OnlineCalibration.state_dict, _load_calibration),
     "served_quality": Part(_served, _served_step, ServedQuality.state_dict, _load_served),
