@@ -208,11 +208,14 @@ def _holds_password(value: str) -> bool:
     to its last '@', an unencoded one in a password kept): an '@' past the host (``http://h:9100/m?owner=ml@corp``)
     was read as ``user h, password 9100/m?owner=ml``. A pair is read from the URL on, if any: before it is a name
     (``--source token-service=http://h/m``: a ``token=`` pair whose value was the URL)."""
-    url = _URL_USERINFO.search(value)
-    authority = re.split(r"[/?#]", value[url.end("scheme"):], maxsplit=1)[0] if url else ""
     scheme = _URL_SCHEME.search(value)
-    return (bool(authority.rpartition("@")[0].partition(":")[2])
-            or bool(_KV_SECRET.search(value, scheme.start() if scheme else 0)))
+    if scheme is None:
+        return bool(_KV_SECRET.search(value))
+    try:
+        password = urllib.parse.urlsplit(value[scheme.start():]).password  # the authority's, as a client reads it
+    except ValueError:  # an unbalanced '[' of an IPv6 host: no URL a client takes
+        password = None
+    return bool(password) or bool(_KV_SECRET.search(value, scheme.start()))
 
 
 def command_line_secrets(argv: Sequence[str]) -> list[str]:
