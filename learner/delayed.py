@@ -51,6 +51,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -310,7 +311,8 @@ class BaseRateBias:
             if self.elapsed_ms:  # es_dfm: only the seconds whose every impression is out (class docstring)
                 seen = (secs_f + 1.0) * 1000.0 + self.elapsed_ms <= self.now_ms
                 counts, secs_f = counts[seen], secs_f[seen]
-                delay_s = sum(self.bin_delay_s.get(int(k), 0.0) for k in secs_f.tolist())
+                delays = np.fromiter(map(self.bin_delay_s.get, self.bins, repeat(0.0)), np.float64, len(seen))
+                delay_s = sum(delays[seen].tolist())  # (bins,) looked up in C, summed in the seconds' order
             if not len(secs_f):
                 return
             age_s = np.maximum(self.now_ms / 1000.0 - secs_f - 0.5, 0.0)
