@@ -7,7 +7,8 @@ per request, a bounded LRU, bucket-row fallback when Redis is down), the live mo
 (``request.py``), features as the joiner built them, laid out with the user's bags once per request and the
 candidates' per candidate (``features.py``, ``history.py``: the user's Redis read sent before the candidates are
 encoded and collected last; the scorer adds the user row to every candidate), the
-app and its HTTP servers (``app.py``, ``http_server.py``, ``service.py``), metrics (``metrics.py``), settings
+app and its HTTP servers (``app.py``; ``http_server.py`` picks ``http_threaded.py`` or ``http_aiohttp.py``, which
+share ``http_wire.py``; ``service.py``), metrics (``metrics.py``), settings
 (``settings.py``) and a demo client (``demo.py``).
 
 May import: ``stream/`` and ``learner/`` (the artifact format, features, deltas); never

@@ -1,5 +1,6 @@
-"""The threading server's own header parsing and answer writing (serving/http_server.py): headers read as the
-stdlib reads them, each answer written in one send; the aiohttp server's reading of chunk sizes on the wire."""
+"""The threading server's own header parsing and answer writing (serving/http_threaded.py over serving/http_wire.py):
+headers read as the stdlib reads them, each answer written in one send; the aiohttp server's reading of chunk sizes on
+the wire."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import serving.http_server as http_server
-from serving.http_server import _ChunkSizes, _Handler, _HeadTooLarge, _parse_headers
+import serving.http_aiohttp as http_aiohttp
+from serving.http_threaded import _Handler
+from serving.http_wire import ChunkSizes, HeadTooLarge, parse_headers
 
 PLAIN = [
     b"Host: 127.0.0.1:8080\r\nContent-Type: application/json\r\nContent-Length: 42\r\n\r\n",
@@ -40,7 +42,7 @@ def _stdlib(block: bytes) -> http.client.HTTPMessage:
 
 @pytest.mark.parametrize("block", PLAIN + ODD)
 def test_headers_parse_as_the_stdlib_parses_them(block: bytes) -> None:
-    ours, theirs = _parse_headers(io.BytesIO(block), http.client.HTTPMessage), _stdlib(block)
+    ours, theirs = parse_headers(io.BytesIO(block), http.client.HTTPMessage), _stdlib(block)
     assert ours.items() == theirs.items()
     assert list(ours.keys()) == list(theirs.keys())
     assert [type(d) for d in ours.defects] == [type(d) for d in theirs.defects]
@@ -55,22 +57,22 @@ def test_plain_header_lines_never_reach_the_email_parser(block: bytes, monkeypat
 
     expected = _stdlib(block).items()
     monkeypatch.setattr(http.client, "parse_headers", refuse)
-    assert _parse_headers(io.BytesIO(block), http.client.HTTPMessage).items() == expected
+    assert parse_headers(io.BytesIO(block), http.client.HTTPMessage).items() == expected
 
 
 def test_the_stdlibs_limits_hold() -> None:
     with pytest.raises(http.client.LineTooLong):
-        _parse_headers(io.BytesIO(b"X: " + b"a" * 70000 + b"\r\n\r\n"), http.client.HTTPMessage)
+        parse_headers(io.BytesIO(b"X: " + b"a" * 70000 + b"\r\n\r\n"), http.client.HTTPMessage)
     with pytest.raises(http.client.HTTPException):
-        _parse_headers(io.BytesIO(b"X: y\r\n" * 101 + b"\r\n"), http.client.HTTPMessage)
+        parse_headers(io.BytesIO(b"X: y\r\n" * 101 + b"\r\n"), http.client.HTTPMessage)
 
 
 def test_the_whole_header_block_is_capped_at_64_kib() -> None:
     line = b"X: " + b"a" * 6000 + b"\r\n"  # 6005 bytes: each line and the count of lines within the stdlib's limits
     block = line * 10 + b"\r\n"  # 60,052 bytes
-    assert len(_parse_headers(io.BytesIO(block), http.client.HTTPMessage).get_all("X") or []) == 10
-    with pytest.raises(_HeadTooLarge, match="header block is over 65536 bytes"):
-        _parse_headers(io.BytesIO(line * 11 + b"\r\n"), http.client.HTTPMessage)
+    assert len(parse_headers(io.BytesIO(block), http.client.HTTPMessage).get_all("X") or []) == 10
+    with pytest.raises(HeadTooLarge, match="header block is over 65536 bytes"):
+        parse_headers(io.BytesIO(line * 11 + b"\r\n"), http.client.HTTPMessage)
 
 
 class _Wire:
@@ -167,7 +169,7 @@ def test_chunk_sizes_follow_a_body_read_in_any_pieces_to_its_end_and_refuse_one_
         body: tuple[bytes, int, list[int]]) -> None:
     raw, size, reads = body
     wire = raw + b"GET /next"  # the next request behind it
-    sizes, prev, end = _ChunkSizes(size), 0, -1
+    sizes, prev, end = ChunkSizes(size), 0, -1
     for cut in [*reads, len(wire)]:
         at = sizes.feed(wire[prev:cut])
         if at >= 0:
@@ -176,23 +178,23 @@ def test_chunk_sizes_follow_a_body_read_in_any_pieces_to_its_end_and_refuse_one_
         prev = cut
     assert (end, sizes.decoded, sizes.over, sizes.lost) == (len(raw), size, False, False)
     if size:
-        tight = _ChunkSizes(size - 1)
+        tight = ChunkSizes(size - 1)
         tight.feed(wire)
         assert tight.over
 
 
 @pytest.mark.parametrize("line", [b"-2\r\n", b"2 \r\n", b"\r\n", b"0x2\r\n", b"Host: x\r\n", b"g\r\n"])
 def test_a_line_that_is_no_chunk_size_leaves_the_chunk_sizes_lost_not_over(line: bytes) -> None:
-    sizes = _ChunkSizes(10)
+    sizes = ChunkSizes(10)
     assert sizes.feed(line + b"ffffffffff\r\n") == -1 and sizes.lost and not sizes.over
 
 
 def test_an_aiohttp_without_an_internal_the_server_reads_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
     """The aiohttp private attributes the server reads are looked for when it is built, not on some request."""
-    monkeypatch.setattr(http_server, "_AIOHTTP_INTERNALS", (*http_server._AIOHTTP_INTERNALS, "_moved_away"))
-    http_server._aiohttp_protocol.cache_clear()
+    monkeypatch.setattr(http_aiohttp, "_AIOHTTP_INTERNALS", (*http_aiohttp._AIOHTTP_INTERNALS, "_moved_away"))
+    http_aiohttp._aiohttp_protocol.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="RequestHandler lacks _moved_away"):
-            http_server.AiohttpServer(SimpleNamespace(), "127.0.0.1", 0)  # type: ignore[arg-type]
+            http_aiohttp.AiohttpServer(SimpleNamespace(), "127.0.0.1", 0)  # type: ignore[arg-type]
     finally:
-        http_server._aiohttp_protocol.cache_clear()
+        http_aiohttp._aiohttp_protocol.cache_clear()
