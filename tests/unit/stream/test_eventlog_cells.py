@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from stream.features import hash_context
-from stream.replay import eventlog
+from stream.replay import eventlog_cells
 from stream.replay.config import ClickDelay, DelayKind
 from stream.replay.eventlog import ColumnMap, load_eventlog
 from stream.replay.table import EventTable
@@ -245,7 +245,7 @@ def test_clicked_and_click_time_columns_whose_only_irregular_cells_are_null_toke
     def cell_by_cell(arr: pa.Array) -> None:
         raise AssertionError("the column was parsed cell by cell")
 
-    monkeypatch.setattr(eventlog, "_parse_numbers", cell_by_cell)
+    monkeypatch.setattr(eventlog_cells, "_parse_numbers", cell_by_cell)
     path = write_csv(tmp_path / "gaps.csv", "user_id,item_id,ts,clicked,cts",
                      [f"1,1,{T0_MS},1,{T0_MS + 5}", f"2,2,{T0_MS + 1},,", f"3,3,{T0_MS + 2},NA,N/A",
                       f"4,4,{T0_MS + 3},1,", f"5,5,{T0_MS + 4}, nan ,0"])

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import stream.replay.eventlog as eventlog
+import stream.replay.eventlog_files as eventlog_files
 from stream.replay.config import ClickDelay, DelayKind
 from stream.replay.eventlog import ColumnMap, EventLogError, load_eventlog
 from tests.fifos import fed_fifo
@@ -75,14 +75,14 @@ def test_the_file_checked_is_the_file_read_when_its_name_is_swapped_for_a_fifo(
     else:
         write(path, [HEADER, *rows(3)])
     planted = "\n".join([HEADER, "99,99,1,0,g"]).encode() + b"\n"
-    check_columns = eventlog._check_columns
+    check_columns = eventlog_files._check_columns
 
     def swapped(*args: object) -> None:  # once the columns are known: the name now holds a fed FIFO
         check_columns(*args)  # type: ignore[arg-type]
         os.unlink(path)
         stack.enter_context(fed_fifo(path, planted))
 
-    monkeypatch.setattr(eventlog, "_check_columns", swapped)
+    monkeypatch.setattr(eventlog_files, "_check_columns", swapped)
     with contextlib.ExitStack() as stack:
         table = load(path)
     assert 99 not in table.user_id.tolist() and table.n_impressions + len(table.raw) >= 1
@@ -313,7 +313,7 @@ def test_each_read_of_an_event_log_has_its_own_position_whatever_an_earlier_read
     # include_columns does not exist", one run in ~100 of test_a_long_field_in_an_unmapped_column_is_read under load)
     import tempfile
 
-    from stream.replay.eventlog import _stream
+    from stream.replay.eventlog_files import _stream
 
     with tempfile.TemporaryFile() as tmp:
         tmp.write(b"user_id,item_id\n" + b"1,2\n" * 1000)
