@@ -7,7 +7,7 @@
     │   ├── streamrec.settings.SettingsError       settings files, environment, flags
     │   ├── MessageLimitError        a topic refused a message under the size limit learned for it
     │   ├── DeliveryRefused          the broker denied this client's writes to a topic (authorization)
-    │   ├── stream.replay.eventlog.EventLogError   an event log mapped wrongly
+    │   ├── stream.replay.column_map.EventLogError an event log mapped wrongly
     │   ├── learner.config.CheckpointMismatch      settings that would change a checkpoint's model shape
     │   └── monitor.rules.RulesError               an alert rules file
     ├── BindError                    a listener (serve, a /metrics port) could not bind its port: one line, exit 1

@@ -132,12 +132,11 @@ def load_source(rs: ReplaySettings, args: argparse.Namespace, src: Sources):
         return build_synthetic(syn, rs.click_delay, rs.seed, rs.limit)
     path = Path(rs.dataset)
     if not path.exists():
-        raise SettingsError(
-            f"--dataset {rs.dataset!r} is neither a packaged data set ({', '.join(sorted(DATASETS))}), "
-            f"'synthetic', nor an existing Parquet/CSV file"
-        )
+        raise SettingsError(f"--dataset {rs.dataset!r} is neither a packaged data set ({', '.join(sorted(DATASETS))}), "
+                            f"'synthetic', nor an existing Parquet/CSV file")
     from stream.limits import EventLimits
-    from stream.replay.eventlog import ColumnMap, load_eventlog
+    from stream.replay.column_map import ColumnMap
+    from stream.replay.eventlog import load_eventlog
 
     cols = ColumnMap(user=args.user_col, item=args.item_col, time=args.time_col, time_unit=args.time_unit,
                      impression_id=args.impression_id_col, clicked=args.clicked_col or None,

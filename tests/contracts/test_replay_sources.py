@@ -39,8 +39,9 @@ import pytest
 from stream.errors import BadMessage, ValidationError
 from stream.events import MAX_ID, MAX_TS_MS, SCHEMA_VERSION, Impression, decode_click, decode_impression
 from stream.limits import DEFAULT_LIMITS, DENSE_BOUND, FLOAT32_MAX, FLOAT32_OVERFLOW
+from stream.replay.column_map import ColumnMap, EventLogError
 from stream.replay.config import ClickDelay, DelayKind, SyntheticSettings
-from stream.replay.eventlog import ColumnMap, EventLogError, load_eventlog
+from stream.replay.eventlog import load_eventlog
 from stream.replay.movielens import load_movielens
 from stream.replay.synthetic import MALFORMED_KINDS, build_synthetic
 from stream.replay.table import CLICK, IMPRESSION, EventTable

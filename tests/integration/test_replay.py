@@ -34,8 +34,9 @@ from stream.events import decode_click, decode_impression
 from stream.kafka import AckedProducer, admin_config, ensure_topics
 from stream.metrics import EVENTS
 from stream.replay import publisher as publisher_module
+from stream.replay.column_map import ColumnMap
 from stream.replay.config import ClickDelay, SyntheticSettings
-from stream.replay.eventlog import ColumnMap, load_eventlog
+from stream.replay.eventlog import load_eventlog
 from stream.replay.movielens import CLICK_MIN_RATING, load_movielens, read_movielens
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic

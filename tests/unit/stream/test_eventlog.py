@@ -14,8 +14,9 @@ import pytest
 
 from stream.errors import ValidationError
 from stream.events import MAX_TS_MS, Click, Impression, decode_click, decode_impression
+from stream.replay.column_map import ColumnMap, EventLogError
 from stream.replay.config import ClickDelay, DelayKind
-from stream.replay.eventlog import ColumnMap, EventLogError, load_eventlog
+from stream.replay.eventlog import load_eventlog
 from stream.replay.table import IMPRESSION, EventTable, draw_click_delays_ms
 
 FIXED = ClickDelay(DelayKind.FIXED, median_s=30.0)

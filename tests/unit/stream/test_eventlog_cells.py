@@ -14,8 +14,9 @@ import pytest
 
 from stream.features import hash_context
 from stream.replay import eventlog_cells
+from stream.replay.column_map import ColumnMap
 from stream.replay.config import ClickDelay, DelayKind
-from stream.replay.eventlog import ColumnMap, load_eventlog
+from stream.replay.eventlog import load_eventlog
 from stream.replay.table import EventTable
 
 FIXED = ClickDelay(DelayKind.FIXED, median_s=30.0)

@@ -15,8 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import stream.replay.eventlog_files as eventlog_files
+from stream.replay.column_map import ColumnMap, EventLogError
 from stream.replay.config import ClickDelay, DelayKind
-from stream.replay.eventlog import ColumnMap, EventLogError, load_eventlog
+from stream.replay.eventlog import load_eventlog
 from tests.fifos import fed_fifo
 
 FIXED = ClickDelay(DelayKind.FIXED, median_s=30.0)

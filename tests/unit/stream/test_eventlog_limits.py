@@ -13,8 +13,9 @@ import pytest
 from stream.errors import ValidationError
 from stream.events import Impression, decode_impression
 from stream.limits import DEFAULT_LIMITS, EventLimits
+from stream.replay.column_map import ColumnMap, EventLogError
 from stream.replay.config import ClickDelay, DelayKind
-from stream.replay.eventlog import ColumnMap, EventLogError, load_eventlog
+from stream.replay.eventlog import load_eventlog
 from stream.replay.table import EventTable
 
 FIXED = ClickDelay(DelayKind.FIXED, median_s=30.0)
