@@ -64,9 +64,10 @@ row (a static field's hash row: it is its own bucket) to zeros, the "unknown" va
 ``..._fallback_rows_total{kind}`` counts them. Hot rows, overrides and cached rows keep serving; no request fails.
 The outage is logged once, at its first failed read, and once more when Redis answers again.
 Nothing is cached from a failed round trip. **A bad row** (its key missing: deleted, evicted; or its value malformed:
-of another length, or not finite) is not Redis being down: that row alone falls back, uncached, the round trip's
-other rows are served and cached, and Redis stays in use; ``..._bad_rows_total{reason}`` counts the rows and
-``..._errors_total`` the round trip (so the alert fires for a deleted version as for a Redis that is down).
+of another length, not finite or beyond ``MAX_ROW_ABS``, a bound no trained row reaches) is not Redis being down: that
+row alone falls back, uncached, the round trip's other rows are served and cached, and Redis stays in use;
+``..._bad_rows_total{reason}`` counts the rows and ``..._errors_total`` the round trip (so the alert fires for a
+deleted version as for a Redis that is down).
 """
 
 from __future__ import annotations
@@ -100,6 +101,13 @@ _WRITE_CHUNK = 20_000  # rows per MSET while a version is written (~1.4 MB of fl
 # busy past a 50 ms embedding_store_timeout_s before its first reply byte (measured: a TimeoutError, so EVERY
 # request's misses fell back for retry_after_s); 5,000 keys take Redis ~7 ms, and their reply is read as it comes.
 _FETCH_CHUNK = 5_000
+
+
+# The largest |value| a row may hold (a delta's, an artifact's, one read from Redis; serving/model.py row_problem): a
+# bag pools up to 1,024 rows (events' list limit) and the FM squares the sum over fields; float32 overflows past
+# ~1.8e19 squared. 1e12 leaves 1e7 of headroom there and is far beyond any trained embedding (a row this large means
+# the learner diverged, or Redis holds a value no refresh wrote).
+MAX_ROW_ABS = 1e12
 
 
 def version_prefix(prefix: str, version: str) -> str:
@@ -201,8 +209,9 @@ def decode_answer(values: list[bytes | None], dim: int, dtype: RowDtype, rows: n
                   key: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """An MGET's M answers for global ``rows`` (M,) -> (vectors (M, dim) float32, missing (M,) bool, malformed (M,)
     bool), row by row: a None is missing; a value of another length, whose tag does not match (with ``key``: the
-    version's :func:`tag_key`, values tagged by :func:`encode_rows`) or holding non-finite values is malformed; their
-    vectors are zeros. Never raises on the values: one bad key costs its own row only (module docstring)."""
+    version's :func:`tag_key`, values tagged by :func:`encode_rows`) or holding values non-finite or beyond
+    :data:`MAX_ROW_ABS` is malformed; their vectors are zeros. Never raises on the values: one bad key costs its own
+    row only (module docstring)."""
     m = len(values)
     dt = np.dtype(str(dtype)).newbyteorder("<")
     width = dim * dt.itemsize + (_TAG_BYTES if key is not None else 0)
@@ -235,8 +244,9 @@ def decode_answer(values: list[bytes | None], dim: int, dtype: RowDtype, rows: n
     else:
         payload = arr
     out = np.ascontiguousarray(payload).view(dt).astype(np.float32)  # (M, dim)
-    finite = np.isfinite(out).all(axis=1)  # (M,)
-    malformed |= ~missing & ~finite
+    # finite and within the bound every served row keeps (NaN compares False): 1e30 under a matching tag scored NaN
+    servable = (np.abs(out) <= MAX_ROW_ABS).all(axis=1)  # (M,)
+    malformed |= ~missing & ~servable
     out[missing | malformed] = 0.0
     return out, missing, malformed
 
@@ -734,8 +744,8 @@ class RedisEmbeddingStore:
         n_missing, n_malformed = int(missing.sum()), int(malformed.sum())
         example = keys[int(np.flatnonzero(missing | malformed)[0])]
         self.last_error = (f"of {len(keys)} rows, {n_missing} are missing (deleted or evicted keys: maxmemory?) and "
-                           f"{n_malformed} malformed (not {dim} {dtype} values: of another length, or non-finite; "
-                           f"not written by a refresh), e.g. {example}")[:300]
+                           f"{n_malformed} malformed (not {dim} {dtype} values: of another length, non-finite or "
+                           f"beyond |x| <= {MAX_ROW_ABS:g}; not written by a refresh), e.g. {example}")[:300]
         if self.metrics is not None:
             self.metrics.embedding_store_bad_rows.labels("missing").inc(n_missing)
             self.metrics.embedding_store_bad_rows.labels("malformed").inc(n_malformed)

@@ -54,13 +54,9 @@ from learner.scorer import (
 )
 from learner.scorer_files import load_scorer
 from learner.tensorpack import SigningKey
-from serving.embedding_store import LayeredRows, RedisEmbeddingStore, VersionNotStored
+from serving.embedding_store import MAX_ROW_ABS, LayeredRows, RedisEmbeddingStore, VersionNotStored
 from serving.metrics import LookupTally
 
-# The largest |value| a delta's row may hold: a bag pools up to 1,024 rows (events' list limit) and the FM squares the
-# sum over fields; float32 overflows past ~1.8e19 squared. 1e12 leaves 1e7 of headroom there and is far beyond any
-# trained embedding (a row this large means the learner diverged).
-MAX_ROW_ABS = 1e12
 # ... and a dense weight (the MLP's, ``bias``, ``calibration``): a request's activations reach ~1e19 (dense values
 # |x| < 2**64), and trained weights 1e30x theirs, or +-1e12 each, made NaN scores (a 200 with nulls). The dense part
 # trains with Adam, whose step is about lr whatever the gradient: 1e6 is a billion steps of lr 1e-3 from any healthy

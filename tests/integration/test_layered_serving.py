@@ -31,7 +31,15 @@ from learner.row_mapper import RowMapper
 from monitor.rule_engine import RuleEngine
 from monitor.rules import load_rules
 from monitor.scrape import Snapshot
-from serving.embedding_store import RedisEmbeddingStore, decode_answer, overlay_keys, row_keys, tag_key, write_version
+from serving.embedding_store import (
+    RedisEmbeddingStore,
+    decode_answer,
+    encode_rows,
+    overlay_keys,
+    row_keys,
+    tag_key,
+    write_version,
+)
 from serving.features import FeatureEncoder
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
@@ -559,6 +567,30 @@ def test_non_finite_rows_in_redis_are_not_served_nor_cached(stack: LocalStack, r
         assert user_row not in layered.layered.cache  # type: ignore[union-attr]
         assert store.last_error is not None and "non-finite" in store.last_error
         assert _sample(metrics.render().decode(), "streamrec_serving_embedding_store_errors_total") >= 1
+    finally:
+        store.client.close()
+
+
+@pytest.mark.parametrize("value", [1e30, -3e13])
+def test_a_finite_row_beyond_the_served_bound_in_redis_falls_back_instead_of_scoring_nan(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path, value: float) -> None:
+    # A row of the right length and a matching tag whose values are finite but beyond MAX_ROW_ABS (another writer
+    # using the same encoder, a version written before the tags): served, 1e30 scored NaN (a 503 for every request of
+    # the user) and -3e13 scored 0.0 for every candidate, silently. Malformed like a non-finite row: fallback, uncached.
+    path = publish_version(tmp_path, redis_client, prefix)
+    metrics = ServingMetrics(lambda: None)
+    store = store_of(stack, prefix, metrics=metrics)
+    try:
+        layered = ScoringModel.load(path, store=store)
+        user_row = np.array([int(layered.map_rows(0, np.array([hash_value(ADMITTED_USERS[7])]))[0])])
+        big = np.full((1, CFG.embedding_dim + 1), value, np.float32)
+        redis_client.set(row_keys(prefix, "v1", user_row)[0],
+                         encode_rows(big, RowDtype.FLOAT32, user_row, tag_key("v1", RowDtype.FLOAT32))[0])
+        scores = score(layered, request(ADMITTED_USERS[7], NEW_ITEMS))
+        assert bool(torch.isfinite(scores).all()), scores
+        assert int(user_row[0]) not in layered.layered.cache  # type: ignore[union-attr]
+        assert _sample(metrics.render().decode(),
+                       'streamrec_serving_embedding_store_bad_rows_total{reason="malformed"}') == 1
     finally:
         store.client.close()
 
