@@ -241,11 +241,15 @@ class RedisStrikes:
         self.client, self.key, self.ttl_s = client, key, ttl_s
 
     def load(self) -> dict[Key, tuple[int, str]]:
+        """The stored strikes. Redis is shared: an entry another client wrote is no strike unless it is one this
+        class writes, a count >= 1 (a count of -100 let a poison message fail its batch 100 more times)."""
+        stored = self.client.hgetall(self.key)  # bytes: the client does not decode
         out = {}
-        for field, value in self.client.hgetall(self.key).items():  # bytes: the client does not decode
+        for field, value in stored.items():
             try:
                 n, _, error = _str(value).partition(" ")
-                out[_key(_str(field))] = (int(n), error)
+                if int(n) >= 1:
+                    out[_key(_str(field))] = (int(n), error)
             except (ValueError, UnicodeDecodeError):
                 continue  # a damaged entry is no strike
         return out

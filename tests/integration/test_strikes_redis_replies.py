@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from stream.history import UserHistory
-from stream.strikes import is_infrastructure
+from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 from streamrec.stack import LocalStack
 
 
@@ -99,3 +99,13 @@ def test_a_history_read_the_acl_denies_fails_as_infrastructure_not_as_empty_hist
         redis_client.execute_command("ACL", "DELUSER", user)
         if keys := redis_client.keys(f"{prefix}:*"):
             redis_client.delete(*keys)
+
+
+def test_a_stored_strike_count_below_one_is_no_strike(redis_client: redis.Redis) -> None:
+    # a count of -100 another client wrote let the message fail its batch 100 more times before it was isolated
+    key = f"strikes-{uuid.uuid4().hex[:10]}:strikes:app"
+    redis_client.hset(key, mapping={"t:0:5": "-100 boom", "t:0:6": "0 boom", "t:0:7": "2 boom"})
+    try:
+        assert Strikes(RedisStrikes(redis_client, key)).counts == {("t", 0, 7): (2, "boom")}
+    finally:
+        redis_client.delete(key)
