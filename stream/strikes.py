@@ -242,8 +242,17 @@ class RedisStrikes:
 
     def load(self) -> dict[Key, tuple[int, str]]:
         """The stored strikes. Redis is shared: an entry another client wrote is no strike unless it is one this
-        class writes, a count >= 1 (a count of -100 let a poison message fail its batch 100 more times)."""
-        stored = self.client.hgetall(self.key)  # bytes: the client does not decode
+        class writes, a count >= 1 (a count of -100 let a poison message fail its batch 100 more times); the key
+        of another Redis type (a string, a list: WRONGTYPE) is no strikes, said once per load (at the start and a
+        rebalance), where it stopped the joiner at every start."""
+        try:
+            stored = self.client.hgetall(self.key)  # bytes: the client does not decode
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                raise
+            log.warning("%s is not the Redis hash of poison strikes streamrec writes (WRONGTYPE): starting without "
+                        "strikes, and none are kept until it is deleted (redis-cli DEL %s)", self.key, self.key)
+            return {}
         out = {}
         for field, value in stored.items():
             try:

@@ -5,6 +5,7 @@ be dead-lettered for it)."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import pytest
@@ -99,6 +100,19 @@ def test_a_history_read_the_acl_denies_fails_as_infrastructure_not_as_empty_hist
         redis_client.execute_command("ACL", "DELUSER", user)
         if keys := redis_client.keys(f"{prefix}:*"):
             redis_client.delete(*keys)
+
+
+def test_a_strikes_key_of_another_redis_type_starts_the_joiner_without_strikes_and_says_how_to_fix_it(
+        redis_client: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    key = f"strikes-{uuid.uuid4().hex[:10]}:strikes:app"
+    redis_client.set(key, "not a hash")  # an operator's SET, an older tool: Strikes() raised WRONGTYPE at every start
+    try:
+        with caplog.at_level(logging.WARNING, logger="streamrec.strikes"):
+            strikes = Strikes(RedisStrikes(redis_client, key))
+        assert strikes.counts == {}
+        assert f"redis-cli DEL {key}" in caplog.text
+    finally:
+        redis_client.delete(key)
 
 
 def test_a_stored_strike_count_below_one_is_no_strike(redis_client: redis.Redis) -> None:
