@@ -25,6 +25,8 @@ A flush writes one day and kind at a time, each all or nothing and each a write 
 wrote counts as flushed. After a failure it asks that Redis nothing more: on a single node no later write is tried; on
 a Redis Cluster only the failed kind's (each kind's counts live on one node), so with one node down the kinds on the
 healthy nodes are still written (they were kept behind the failed kind, and dropped after its retry failed too).
+A write Redis refuses for its key (a day key of another Redis type: WRONGTYPE) is no failure of Redis: the writes after
+it still go, and only it is kept for its retry.
 A flush that fails (Redis down, slow, refusing, or the connection lost before Redis's reply came) keeps what it did not
 write, per day and kind, counted and with its write id, for one more try at the next flush, ahead of the lookups made
 since and apart from them: a write whose reply was lost may have run, and its retry under the same write id counts it
@@ -49,10 +51,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import redis
 
 from serving.metrics import ServingMetrics
 from stream.counts import DAY_S, DailyCounts, new_write_id
 from stream.redis_client import is_cluster
+from stream.strikes import is_infrastructure
 
 log = logging.getLogger("streamrec.serve")
 
@@ -61,6 +65,13 @@ EVENT = "lookup"
 STOP_TIMEOUT_S = 30.0  # LookupCounts.stop's bound on the wait for its flush thread
 TRIES = 2  # flushes a day and kind's lookups are tried in (module docstring): the one they were made for, one retry
 RECENT_FAILURE_S = 30.0  # a flush that failed this recently: stop() takes Redis as still down (no last flush)
+
+
+def _refused(exc: Exception) -> bool:
+    """Whether Redis answered a write with a refusal of its data (a lookup day key of another Redis type: WRONGTYPE,
+    ``stream.strikes.is_infrastructure``), not a failure of its own: the writes after it still go (a string under
+    today's item key once cost every user lookup of the day too, skipped behind it as behind a Redis that is down)."""
+    return isinstance(exc, redis.ResponseError) and not is_infrastructure(exc)
 
 
 @dataclass
@@ -170,8 +181,9 @@ class LookupCounts:
             return 0
         written, unwritten = 0, list[LookupWrite]()  # unwritten: failed, or skipped after a failure (_apart)
         error: Exception | None = None  # the first failure of this flush
+        down: list[LookupWrite] = []  # the writes Redis failed (not refused: _refused)
         for write in writes:
-            if error is not None and not self._apart(write, unwritten):
+            if down and not self._apart(write, down):
                 unwritten.append(write)  # its Redis (node) just failed: not asked again in this flush
                 continue
             try:
@@ -180,6 +192,8 @@ class LookupCounts:
             except Exception as exc:  # noqa: BLE001 - Redis down or refusing: kept once, then lost; serving goes on
                 error = error or exc
                 unwritten.append(write)
+                if not _refused(exc):
+                    down.append(write)
                 continue
             written += write.lookups
         if error is not None:

@@ -263,3 +263,22 @@ def test_a_negative_item_in_a_users_history_costs_only_its_own_lookup_not_every_
         assert reg.get_sample_value("streamrec_serving_lookup_count_flushes_total", {"outcome": "error"}) == 0
     assert lookups(redis_client, prefix, "item") == {hash_value(3): 1, hash_value("x"): 1, hash_value(100): 1}
     assert lookups(redis_client, prefix, "user") == {hash_value("alice"): 1}
+
+
+def test_a_lookup_day_key_of_another_redis_type_costs_only_its_own_kinds_lookups(
+        redis_client: redis.Redis, prefix: str) -> None:
+    """Today's item lookup key holds a string (another client's SET): Redis refuses that write (WRONGTYPE), the same
+    at every try. Redis is up, so the user lookups behind it are still written: taken for a Redis that failed, they
+    were skipped, kept, skipped again and dropped at every flush of the day."""
+    counts = DailyCounts(redis_client, prefix=prefix)
+    redis_client.set(counts.key("item", "lookup", day_of(int(time.time() * 1000))), "not a sorted set")
+    lc = LookupCounts(counts, flush_s=60.0)
+    lc.add("user", np.array(_members(["u1"]), np.int64))
+    lc.add("item", np.array(_members(["i1", "i2"]), np.int64))
+    assert lc.flush() == 1  # sorted by (day, kind): the refused items, then the user
+    assert lookups(redis_client, prefix, "user") == {_members(["u1"])[0]: 1}
+    lc.add("user", np.array(_members(["u1"]), np.int64))
+    assert lc.flush() == 1
+    assert lc.flush() == 0  # the items' second try, refused again: dropped
+    assert (lc.flushed, lc.dropped) == (2, 2)
+    assert lookups(redis_client, prefix, "user") == {_members(["u1"])[0]: 2}
