@@ -199,6 +199,7 @@ class EmptiedRedisWatch:
     def __init__(self, client: Any, prefix: str, metrics: ServingMetrics, every_s: float = KEYSPACE_CHECK_S) -> None:
         self.watch, self.metrics, self.every_s = KeyspaceWatch(client, prefix), metrics, every_s
         self.prefix = prefix
+        self._other_type: list[str] = []  # the markers of another Redis type, last said
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -210,6 +211,12 @@ class EmptiedRedisWatch:
         except (redis.RedisError, OSError) as exc:
             log.debug("the Redis keyspace markers were not read: %s", exc)
             return []
+        if self.watch.other_type != self._other_type:  # said when it starts (or changes), not every look
+            self._other_type = self.watch.other_type
+            for tag in self._other_type:
+                log.warning("%s is not a keyspace marker (a key of another Redis type): a loss of the {%s} keys "
+                            "cannot be told until it is deleted (redis-cli DEL %s)", self.watch.keys[tag], tag,
+                            self.watch.keys[tag])
         for tag in lost:
             self.metrics.redis_emptied.labels(tag).inc()
             log.warning("Redis lost the keys under prefix %r (the joiner's %s marker is gone or set anew: restarted "

@@ -26,6 +26,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import redis
+
 TAGS = ("item", "user")  # stream/counts.py's hash tags: on a cluster, the nodes of each kind's counts
 
 
@@ -37,6 +39,7 @@ class KeyspaceWatch:
         self.keys = {tag: f"{prefix}:keyspace:{{{tag}}}" for tag in TAGS}
         self._seen = False  # a check has run: every marker was there or set by it
         self._read: dict[str, bytes | None] = {}  # changed(): each marker's value at the last look (None: missing)
+        self.other_type: list[str] = []  # changed(): the tags whose marker key held another Redis type at the last look
 
     def check(self) -> list[str]:
         """The tags whose marker is gone since the last check (their Redis, or cluster node, lost its keys), each set
@@ -52,11 +55,24 @@ class KeyspaceWatch:
     def changed(self) -> list[str]:
         """A reader's check, writing nothing: the tags whose marker was there at the last look and is gone or holds
         another value now (set anew by the writer after a loss); empty at the first look, and for a marker never set
-        (no writer yet). Raises what the client raises."""
+        (no writer yet). A marker key of another Redis type (another client's) reads as missing, its tag in
+        :attr:`other_type` for the caller to say. Raises what the client raises."""
         pipe = self.client.pipeline(transaction=False)
         for key in self.keys.values():
             pipe.get(key)
-        now = dict(zip(self.keys, pipe.execute(), strict=True))
+        now = dict(zip(self.keys, pipe.execute(raise_on_error=False), strict=True))
+        self.other_type = [tag for tag, value in now.items() if _wrong_type(value)]
+        for tag in self.other_type:  # another client's key there: no marker to compare (the other tag's still is)
+            now[tag] = None
+        for value in now.values():
+            if isinstance(value, Exception):  # any other error reply: the caller's, as a raising read's
+                raise value
         lost = [tag for tag, value in now.items() if self._read.get(tag) is not None and value != self._read[tag]]
         self._read = now
         return lost
+
+
+def _wrong_type(reply: object) -> bool:
+    """Whether a GET's reply says the key holds another Redis type (WRONGTYPE: not a marker this module sets): its
+    error once failed the whole look, so the other tag's loss went unseen too (serving logs it at debug)."""
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")

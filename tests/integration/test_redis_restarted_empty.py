@@ -19,11 +19,14 @@ import redis
 from prometheus_client import REGISTRY
 from redis.crc import key_slot
 
+from serving.history import EmptiedRedisWatch
+from serving.metrics import ServingMetrics
 from serving.service import ScoringService
 from serving.settings import ServeSettings
 from stream.config import RedisSettings
 from stream.counts import DailyCounts
 from stream.joiner.pipeline import JoinPipeline
+from stream.keyspace import KeyspaceWatch
 from stream.redis_client import connect
 from streamrec.stack import free_port, redis_binary
 from tests.integration.test_counts_retry import joiner_counting
@@ -139,3 +142,26 @@ def test_a_joiner_flush_after_the_cluster_node_of_one_kinds_counts_restarted_emp
         client.close()
     assert {tag: emptied(tag) - before[tag] for tag in before} == {"item": 1.0, "user": 0.0}
     assert sum("lost the keys" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_marker_of_another_redis_type_is_said_and_does_not_hide_the_other_tags_loss_from_serving(
+        redis_client: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """Another client left a hash under the item marker: serving's look failed as a whole (WRONGTYPE, logged at
+    debug), so the user keys' loss went unseen too. Now the item marker reads as missing (it is gone: a loss, like a
+    deleted marker), the key is named once in a WARNING, and the user marker's loss is reported."""
+    prefix = f"e{uuid.uuid4().hex[:8]}"
+    joiner = KeyspaceWatch(redis_client, prefix)
+    serving = EmptiedRedisWatch(redis_client, prefix, ServingMetrics(lambda: None))
+    try:
+        joiner.check()
+        assert serving.check() == []
+        redis_client.delete(joiner.keys["item"])
+        redis_client.hset(joiner.keys["item"], "a", "b")
+        redis_client.delete(joiner.keys["user"])  # the user keys lost
+        with caplog.at_level(logging.WARNING, logger="streamrec.serve"):
+            assert sorted(serving.check()) == ["item", "user"]
+            assert serving.check() == []
+        said = [r.getMessage() for r in caplog.records if "not a keyspace marker" in r.getMessage()]
+        assert len(said) == 1 and f"redis-cli DEL {joiner.keys['item']}" in said[0], said
+    finally:
+        redis_client.delete(*joiner.keys.values())
