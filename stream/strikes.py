@@ -42,7 +42,7 @@ from typing import Protocol
 import redis
 from confluent_kafka import KafkaException
 
-from stream.errors import DeliveryFailed, PartitionLost, clip
+from stream.errors import ConfigError, DeliveryFailed, PartitionLost, clip
 from stream.files import MAX_STATE_FILE_BYTES, FileTooLarge, NotRegularFile, read_regular, write_atomic
 from stream.redis_client import RedisAuthError, RedisFailure
 
@@ -242,17 +242,19 @@ class RedisStrikes:
 
     def load(self) -> dict[Key, tuple[int, str]]:
         """The stored strikes. Redis is shared: an entry another client wrote is no strike unless it is one this
-        class writes, a count >= 1 (a count of -100 let a poison message fail its batch 100 more times); the key
-        of another Redis type (a string, a list: WRONGTYPE) is no strikes, said once per load (at the start and a
-        rebalance), where it stopped the joiner at every start."""
+        class writes, a count >= 1 (a count of -100 let a poison message fail its batch 100 more times). The key
+        holding another Redis type (a string, a list: WRONGTYPE) is a :class:`ConfigError` naming it and the fix
+        (it was a bare ``ResponseError`` at every start): strikes that cannot be written would let a poison message
+        stop the joiner at every restart, forever, so it does not start without them."""
         try:
             stored = self.client.hgetall(self.key)  # bytes: the client does not decode
         except redis.ResponseError as exc:
             if not str(exc).startswith("WRONGTYPE"):
                 raise
-            log.warning("%s is not the Redis hash of poison strikes streamrec writes (WRONGTYPE): starting without "
-                        "strikes, and none are kept until it is deleted (redis-cli DEL %s)", self.key, self.key)
-            return {}
+            raise ConfigError(f"Redis key {self.key!r} is not the hash of poison strikes streamrec writes (WRONGTYPE: "
+                              "another application using this [redis] prefix?): without it a poison message would stop "
+                              f"the joiner at every restart; delete it (redis-cli DEL {self.key}) or set another "
+                              "prefix") from exc
         out = {}
         for field, value in stored.items():
             try:

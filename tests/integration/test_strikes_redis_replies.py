@@ -5,12 +5,13 @@ be dead-lettered for it)."""
 
 from __future__ import annotations
 
-import logging
+import re
 import uuid
 
 import pytest
 import redis
 
+from stream.errors import ConfigError
 from stream.history import UserHistory
 from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 from streamrec.stack import LocalStack
@@ -102,15 +103,15 @@ def test_a_history_read_the_acl_denies_fails_as_infrastructure_not_as_empty_hist
             redis_client.delete(*keys)
 
 
-def test_a_strikes_key_of_another_redis_type_starts_the_joiner_without_strikes_and_says_how_to_fix_it(
-        redis_client: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_strikes_key_of_another_redis_type_refuses_the_start_naming_the_key_and_the_fix(
+        redis_client: redis.Redis) -> None:
+    # an operator's SET, an older tool: Strikes() raised a bare WRONGTYPE at every start; starting without strikes
+    # instead would let a poison message stop the joiner at every restart (its strikes cannot be written)
     key = f"strikes-{uuid.uuid4().hex[:10]}:strikes:app"
-    redis_client.set(key, "not a hash")  # an operator's SET, an older tool: Strikes() raised WRONGTYPE at every start
+    redis_client.set(key, "not a hash")
     try:
-        with caplog.at_level(logging.WARNING, logger="streamrec.strikes"):
-            strikes = Strikes(RedisStrikes(redis_client, key))
-        assert strikes.counts == {}
-        assert f"redis-cli DEL {key}" in caplog.text
+        with pytest.raises(ConfigError, match=rf"WRONGTYPE.*redis-cli DEL {re.escape(key)}"):
+            Strikes(RedisStrikes(redis_client, key))
     finally:
         redis_client.delete(key)
 
