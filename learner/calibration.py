@@ -78,6 +78,42 @@ MAX_FIT_LOGIT = float(np.log((1 - 1e-7) / 1e-7))  # ~16.1
 MAX_NEWTON_STEPS = 30  # per group of matured pairs; a group of 256 typically takes 2-4
 
 
+STATE = "calibration state (calibration)"  # how a ValueError of a checkpoint's calibration state names it
+
+
+def _column(d: dict[str, Any], name: str, dtype: type) -> np.ndarray:
+    """``d[name]`` (a tensor, an array or a list of numbers) as a flat array of ``dtype``, else a ValueError naming the
+    field: absent or of another kind (text, a map), it raised a bare KeyError or TypeError, or was read as numbers."""
+    v = d.get(name)
+    if isinstance(v, torch.Tensor):
+        v = v.detach().cpu().numpy()
+    try:
+        arr = np.asarray(v) if isinstance(v, np.ndarray | list | tuple) else None
+    except ValueError:  # (a ragged list)
+        arr = None
+    if arr is None or (arr.size and arr.dtype.kind not in "iuf"):
+        raise ValueError(f"{STATE}: {name} is {'missing' if v is None else repr(v)[:80]}, not a list of numbers: the "
+                         "state is damaged or of an older streamrec; the restore uses the previous checkpoint")
+    return arr.astype(dtype).reshape(-1)
+
+
+def _listed(d: dict[str, Any], name: str, default: list[Any]) -> list[Any]:
+    """``d[name]`` (``default`` when absent) if it is a list, else a ValueError naming the field (a text was read one
+    character per item)."""
+    v = d.get(name, default)
+    if not isinstance(v, list | tuple):
+        raise ValueError(f"{STATE}: {name} is {repr(v)[:80]}, not a list: the state is damaged")
+    return list(v)
+
+
+def _real(d: dict[str, Any], name: str, default: float) -> float:
+    """``d[name]`` (``default`` when absent) if it is a number (no bool, no text), else a ValueError naming it."""
+    v = d.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
+        raise ValueError(f"{STATE}: {name} is {repr(v)[:80]}, not a number: the state is damaged")
+    return float(v)
+
+
 def _sigmoid(t: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.clip(t, -40.0, 40.0)))
 
@@ -253,17 +289,35 @@ class OnlineCalibration:
                 "clicked": sorted(self.clicked)}
 
     @staticmethod
+    def _upgraded(d: dict[str, Any]) -> dict[str, Any]:
+        """``d`` in the current layout, else a ValueError naming the field. The first one (until 7085d2c, 2026-12-02)
+        kept the pending pairs as ``pending``, rows ``(n, 3)`` of (logit, ts ms, label with its click already in), each
+        maturing on its own: each becomes a batch of one, so it matures when it did then (its clicks are in its label:
+        none is in ``clicked``). Loaded as it was, it raised a bare ``KeyError: 'pending_logits'``."""
+        if "pending" not in d:
+            return d
+        rows = _column(d, "pending", np.float64)
+        if len(rows) % 3 or any(k in d for k in ("pending_logits", "pending_ts", "pending_labels")):
+            raise ValueError(f"{STATE}: pending holds {len(rows)} values, not the (n, 3) rows of the first layout, "
+                             "or comes with the pending columns of the current one: the state is damaged")
+        rows = rows.reshape(-1, 3)  # (n, 3): logit, ts, label
+        if not np.isfinite(rows[:, 1]).all():
+            raise ValueError(f"{STATE}: pending holds an impression time that is not finite: the state is damaged")
+        return {**d, "pending_logits": rows[:, 0], "pending_ts": rows[:, 1].astype(np.int64),
+                "pending_labels": rows[:, 2], "pending_chunks": [1] * len(rows), "clicked": []}
+
+    @staticmethod
     def _pending_of(d: dict[str, Any], ids: np.ndarray) -> tuple[tuple[np.ndarray, ...], list[int]]:
         """The pending pairs' columns (ids, logits, ts, labels), each ``(n,)``, and the sizes of the batches they came
         in, else a ValueError naming the value: an empty batch matured on ``max()`` of no times and a column shorter
         than the ids paired logits with other rows' labels, each raising at every batch (its messages struck), and a
         label outside [0, 1] or NaN fitted ``(a, b)`` to NaN, served from then on."""
-        state = "calibration state (calibration)"
-        cols = (ids, *(torch.as_tensor(d[f"pending_{k}"]).numpy().astype(t).reshape(-1)
-                       for k, t in (("logits", np.float64), ("ts", np.int64), ("labels", np.float64))))
-        sizes = list(d.get("pending_chunks", [len(ids)]))
+        state = STATE
+        cols = (ids, *(_column(d, f"pending_{k}", t) for k, t in (("logits", np.float64), ("ts", np.int64),
+                                                                   ("labels", np.float64))))
+        sizes = _listed(d, "pending_chunks", [len(ids)] if len(ids) else [])
         state_counts(state, {f"pending_chunks[{i}]": n for i, n in enumerate(sizes)})
-        if min(sizes, default=0) < 1 or sum(sizes) != len(ids):
+        if any(n < 1 for n in sizes) or sum(sizes) != len(ids):
             raise ValueError(f"{state}: pending_chunks {sizes[:8]}... are not batch sizes >= 1 adding up to the "
                              f"{len(ids)} pending ids")
         for name, col in zip(("logits", "ts", "labels"), cols[1:], strict=True):
@@ -297,14 +351,19 @@ class OnlineCalibration:
         return a, b, (h if sane else self.h0.copy())
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        """A state of :meth:`state_dict`: ``(a, b, H)`` as :meth:`_restored` makes them sound; pending pairs that no
-        batch makes (:meth:`_pending_of`) are a ValueError naming the value, a damaged or edited checkpoint (the
-        restore uses the previous one)."""
-        h = np.asarray(d["h"], np.float64).reshape(2, 2) if "h" in d else None
-        ids = np.asarray([str(i) for i in d.get("pending_ids", [])], object)
-        cols, sizes = self._pending_of(d, ids) if len(ids) else ((), [])
-        state_counts("calibration state (calibration)", {"rows": d.get("rows", 0)})
-        self.a, self.b, self.h = self._restored(float(d.get("a", 1.0)), float(d.get("b", 0.0)), h)
+        """A state of :meth:`state_dict` (or of the first layout, :meth:`_upgraded`): ``(a, b, H)`` as :meth:`_restored`
+        makes them sound; pending pairs that no batch makes (:meth:`_pending_of`) and a field missing or of another type
+        are a ValueError naming the field, a damaged or edited checkpoint (the restore uses the previous one)."""
+        d = self._upgraded(d)
+        h = _column(d, "h", np.float64) if "h" in d else None
+        if h is not None and h.size != 4:
+            raise ValueError(f"{STATE}: h holds {h.size} values, not the 2 x 2 curvature: the state is damaged")
+        ids = np.asarray([str(i) for i in _listed(d, "pending_ids", [])], object)
+        pending = any(k in d for k in ("pending_logits", "pending_ts", "pending_labels", "pending_chunks"))
+        cols, sizes = self._pending_of(d, ids) if len(ids) or pending else ((), [])
+        state_counts(STATE, {"rows": d.get("rows", 0)})
+        self.a, self.b, self.h = self._restored(_real(d, "a", 1.0), _real(d, "b", 0.0),
+                                                None if h is None else h.reshape(2, 2))
         self.rows = int(d.get("rows", 0))
         self.clock.load(d.get("clock"), None if d.get("now_ms") is None else int(d["now_ms"]))
         self.first_times.load(d.get("first_ms"))
@@ -313,4 +372,4 @@ class OnlineCalibration:
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):  # the batches they came in: each matures whole
             self.chunks.append(tuple(c[lo:hi] for c in cols))  # type: ignore[arg-type]
         self.waiting = set(ids.tolist())
-        self.clicked = {str(i) for i in d.get("clicked", [])} & self.waiting
+        self.clicked = {str(i) for i in _listed(d, "clicked", [])} & self.waiting

@@ -290,6 +290,15 @@ CORRUPT_PENDING = {
     "nan_label": (_set("pending_labels", lambda t: t.index_fill(0, torch.tensor([0]), float("nan"))), "nan"),
     "label_of_two": (_set("pending_labels", lambda t: t.index_fill(0, torch.tensor([0]), 2.0)), "2.0"),
     "negative_rows": (_set("rows", -4), "rows"),
+    # a field missing or of another type: a bare KeyError, or read as something else
+    "no_logits": (lambda d: d.pop("pending_logits"), "pending_logits is missing"),
+    "ids_as_text": (_set("pending_ids", "i1"), "pending_ids is 'i1', not a list"),
+    "columns_without_ids": (lambda d: d.pop("pending_ids"), "pending_chunks"),  # its pairs were dropped unsaid
+    "scale_as_text": (_set("a", "0.5"), "a is '0.5', not a number"),
+    "scale_as_bool": (_set("b", True), "b is True, not a number"),
+    "curvature_of_three": (_set("h", [1.0, 0.0, 1.0]), "h holds 3 values"),
+    "logits_as_text": (_set("pending_logits", "1, 2"), "pending_logits is '1, 2'"),
+    "first_layout_not_rows_of_three": (_set("pending", torch.zeros(4)), "pending holds 4 values"),
 }
 
 
@@ -308,3 +317,31 @@ def test_calibration_pending_pairs_no_batch_makes_are_refused_at_load_naming_the
     assert named in str(err.value)
     run(fresh, rest)  # the batches after it still train (nothing of the refused state was kept)
     assert np.isfinite([fresh.a, fresh.b]).all()
+
+
+def _first_layout(cal: OnlineCalibration) -> dict:
+    """``cal``'s state as the first layout saved it (until 7085d2c): ids, and rows (n, 3) of (logit, ts, label) with
+    each click already in its label."""
+    state = cal.state_dict()
+    ids = state.pop("pending_ids")
+    clicked = torch.tensor([i in cal.clicked for i in ids], dtype=torch.float64)
+    rows = torch.stack([state.pop("pending_logits"), state.pop("pending_ts").double(),
+                        torch.maximum(state.pop("pending_labels"), clicked)], dim=1)  # (n, 3)
+    del state["pending_chunks"], state["clicked"]
+    return {**state, "pending_ids": ids, "pending": rows}
+
+
+def test_a_calibration_state_of_the_first_layout_is_migrated_and_fits_the_same_pairs() -> None:
+    """A checkpoint of the first layout (its pending pairs as one (n, 3) tensor) raised a bare KeyError
+    'pending_logits' at load: it loads, each pair its own batch (as it matured then), its clicks in its labels, and
+    the pairs are fitted as by the calibration that saved it (one alone may mature before its batch would)."""
+    cal, rest, _ = _with_pending()
+    assert cal.clicked  # (some pending impressions were clicked: their labels carry it in the first layout)
+    old = OnlineCalibration(max_pending=500)
+    old.load_state_dict(_first_layout(cal))
+    assert (old.pending, old.a, old.b, old.rows) == (cal.pending, cal.a, cal.b, cal.rows)
+    assert len(old.chunks) == old.pending and not old.clicked
+    run(cal, rest)
+    run(old, rest)
+    assert cal.rows <= old.rows <= cal.rows + 256
+    assert (old.a, old.b) == pytest.approx((cal.a, cal.b), rel=0.05)
