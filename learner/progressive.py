@@ -188,7 +188,8 @@ class ProgressiveMetrics:
                                  f"{' with negative counts' if h.dtype.kind in 'iuf' and (h < 0).any() else ''}, "
                                  f"not {self.bins} counts >= 0: the state is damaged")
         loss_sum, count = float(d["loss_sum"]), d["count"]
-        if not (np.isfinite(loss_sum) and loss_sum >= 0 and isinstance(count, int | np.integer) and count >= 0):
+        if not (np.isfinite(loss_sum) and loss_sum >= 0 and isinstance(count, int | np.integer)
+                and not isinstance(count, bool) and count >= 0):  # (a bool is an int: ``true`` was 1 sample)
             raise ValueError(f"progressive metrics state: loss_sum {loss_sum!r}, count {count!r}: not a finite sum "
                              ">= 0 and an integer count >= 0: the state is damaged")
         self.pos, self.neg = pos.astype(np.int64), neg.astype(np.int64)

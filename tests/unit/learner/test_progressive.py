@@ -24,6 +24,7 @@ CORRUPT: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "fractional_histogram": (lambda d: d.__setitem__("pos", d["pos"] + 0.5), "pos is a float64 histogram"),
     "nan_loss_sum": (lambda d: d.__setitem__("loss_sum", float("nan")), "loss_sum nan"),
     "negative_count": (lambda d: d.__setitem__("count", -1), "count -1"),
+    "count_as_bool": (lambda d: d.__setitem__("count", True), "count True"),  # a bool is an int: it was 1 sample
 }
 
 
