@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from learner.checkpoint import state_counts
 from learner.progressive import ProgressiveMetrics
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
@@ -198,8 +199,13 @@ class ServedQuality:
         does not add up (counts against ids, an id twice) is a ValueError: a damaged checkpoint."""
         self.all.load_state_dict(d["all"])
         self.cold.load_state_dict(d["cold"])
-        self.forced, self.unmatched = int(d.get("forced", 0)), int(d.get("unmatched", 0))
         p = d.get("pending", {"partitions": [], "sizes": []})
+        state_counts("served quality state", {"forced": d.get("forced", 0), "unmatched": d.get("unmatched", 0),
+                                              **{f"pending partitions[{i}]": x for i, x in enumerate(p["partitions"])},
+                                              **{f"pending sizes[{i}]": n for i, n in enumerate(p["sizes"])},
+                                              **{f"clock[{i}][{j}]": x for i, pair in enumerate(d.get("clock", []))
+                                                 for j, x in enumerate(pair)}})
+        self.forced, self.unmatched = d.get("forced", 0), d.get("unmatched", 0)
         parts, sizes = [int(x) for x in p["partitions"]], [int(n) for n in p["sizes"]]
         ids = [str(i) for i in p.get("ids", [])]
         cols = [np.asarray(p[k]).reshape(-1).tolist() for k in ("ts", "probs", "cold")] if ids else [[], [], []]

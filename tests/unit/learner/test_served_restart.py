@@ -70,6 +70,17 @@ def test_a_served_state_whose_pending_impressions_do_not_add_up_is_refused() -> 
         ServedQuality(window_ms=1000).load_state_dict(state)
 
 
+@pytest.mark.parametrize("field, value, named", [
+    ("forced", True, '"forced"'), ("unmatched", 1.5, '"unmatched"'), ("unmatched", "7", '"unmatched"'),
+    ("clock", [[0, True]], '"clock[0][1]"'), ("pending", {"partitions": [False], "sizes": [0]}, "partitions[0]")])
+def test_a_served_state_count_that_is_no_integer_is_refused_naming_it(field: str, value: object, named: str) -> None:
+    """``int()`` read a damaged checkpoint's ``true`` as 1, ``1.5`` as 1 and ``"7"`` as 7 (``false``: 0)."""
+    state = {**ServedQuality(window_ms=1000).state_dict(), field: value}
+    with pytest.raises(ValueError, match="served quality state") as err:
+        ServedQuality(window_ms=1000).load_state_dict(state)
+    assert named in str(err.value)
+
+
 def test_the_delayed_positive_of_an_impression_served_a_nan_is_matched_not_counted_unmatched() -> None:
     """An observed 0 predicted NaN (a model gone non-finite for a batch) is never scored, but its click is its own,
     not a click whose impression was lost: ``unmatched`` stays 0, and nothing non-finite reaches the metrics."""
