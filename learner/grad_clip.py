@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from learner.checkpoint import state_counts
+
 
 class AdaptiveClip:
     """The clipping threshold of the dense gradient's total norm, from the norms of the last ``history`` steps."""
@@ -79,7 +81,8 @@ class AdaptiveClip:
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """From :meth:`state_dict`; None or {} (a checkpoint from before clipping): an empty history."""
         state = state or {}
+        state_counts("dense gradient clip state (dense_clip)", {"clipped": state.get("clipped", 0)})  # (no bool)
         norms = [float(x) for x in state.get("norms", ()) if np.isfinite(x) and x >= 0][-len(self._norms):]
         self._norms[:len(norms)] = norms
         self._count = len(norms)
-        self.clipped = int(state.get("clipped", 0))
+        self.clipped = state.get("clipped", 0)

@@ -110,6 +110,13 @@ def test_its_state_round_trips_and_an_old_checkpoint_starts_empty() -> None:
     assert again.threshold == 15.0
 
 
+@pytest.mark.parametrize("clipped", [True, 2.5, "3", -1])
+def test_a_clipped_count_that_is_no_integer_is_refused_at_load_naming_it(clipped: object) -> None:
+    """``int()`` read a damaged checkpoint's ``true`` as 1 clip, ``2.5`` as 2 and ``"3"`` as 3."""
+    with pytest.raises(ValueError, match=r"dense gradient clip state \(dense_clip\): .*clipped"):
+        AdaptiveClip().load_state_dict({"norms": [1.0], "clipped": clipped})
+
+
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
 def test_the_setting_must_be_a_finite_number_at_least_zero(value: float) -> None:
     with pytest.raises(ConfigError, match=r"\[learner\] dense_grad_clip must be a finite number >= 0"):
