@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from learner.checkpoint import state_counts
-from learner.event_clock import EventClock, FirstTime
+from learner.event_clock import EventClock, FirstTime, load_times
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 # The logits a fit reads: those of probabilities in [1e-7, 1 - 1e-7], the range learner/evaluation/calibration.py fits
@@ -365,8 +365,7 @@ class OnlineCalibration:
         self.a, self.b, self.h = self._restored(_real(d, "a", 1.0), _real(d, "b", 0.0),
                                                 None if h is None else h.reshape(2, 2))
         self.rows = int(d.get("rows", 0))
-        self.clock.load(d.get("clock"), None if d.get("now_ms") is None else int(d["now_ms"]))
-        self.first_times.load(d.get("first_ms"))
+        load_times(STATE, self.clock, self.first_times, d)
         self.chunks = deque()
         bounds = np.cumsum([0, *sizes])
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):  # the batches they came in: each matures whole

@@ -59,7 +59,7 @@ import torch
 from prometheus_client import Counter
 
 from learner.checkpoint import state_counts
-from learner.event_clock import EventClock, FirstTime
+from learner.event_clock import EventClock, FirstTime, load_times
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 log = logging.getLogger("streamrec.train")
@@ -357,10 +357,9 @@ class BaseRateBias:
         """A state of :meth:`state_dict`. Values no stream makes (:meth:`_check_state`) are a ValueError naming the
         value: a damaged or edited checkpoint, which the restore passes over for the previous one."""
         self._check_state(d)
+        load_times("base-rate bias state (base_rate_bias)", self.clock, self.first_times, d)
         self.impressions, self.positives = int(d.get("impressions", 0)), int(d.get("positives", 0))
         self.corrected, self.stopped = bool(d.get("corrected", False)), bool(d.get("stopped", False))
-        self.clock.load(d.get("clock"), None if d.get("now_ms") is None else int(d["now_ms"]))
-        self.first_times.load(d.get("first_ms"))
         self.click_delay_s = float(d.get("click_delay_s", 0.0))
         self.rate = float(d.get("rate", (self.positives + 1.0) / (self.impressions + 1.0 / self.prior_rate)))
         self.delay_rate = float(d.get("delay_rate", 0.0))

@@ -16,7 +16,7 @@ warm-up and the bias rule's span of delays are measured from.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,12 +49,15 @@ class _QuorumTime:
     def state(self) -> list[int]:
         return sorted(self.sign * int(x) for x in self._kept)
 
-    def _load(self, state: Any, one: int | None) -> None:
-        """From :meth:`state`; a record from before the quorum held one time, ``one``: it counts as one row."""
-        if isinstance(state, list | tuple):
-            self._kept = largest(self.sign * np.asarray([int(x) for x in state], np.int64), self.quorum)
-        else:
-            self._kept = np.asarray([] if one is None else [self.sign * int(one)], np.int64)
+    def _load(self, state: Any, one: Any) -> None:
+        """From :meth:`state`; a record from before the quorum held one time, ``one``: it counts as one row. A time
+        that is no integer (a bool, a fraction, a text) is a ValueError naming it: ``int()`` read ``true`` as 1 ms
+        and ``"17e11"`` raised a message naming no field, from a damaged or edited checkpoint."""
+        times = list(state) if isinstance(state, list | tuple) else [] if one is None else [one]
+        if (bad := [x for x in times if isinstance(x, bool) or not isinstance(x, int | np.integer)]):
+            raise ValueError(f"event clock state: {bad[0]!r:.80} is not a time in integer ms: the state is "
+                             "damaged; the restore uses the previous checkpoint")
+        self._kept = largest(self.sign * np.asarray(times, np.int64), self.quorum)
 
 
 class EventClock(_QuorumTime):
@@ -111,6 +114,16 @@ class FirstTime(_QuorumTime):
     def load(self, state: Any) -> None:
         """From :meth:`state`; a record from before this held one ``first_ms`` (an int): it counts as one row."""
         self._load(state, None if isinstance(state, list | tuple) else state)
+
+
+def load_times(state: str, clock: EventClock, first: FirstTime, d: Mapping[str, Any]) -> None:
+    """A state's ``clock`` (``now_ms`` before it) into ``clock`` and its ``first_ms`` into ``first`` (the calibration's
+    and the bias rule's layout); a time that is no integer is a ValueError naming ``state`` and the value."""
+    try:
+        clock.load(d.get("clock"), d.get("now_ms"))
+        first.load(d.get("first_ms"))
+    except ValueError as exc:
+        raise ValueError(f"{state}: {exc}") from None
 
 
 def largest(t: np.ndarray, k: int) -> np.ndarray:

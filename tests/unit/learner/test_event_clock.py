@@ -58,6 +58,14 @@ def test_the_clock_state_round_trips_and_a_state_from_before_it_loads_as_its_one
     assert none.now_ms is None
 
 
+@pytest.mark.parametrize("state, one", [([5, True], None), ([5.5], None), (None, "42"), (None, False)])
+def test_a_clock_state_time_that_is_no_integer_is_refused_naming_it(state: object, one: object) -> None:
+    """A damaged or edited checkpoint's clock: ``int()`` read ``true`` as 1 ms and ``5.5`` as 5, and ``"abc"`` raised
+    a message naming no field; each is a ValueError naming the clock state and the value."""
+    with pytest.raises(ValueError, match=r"event clock state: .* is not a time in integer ms"):
+        EventClock(quorum=3).load(state, one)
+
+
 def test_one_far_ahead_row_does_not_mature_the_calibrations_pending_impressions() -> None:
     """The calibration's maturity clock (ts + label_delay_ms) took the newest row: one row an hour ahead matured every
     observed impression at once, fitted as a 0 before its click could come."""
