@@ -359,7 +359,7 @@ class BaseRateBias:
         self._check_state(d)
         load_times("base-rate bias state (base_rate_bias)", self.clock, self.first_times, d)
         self.impressions, self.positives = int(d.get("impressions", 0)), int(d.get("positives", 0))
-        self.corrected, self.stopped = bool(d.get("corrected", False)), bool(d.get("stopped", False))
+        self.corrected, self.stopped = d.get("corrected", False), d.get("stopped", False)
         self.click_delay_s = float(d.get("click_delay_s", 0.0))
         self.rate = float(d.get("rate", (self.positives + 1.0) / (self.impressions + 1.0 / self.prior_rate)))
         self.delay_rate = float(d.get("delay_rate", 0.0))
@@ -379,8 +379,12 @@ class BaseRateBias:
         bins, delays = d.get("bins", []), d.get("bin_delay_s", [])
         state_counts(state, {k: d[k] for k in ("impressions", "positives", "elapsed_ms") if d.get(k) is not None})
         state_counts(state, {f"bins[{s}][{i}]": n for s, *counts in bins for i, n in enumerate(counts)})
-        if "rate" in d and not 0.0 < float(d["rate"]) < 1.0:  # (NaN too)
-            raise ValueError(f"{state}: rate {d['rate']!r} is not a click rate in (0, 1)")
+        for name in ("corrected", "stopped"):  # ``bool("false")`` was True: a bias stopped for good
+            if not isinstance(d.get(name, False), bool):
+                raise ValueError(f"{state}: {name} {str(d[name])[:80]!r} is not true or false")
+        if "rate" in d and not (isinstance(d["rate"], float | int) and not isinstance(d["rate"], bool)
+                                and 0.0 < d["rate"] < 1.0):  # (NaN too; a text was read as a number)
+            raise ValueError(f"{state}: rate {d['rate']!r:.80} is not a click rate in (0, 1)")
         for name, v in [("delay_rate", d.get("delay_rate", 0.0)), ("click_delay_s", d.get("click_delay_s", 0.0)),
                         *((f"bin_delay_s[{s}]", x) for s, x in delays)]:
             if not (math.isfinite(float(v)) and float(v) >= 0.0):

@@ -638,7 +638,10 @@ CORRUPT_BIAS_STATES = {
     "negative_bin_impressions": ({"bins": [[3, -4, 1]]}, "bins[3][0]"),  # checked too, not only the last count
     "nan_bin_delay": ({"bins": [[3, 4, 1]], "bin_delay_s": [[3, float("nan")]]}, "bin_delay_s[3] nan"),
     "negative_elapsed_time": ({"elapsed_ms": -1}, "elapsed_ms"),
-    # a clock time of another type: int() read true as 1 ms
+    # of another type: bool("false") was True, "0.1" and True were read as numbers
+    "stopped_as_text": ({"stopped": "false"}, "stopped 'false' is not true or false"),
+    "rate_as_text": ({"rate": "0.1"}, "rate '0.1'"),
+    "impressions_as_bool": ({"impressions": True}, "impressions"),
     "clock_time_as_bool": ({"clock": [True]}, "event clock state: True"),
     "first_time_as_text": ({"first_ms": "1700000000000"}, "event clock state: '1700000000000'"),
 }
