@@ -209,7 +209,7 @@ def test_unshard_keeps_every_ranks_newest_recent_ids_so_one_process_resumed_from
     ("delayed_weights", {"positives": -20, "delayed": 0}, "delayed_weights"),  # S divided by zero on every batch
     ("base_rate_bias", {"positives": 1, "rate": 1.0}, "base_rate_bias"),  # its logit divided by zero
     # a field of another type or a missing one (a TypeError, a KeyError) is as damaged: they were raised bare
-    ("base_rate_bias", {"positives": 1, "rate": None}, "TypeError"),
+    ("base_rate_bias", {"positives": 1, "rate": None}, "rate None is not a click rate"),
     ("metrics", {"neg": [], "loss_sum": 0.0, "count": 0}, "KeyError: 'pos'"),
 ])
 def test_a_rank_state_no_training_makes_refuses_the_sharded_checkpoint_naming_it_the_state_and_the_value(
