@@ -470,6 +470,25 @@ def state_loaded(path: Path) -> Generator[None, None, None]:
             "from (or unshard) the one before it") from None
 
 
+def loaded_together(path: Path, load: Callable[[], None]) -> None:
+    """Collective: ``load()`` (this rank's part of a restore, with no collective in it) under :func:`state_loaded` on
+    every rank, then a CheckpointError on EVERY rank when it raised on any, naming that rank and its reason. Raised on
+    the refusing rank alone (a value only rank 0 reads: its calibration, quality metrics, clock; or one rank's own
+    metrics), that rank left while the others went on into the next collective and waited there for it until the
+    collective timeout (10 minutes), failing with a timeout that named neither the checkpoint nor the fix."""
+    error: checkpoint.CheckpointError | None = None
+    try:
+        with state_loaded(path):
+            load()
+    except checkpoint.CheckpointError as exc:
+        error = exc
+    failed = [(r, why) for r, why in enumerate(all_gather_objects(None if error is None else str(error))) if why]
+    if error is not None:
+        raise error
+    if failed:
+        raise checkpoint.CheckpointError(f"rank {failed[0][0]} refused it: {failed[0][1]}")
+
+
 def _rank_state(path: Path, rank: int) -> dict[str, Any]:
     """``rank-<rank>.pt`` of the checkpoint at ``path`` (a weights-only load); one that does not load is a
     CheckpointError naming it and the fix (out of memory is raised as it is: no fault of the file)."""

@@ -417,8 +417,10 @@ class ShardedLearner:
                 opt.state[p] = {"step": st["step"].clone(), "exp_avg": st["exp_avg"].clone(),
                                 "exp_avg_sq": st["exp_avg_sq"].clone()}
         states = sharded_checkpoint.rank_states(path, meta)
-        with sharded_checkpoint.state_loaded(path):  # a value no training makes: this checkpoint refused
-            self._load_states(meta, states)
+        # a value no training makes: this checkpoint refused, by every rank together whichever rank reads it
+        sharded_checkpoint.loaded_together(path, lambda: self._load_own_states(meta, states))
+        with sharded_checkpoint.state_loaded(path):
+            self._load_shared_states(states)
         if self.ctx.rank == 0:
             self._base_samples = int(meta["samples_trained"])
         self._base_steps = int(meta["steps"])
@@ -429,15 +431,20 @@ class ShardedLearner:
                  meta["world_size"], meta["samples_trained"], self.offsets)
         return True
 
-    def _load_states(self, meta: dict[str, Any], states: list[dict[str, Any]]) -> None:
-        """The ranks' own states (``rank_states``) into this rank: a ValueError for a value no training makes
-        (``sharded_checkpoint.state_loaded`` names the checkpoint)."""
-        assert self.trainer is not None
+    def _load_shared_states(self, states: list[dict[str, Any]]) -> None:
+        """Collective: the id maps (every rank's parts, whatever the world size that wrote them) and rank 0's
+        calibration, after :meth:`_load_own_states`."""
         assert self.ids is not None
-        if self.ids.active:  # every rank's parts, whatever the world size that wrote them (collective)
+        if self.ids.active:
             self.ids.load_state_dict(states, self.dmp)
             if self.deltas is not None:  # the first delta (with the maps) resends every admitted id's row: deltas.py
                 self.deltas.mark(self.ids.owned_rows())
+        self._share_calibration()
+
+    def _load_own_states(self, meta: dict[str, Any], states: list[dict[str, Any]]) -> None:
+        """The ranks' own states (``rank_states``) into this rank, no collective among them (so every rank refuses a
+        checkpoint together: ``sharded_checkpoint.loaded_together``): a ValueError for a value no training makes."""
+        assert self.trainer is not None
         if states[0].get("base_rate_bias"):  # rank 0's copy; every rank's is the same
             self.bias = BaseRateBias(prior_rate=self.ls.prior_click_rate)
             self.bias.load_state_dict(states[0]["base_rate_bias"])
@@ -449,12 +456,12 @@ class ShardedLearner:
             self.window = merged_metrics(states, self.ls.metrics_window)  # every rank's window, whatever the world
             if self.calibration is not None and states[0].get("calibration"):
                 self.calibration.load_state_dict(states[0]["calibration"])
-        self._share_calibration()
         if int(meta["world_size"]) == self.ctx.world_size:
             mine = states[self.ctx.rank]
             self.trainer.metrics.load_state_dict(mine["metrics"])
             self.recent.load(mine.get("recent_ids", []))
-            self.duplicates = int(mine.get("duplicates", 0))
+            checkpoint.state_counts(f"rank-{self.ctx.rank}.pt", {"duplicates": mine.get("duplicates", 0)})  # (no bool)
+            self.duplicates = mine.get("duplicates", 0)
             self.trainer.delayed.load_state_dict(mine.get("delayed_weights") or {})
         else:  # resharded: rank 0 carries everybody's metrics, every rank every recent id and its share of the counts
             self.trainer.delayed.load_state_dict(DelayedFeedbackWeights.share(

@@ -211,6 +211,7 @@ def test_unshard_keeps_every_ranks_newest_recent_ids_so_one_process_resumed_from
     # a field of another type or a missing one (a TypeError, a KeyError) is as damaged: they were raised bare
     ("base_rate_bias", {"positives": 1, "rate": None}, "rate None is not a click rate"),
     ("metrics", {"neg": [], "loss_sum": 0.0, "count": 0}, "KeyError: 'pos'"),
+    ("duplicates", True, '"duplicates" is \'True\''),  # int() read it as 1 duplicate
 ])
 def test_a_rank_state_no_training_makes_refuses_the_sharded_checkpoint_naming_it_the_state_and_the_value(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part: str, value: dict[str, Any], named: str) -> None:
@@ -241,3 +242,50 @@ def test_a_rank_state_no_training_makes_refuses_the_sharded_checkpoint_naming_it
     finally:
         again.close()
     assert sharded_checkpoint.latest(tmp_path / "ckpt") is not None  # (left in place for the operator)
+
+
+def _two_ranks_restore(rank: int, world: int, directory: str, out: str) -> None:
+    """A gloo rank's work: restore the checkpoint in ``directory``; write what happened to ``out``-<rank>.txt (the
+    CheckpointError's message, or "resumed")."""
+    import learner.sharded_daemon as sd
+    from learner import checkpoint
+
+    sd.new_consumer = lambda *a, **k: NoBroker()  # type: ignore[assignment]  # (a process of its own)
+    ls = LearnerSettings(checkpoint_dir=Path(directory), mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
+                         dedup_window=8)
+    lr = sd.ShardedLearner(KafkaSettings(bootstrap_servers="127.0.0.1:9"), ls, RankContext(rank, world))
+    try:
+        try:
+            lr._restore()
+            said = "resumed"
+        except checkpoint.CheckpointError as exc:
+            said = f"CheckpointError: {exc}"
+        Path(f"{out}-{rank}.txt").write_text(said)
+    finally:
+        lr.close()
+
+
+def test_a_rank_state_only_rank_0_reads_refuses_the_sharded_checkpoint_on_every_rank_together(tmp_path: Path) -> None:
+    """Rank 0 alone loads the quality metrics (its calibration, clock and id metrics too): a damaged value there was
+    refused on rank 0 only, and rank 1 went on into its next collective with a rank 0 that had left (it failed there,
+    or waited out the collective timeout, naming neither the checkpoint nor the fix). Every rank refuses it, rank 1
+    naming rank 0 and its reason."""
+    import torch
+
+    from learner import checkpoint
+    from tests.unit.learner.gloo_ranks import in_turn, run_gloo_ranks
+
+    run_gloo_ranks(2, str(tmp_path / "store-save"), in_turn,
+                   lambda r: ([(_two_ranks_admit_and_save, (str(tmp_path / "ckpt"),))],))
+    path = next((tmp_path / "ckpt").glob("dcp-*"))
+    rank0 = path / "rank-0.pt"
+    state = checkpoint.load(rank0)
+    assert "served" in state
+    state["served"] = {**state["served"], "forced": -1}
+    rank0.unlink()
+    torch.save(state, rank0)
+    works = [(_two_ranks_restore, (str(tmp_path / "ckpt"), str(tmp_path / "out")))]
+    assert run_gloo_ranks(2, str(tmp_path / "store-restore"), in_turn, lambda r: (works,)) == [0, 0]
+    said = [(tmp_path / f"out-{r}.txt").read_text() for r in (0, 1)]
+    assert all(s.startswith("CheckpointError") and str(path) in s and "forced" in s for s in said), said
+    assert "rank 0 refused it" in said[1]
