@@ -7,5 +7,7 @@ from typing import Any
 
 
 def assigning_pipeline(**parts: Any) -> Any:
-    """A pipeline whose partition layout takes every assignment (stream/joiner/partitions.py), with ``parts``."""
-    return SimpleNamespace(layout=SimpleNamespace(assigned=lambda partitions: list(partitions)), **parts)
+    """A pipeline whose partition layout takes every assignment (stream/joiner/partitions.py) and whose restores find
+    no input topic made again (``started_over``), with ``parts``."""
+    return SimpleNamespace(layout=SimpleNamespace(assigned=lambda partitions: list(partitions)),
+                           **{"started_over": set(), **parts})

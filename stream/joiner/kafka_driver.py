@@ -44,7 +44,15 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any, cast
 
-from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    TIMESTAMP_NOT_AVAILABLE,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
 
 from stream.config import KafkaSettings
 from stream.errors import BadMessage, clip, close_after_error
@@ -275,9 +283,9 @@ class KafkaJoinWorker:
                 self.pipeline.totals.stage_s["fetch"] += time.monotonic() - t0  # incl. waiting for data
                 self.pipeline.awake.tick()  # a round ran: a quiet click input's time counts (a stall's does not)
                 fetched = _records(msgs, self.gaps)
-                idle, records = not fetched, self._unprocessed(fetched)
-                if records or self._held:
-                    if not self._process(records, self._holds_back if self._hold else None):
+                idle = not fetched
+                if fetched or self._held:
+                    if not self._process(fetched, self._holds_back if self._hold else None):
                         continue
                 resumed = self._apply_gate()
                 # a stall (the process stopped, a long GC pause, a swapping host) is no idleness: woken past its
@@ -345,13 +353,18 @@ class KafkaJoinWorker:
         return got
 
     def _process(self, records: list[Record], behind: Callable[[str, int], bool] | None) -> bool:
-        """Join ``records`` (all, or up to their event-time frontier with ``behind``) and commit what was joined;
-        False when an infrastructure failure rewound the worker instead (``_recover``)."""
+        """Join ``records`` (all, or up to their event-time frontier with ``behind``; those read again below the
+        committed offsets left out, ``_unprocessed``) and commit what was joined; False when an infrastructure failure
+        rewound the worker instead (``_recover``). The restore comes first: an input it finds made again is read
+        from its first record (``_started_over``) before any floor drops the new topic's records."""
         try:
             # Every assigned partition's state in one read of the state log (each read costs a consumer's start-up
             # and an end-of-partition wait), not one read per partition as each first appears in a batch.
             if missing := self._assigned - set(self.pipeline.engines):
                 self.pipeline.restore(missing)
+            records = self._unprocessed(self._started_over(records))
+            if not records and not self._held:
+                return True
             self.pipeline.process_new(records, behind)  # raises: nothing of this batch is ever committed
         except Exception as exc:
             if not is_infrastructure(exc):
@@ -440,13 +453,32 @@ class KafkaJoinWorker:
         watermark lags (the local Tansu reports its last record batch's start + 1), and those records come again. A
         committed offset further on is a topic deleted and made again (its offsets started over): its records are
         the new topic's, which the join takes (``pipeline``'s topic ids), so no floor; none either where the start is
-        the committed offset (Apache Kafka, at every assignment)."""
+        the committed offset (Apache Kafka, at every assignment). One within a batch of a new topic's end goes with its
+        restore (``_started_over``)."""
         committed = {(tp.topic, tp.partition): tp.offset for tp in consumer.committed(starts, timeout=10)}
         for tp in starts:
             key = (tp.topic, tp.partition)
             self._done.pop(key, None)  # an earlier assignment's, not read up to
             if 0 <= tp.offset < committed.get(key, -1) <= tp.offset + BATCH_MESSAGES + 1:
                 self._done[key] = committed[key]
+
+    def _started_over(self, records: list[Record]) -> list[Record]:
+        """``records`` less those of the inputs a restore found deleted and made again (``pipeline.started_over``: the
+        state log's offsets are of another topic id than the topic's now), which are sought to their first record and
+        lose their floor (``_remember_done``). The group's committed offset there is the old topic's too: a new topic
+        with fewer records than it started at its high watermark - 1 (``resume_offsets``) and the floor dropped every
+        new record below the old offset as processed, in silence (the broker keeps no commit metadata to tell)."""
+        again, self.pipeline.started_over = self.pipeline.started_over, set()
+        if not again:
+            return records
+        for topic, partition in sorted(again):
+            self._done.pop((topic, partition), None)
+            start = TopicPartition(topic, partition, OFFSET_BEGINNING)
+            self.consumer.seek(start)
+            self.gaps.expect([start])
+            log.warning("%s partition %d was deleted and created again: reading it from its first record", topic,
+                        partition)
+        return [r for r in records if (r.topic, r.partition) not in again]
 
     def _unprocessed(self, records: list[Record]) -> list[Record]:
         """``records`` less those below their partition's committed offset (``_remember_done``). The join engine skips

@@ -452,6 +452,9 @@ class JoinPipeline:
         self._parts: dict[tuple[int, int], int] = {}  # (partition, seq) -> records of that chunk
         # (partition, input) -> (topic id in the state log, id now): a change _follow_topics said (once per change)
         self._followed: dict[tuple[int, int], tuple[str, str]] = {}
+        # (input topic, partition) a restore found made again and read from its first record: where the group's
+        # committed offset is the old topic's, the driver must start that input there too (kafka_driver._started_over)
+        self.started_over: set[tuple[str, int]] = set()
         self._counts_buffer: Counts = {}
         self._names_buffer: dict[str, set[int | str]] = {"item": set(), "user": set()}  # raw ids since the flush
         # The batch in progress's counts and raw ids: added to the buffers above once its state is durable, so a
@@ -578,7 +581,9 @@ class JoinPipeline:
                     f"{plog.policy!r}, and this joiner runs {self.cfg.policy!r}: its pending impressions would be "
                     "labelled wrong or lost. Run it with the policy it was written under, or change policy under a new "
                     "app_id (--app-id) and let the old one drain (`streamrec join --exit-when-idle N --drain`)")
-            self._follow_topics(eng, now, plog.followed)
+            again = self._follow_topics(eng, now, plog.followed)
+            if start is None:  # a reload's input is read on from where the batch is: no start over of the reader
+                self.started_over.update((inputs[kind], partition) for kind in again)
             # This owner's claim, durable before its first chunk (the flush below): the seqs a stale owner would
             # write next are fenced off, and this one's chunks start past them (state_log.py, "Fencing")
             if start is None:
@@ -598,7 +603,7 @@ class JoinPipeline:
         self.totals.stage_s["restore"] += time.monotonic() - t0
 
     def _follow_topics(self, eng: PartitionJoin, now: list[str | None], followed: tuple[str | None, str | None]
-                       ) -> None:
+                       ) -> list[int]:
         """Each input of ``eng`` read from its first record where its restored offsets are of another topic than the
         one of that name ``now`` (ids as ``stream.kafka.topic_identity`` gives them): deleted and created again since
         (or another cluster), its records up to the old offset were skipped as redelivered, in silence. Said as an
@@ -610,7 +615,9 @@ class JoinPipeline:
         The strikes of that input partition go too, here and in Redis (keyed by topic name and offset, they were the
         old topic's: its poisoned offset dead-lettered the new topic's record there unread), unless ``followed``, the
         ids of the partition's claim, says an owner since the change did so: a poison record of the new topic failing
-        before the partition's first new chunk then kept its strikes at every restart instead of starting over."""
+        before the partition's first new chunk then kept its strikes at every restart instead of starting over.
+        Returns the inputs (0 impressions, 1 clicks) read from their first record."""
+        again = []
         for kind, (was, new) in enumerate(zip(eng.topic_ids, now, strict=True)):
             if was and new and was != new:
                 if self._followed.get((eng.partition, kind)) != (was, new):
@@ -619,8 +626,10 @@ class JoinPipeline:
                     topic = (self.kafka.impressions_topic, self.kafka.clicks_topic)[kind]
                     self.strikes.settle({(topic, eng.partition): 1 << 63})  # every offset of the old topic
                 eng.start_over(kind, new)
+                again.append(kind)
             elif new:
                 eng.topic_ids[kind] = new
+        return again
 
     def _say_topic_changed(self, eng: PartitionJoin, kind: int, was: str, new: str) -> None:
         """The ERROR and the count of :meth:`_follow_topics` for input ``kind`` of ``eng``, remembered as said."""

@@ -1,7 +1,8 @@
 """The joiner off its happy path, against the session's broker and Redis: a state chunk half written when the process
 stopped, a batch of clicks whose state header is bigger than a message, an unreadable state record, a state topic
 deleted under kept offsets, Redis failing in the middle of a batch, a dead letter that cannot be written, an offset
-commit that fails, a write the broker denies by authorization, a samples topic created again with fewer partitions.
+commit that fails, a write the broker denies by authorization, a samples topic created again with fewer partitions,
+an impressions topic made again under the group's committed offsets.
 Each test failed before its fix (the docstrings say how), but the dead letter's.
 
 The pipeline fixtures (``make``, ``prefix``) are test_join_pipeline's, taken as parameters by name.
@@ -1011,3 +1012,39 @@ def test_a_held_impression_over_a_state_limit_lowered_since_it_came_leaves_the_c
     back = make()
     back.restore({0})
     assert set(back.engines[0].pending) == {"big"} and back.engines[0].waiting == eng.waiting
+
+
+def test_an_impressions_topic_made_again_with_fewer_records_than_the_groups_committed_offset_is_joined_from_its_first(
+        kafka: KafkaSettings, make) -> None:
+    """The group committed offset 6 of the impressions' partition 0; the topic deleted, made again and written 3
+    records (each its own record batch): the kafka driver started at the broker's high watermark - 1 and dropped every
+    record below the old committed offset as already processed (``_remember_done``), so no new impression was joined,
+    in silence (the committed offset only 3 past the end: within one record batch, no warning). Now the assignment
+    compares the topics' ids with those the partition's committed offsets are of and reads a new topic from its
+    first record."""
+    producer = AckedProducer(kafka)
+
+    def write(ids: list[str]) -> None:
+        for i, imp_id in enumerate(ids):
+            r = imp(kafka, 0, i, imp_id, T0 + i)
+            producer.send(r.topic, r.value, r.key, partition=r.partition)
+            producer.flush()  # each its own record batch: the local broker's high watermark is the true end
+
+    make()  # creates the topics
+    write([f"old-{i}" for i in range(6)])
+    first = make(exit_when_idle_s=1.0)
+    assert KafkaJoinWorker(first, kafka, first.js).run() == 0
+    assert first.totals.counts["impressions"] == 6 and first._committed([0])[(kafka.impressions_topic, 0)] == 6
+    make_again(kafka, kafka.impressions_topic, partitions=4)  # as many as the clicks (the fixture's topics)
+    new = [f"new-{i}" for i in range(3)]
+    write(new)
+    # the broker drops a deleted topic's committed offsets, but a member still running then commits its old position
+    # again (as a worker stopped after the deletion does at its exit): the group's offset 6 is of the old topic
+    committer = Consumer(consumer_config(kafka, first.js.app_id))
+    try:
+        committer.commit(offsets=[TopicPartition(kafka.impressions_topic, 0, 6)], asynchronous=False)
+    finally:
+        committer.close()
+    again = make(exit_when_idle_s=1.0)
+    assert KafkaJoinWorker(again, kafka, again.js).run() == 0
+    assert again.totals.counts["impressions"] == 3  # every new one joined
