@@ -695,7 +695,8 @@ class RedisEmbeddingStore:
         each, pipelined, each followed to its node (ASK); after it they are left None and marked in ``late`` (M,).
         redis-py, left to follow the MGET, tried it 16 times, sleeping 50 ms between the last TRYAGAINs: ~0.1 s for
         a request whose embedding_store_timeout_s is 0.05. Only a failure of the GETs, or any other failure, fails
-        the round trip."""
+        the round trip; a GET's WRONGTYPE (a key of another type) is None, as the MGET answers it: it failed the whole
+        round trip, and every request's rows fell back for ``retry_after_s``."""
         if self.cluster:
             return self._mget_by_slot(keys, deadline, np.zeros(len(keys), dtype=bool) if late is None else late)
         n = self.fetch_chunk
@@ -730,7 +731,11 @@ class RedisEmbeddingStore:
             split = []
         for i in split:
             pipe.get(keys[i])
-        for i, v in zip(split, pipe.execute() if split else [], strict=True):
+        for i, v in zip(split, pipe.execute(raise_on_error=False) if split else [], strict=True):
+            if isinstance(v, ResponseError) and str(v).startswith("WRONGTYPE"):
+                v = None  # a key of another type: nil, as the MGET answers it (its row alone falls back)
+            elif isinstance(v, Exception):
+                raise v
             out[i] = v
         return out
 

@@ -210,6 +210,31 @@ def test_a_request_whose_rows_live_in_a_slot_a_resharding_split_gets_its_rows_no
         moving_cluster.finish_move(slot, src, (src + 1) % 3)
 
 
+def test_a_row_key_of_another_redis_type_in_a_split_slot_falls_back_alone_and_keeps_the_store_in_use(
+        moving_cluster: ClusterNodes, prefix: str) -> None:
+    # an MGET answers nil for a key of another type (that row alone falls back), but a split slot's rows are read
+    # again one GET each, and a GET answers WRONGTYPE: the whole round trip failed and every request's rows fell back
+    # for retry_after_s
+    with cluster_client(moving_cluster, prefix, timeout_s=1.0, retries=0) as client:
+        n_rows, table, keys, per_slot, slot = rows_sharing_a_slot(prefix)
+        rows = np.array(per_slot[slot] + [r for r in range(0, n_rows, 701) if r not in per_slot[slot]], np.int64)
+        meta = embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
+        hashed, moved = per_slot[slot][:2]
+        client.delete(keys[hashed])
+        client.hset(keys[hashed], "a", "b")  # another client's hash under the row's key
+        src, dst = moving_cluster.index_of(keys[moved]), (moving_cluster.index_of(keys[moved]) + 1) % 3
+        moving_cluster.begin_move(slot, src, dst)
+        with contextlib.closing(redis.Redis(port=moving_cluster.ports[src])) as node:
+            moving_cluster._migrate(node, dst, [keys[moved].encode()])  # the hash stays: the slot is split
+        store = embedding_store.RedisEmbeddingStore(client, prefix, retry_after_s=60.0, cluster=True)
+        key = embedding_store.tag_key("v1", RowDtype.FLOAT32) if meta.get("row_check") else None
+        got, bad = store.fetch("v1", rows, 3, RowDtype.FLOAT32, key)
+        np.testing.assert_array_equal(bad, rows == hashed)
+        np.testing.assert_array_equal(got[~bad], table[rows[~bad]])
+        assert store.available
+        moving_cluster.finish_move(slot, src, dst)
+
+
 def test_rows_of_a_split_slot_not_read_by_the_fetch_deadline_fall_back_without_redis_py_sleeping_on_tryagain(
         moving_cluster: ClusterNodes, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # redis-py followed the split slot's MGET itself: ASK, TRYAGAIN, ... 16 tries, sleeping 50 ms before each of the
