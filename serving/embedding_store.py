@@ -91,6 +91,7 @@ from redis.exceptions import AskError, ClusterError, ResponseError, TryAgainErro
 
 from learner.artifact import ArtifactError
 from serving.settings import RowDtype
+from stream.redis_client import wrong_type
 from stream.redis_deadline import replies_by
 
 log = logging.getLogger("streamrec.serve")
@@ -327,7 +328,7 @@ def get_value(client: Any, key: str) -> bytes | None:
     try:
         return cast("bytes | None", client.get(key))
     except ResponseError as exc:
-        if not str(exc).startswith("WRONGTYPE"):
+        if not wrong_type(exc):
             raise
         raise ValueError(f"{key} is a Redis {_type_name(client, key)}, not a value a refresh writes; delete it and "
                          "republish with `streamrec refresh --now`") from None
@@ -732,7 +733,7 @@ class RedisEmbeddingStore:
         for i in split:
             pipe.get(keys[i])
         for i, v in zip(split, pipe.execute(raise_on_error=False) if split else [], strict=True):
-            if isinstance(v, ResponseError) and str(v).startswith("WRONGTYPE"):
+            if wrong_type(v):
                 v = None  # a key of another type: nil, as the MGET answers it (its row alone falls back)
             elif isinstance(v, Exception):
                 raise v

@@ -140,7 +140,7 @@ from redis.crc import key_slot
 from redis.exceptions import NoPermissionError
 
 from stream.errors import clip
-from stream.redis_client import Client, ClusterUnavailable, is_cluster, run_script, unavailable
+from stream.redis_client import Client, ClusterUnavailable, is_cluster, run_script, unavailable, wrong_type
 from stream.redis_deadline import replies_by, round_trip
 
 KINDS = ("item", "user")
@@ -931,9 +931,6 @@ class DailyCounts:
         client can write one under the prefix), with a warning naming them: such a key holds no names. Before, one
         day's failed the whole read with WRONGTYPE: every day's names lost (the hot set's top ids all shown by hash,
         ``streamrec counts top`` failed). Any other error is raised, as ``execute`` raises it."""
-        def wrong_type(reply: Any) -> bool:
-            return isinstance(reply, redis.ResponseError) and "WRONGTYPE" in str(reply)
-
         for reply in replies:
             if isinstance(reply, Exception) and not wrong_type(reply):
                 err = unavailable(reply)

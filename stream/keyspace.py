@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import redis
+from stream.redis_client import wrong_type
 
 TAGS = ("item", "user")  # stream/counts.py's hash tags: on a cluster, the nodes of each kind's counts
 
@@ -61,7 +61,7 @@ class KeyspaceWatch:
         for key in self.keys.values():
             pipe.get(key)
         now = dict(zip(self.keys, pipe.execute(raise_on_error=False), strict=True))
-        self.other_type = [tag for tag, value in now.items() if _wrong_type(value)]
+        self.other_type = [tag for tag, value in now.items() if wrong_type(value)]
         for tag in self.other_type:  # another client's key there: no marker to compare (the other tag's still is)
             now[tag] = None
         for value in now.values():
@@ -71,8 +71,3 @@ class KeyspaceWatch:
         self._read = now
         return lost
 
-
-def _wrong_type(reply: object) -> bool:
-    """Whether a GET's reply says the key holds another Redis type (WRONGTYPE: not a marker this module sets): its
-    error once failed the whole look, so the other tag's loss went unseen too (serving logs it at debug)."""
-    return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")

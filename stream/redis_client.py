@@ -103,6 +103,17 @@ class ClusterUnavailable(redis.ConnectionError):
 _DETERMINISTIC = (CrossSlotTransactionError, InvalidPipelineStack)
 
 
+def wrong_type(reply: object) -> bool:
+    """Whether a Redis error reply (raised, or returned in a pipeline's replies with ``raise_on_error=False``) is
+    ``WRONGTYPE``: the key holds another Redis type than the command reads (any client can write one under the prefix:
+    not a Redis that is down). By the reply's code, also behind the "Command # n (...) of pipeline caused error: "
+    preamble redis-py puts on a pipeline's raised error."""
+    if not isinstance(reply, redis.ResponseError):
+        return False
+    code = getattr(reply, "status_code", None) or str(reply).rsplit("caused error: ", 1)[-1].split(" ", 1)[0]
+    return code == "WRONGTYPE"
+
+
 def unavailable(exc: BaseException) -> BaseException:
     """``exc`` as the failure streamrec's callers handle: a :class:`ClusterUnavailable` (caused by ``exc``) for
     redis-py's errors that say a cluster cannot serve now (``RedisClusterException`` and its subclasses but the

@@ -44,7 +44,7 @@ from confluent_kafka import KafkaException
 
 from stream.errors import ConfigError, DeliveryFailed, PartitionLost, clip
 from stream.files import MAX_STATE_FILE_BYTES, FileTooLarge, NotRegularFile, read_regular, write_atomic
-from stream.redis_client import RedisAuthError, RedisFailure
+from stream.redis_client import RedisAuthError, RedisFailure, wrong_type
 
 log = logging.getLogger("streamrec.strikes")
 
@@ -249,7 +249,7 @@ class RedisStrikes:
         try:
             stored = self.client.hgetall(self.key)  # bytes: the client does not decode
         except redis.ResponseError as exc:
-            if not str(exc).startswith("WRONGTYPE"):
+            if not wrong_type(exc):
                 raise
             raise ConfigError(f"Redis key {self.key!r} is not the hash of poison strikes streamrec writes (WRONGTYPE: "
                               "another application using this [redis] prefix?): without it a poison message would stop "

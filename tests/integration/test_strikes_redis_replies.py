@@ -13,6 +13,7 @@ import redis
 
 from stream.errors import ConfigError
 from stream.history import UserHistory
+from stream.redis_client import wrong_type
 from stream.strikes import RedisStrikes, Strikes, is_infrastructure
 from streamrec.stack import LocalStack
 
@@ -122,5 +123,27 @@ def test_a_stored_strike_count_below_one_is_no_strike(redis_client: redis.Redis)
     redis_client.hset(key, mapping={"t:0:5": "-100 boom", "t:0:6": "0 boom", "t:0:7": "2 boom"})
     try:
         assert Strikes(RedisStrikes(redis_client, key)).counts == {("t", 0, 7): (2, "boom")}
+    finally:
+        redis_client.delete(key)
+
+
+def test_wrong_type_knows_a_real_wrongtype_raised_alone_raised_from_a_pipeline_and_returned_in_its_replies(
+        redis_client: redis.Redis) -> None:
+    # one definition for the four readers of a key of another type (strikes, keyspace markers, day names, layered rows)
+    key = f"wt-{uuid.uuid4().hex[:10]}"
+    redis_client.set(key, "a string")
+    try:
+        with pytest.raises(redis.ResponseError) as alone:
+            redis_client.hgetall(key)
+        pipe = redis_client.pipeline(transaction=False)
+        pipe.lpush(key, 1)
+        with pytest.raises(redis.ResponseError) as piped:
+            pipe.execute()
+        assert "caused error" in str(piped.value)  # redis-py's preamble before the code
+        pipe = redis_client.pipeline(transaction=False)
+        pipe.hget(key, "f")
+        pipe.incr(key)  # ERR value is not an integer: a refusal, but not of the key's type
+        returned, other = pipe.execute(raise_on_error=False)
+        assert [wrong_type(e) for e in (alone.value, piped.value, returned, other)] == [True, True, True, False]
     finally:
         redis_client.delete(key)
