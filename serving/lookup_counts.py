@@ -26,7 +26,8 @@ wrote counts as flushed. After a failure it asks that Redis nothing more: on a s
 a Redis Cluster only the failed kind's (each kind's counts live on one node), so with one node down the kinds on the
 healthy nodes are still written (they were kept behind the failed kind, and dropped after its retry failed too).
 A write Redis refuses for its key (a day key of another Redis type: WRONGTYPE) is no failure of Redis: the writes after
-it still go, and only it is kept for its retry.
+it still go, only it is kept for its retry, and its lookups are dropped as ``reason="refused"``, said in a WARNING once
+per key (naming the key and the fix); it does not count as an outage, so a real one later is still logged.
 A flush that fails (Redis down, slow, refusing, or the connection lost before Redis's reply came) keeps what it did not
 write, per day and kind, counted and with its write id, for one more try at the next flush, ahead of the lookups made
 since and apart from them: a write whose reply was lost may have run, and its retry under the same write id counts it
@@ -54,7 +55,7 @@ import numpy as np
 import redis
 
 from serving.metrics import ServingMetrics
-from stream.counts import DAY_S, DailyCounts, new_write_id
+from stream.counts import DAY_MS, DAY_S, DailyCounts, day_of, new_write_id
 from stream.redis_client import is_cluster
 from stream.strikes import is_infrastructure
 
@@ -86,6 +87,7 @@ class LookupWrite:
     lookups: int  # sum of counts
     write_id: str = field(default_factory=new_write_id)
     tries: int = 0  # flushes that tried (or failed before) it
+    refused: bool = False  # Redis refused it for its key (_refused): no outage, dropped as reason="refused"
 
 
 class LookupCounts:
@@ -118,6 +120,7 @@ class LookupCounts:
         self._closed = False  # stopped: a lookup added now would never be flushed, so it is dropped and counted
         self._abandoned: threading.Thread | None = None  # a flush thread stop() gave up waiting for (stuck)
         self._failing = False  # the last flush failed: the next failure is not logged again
+        self._refused_keys: set[str] = set()  # the day keys Redis refused writes to, said (_say_refused)
         self._failed_at = 0.0  # time.monotonic() when the last failed flush gave up (stop() skips its flush after one)
         self._settled = 0  # lookups the flush in progress wrote, dropped or kept (the rest of _held_n: unsettled)
         self._broken = False  # a flush failed unexpectedly (_unexpected) and none succeeded since: not logged again
@@ -192,12 +195,14 @@ class LookupCounts:
             except Exception as exc:  # noqa: BLE001 - Redis down or refusing: kept once, then lost; serving goes on
                 error = error or exc
                 unwritten.append(write)
-                if not _refused(exc):
+                if _refused(exc):
+                    self._say_refused(write, exc)
+                else:
                     down.append(write)
                 continue
             written += write.lookups
         if error is not None:
-            self._failed(error, unwritten)
+            self._failed(error, unwritten, outage=bool(down))
             self._flushed(written)
             return written
         if self._failing:
@@ -226,25 +231,47 @@ class LookupCounts:
             self._settled += int(counts[:start].sum())
         return members[start:], counts[start:]
 
-    def _failed(self, exc: Exception, unwritten: list[LookupWrite]) -> None:
+    def _say_refused(self, write: LookupWrite, exc: Exception) -> None:
+        """``write`` refused by Redis for its key (:func:`_refused`): marked, and said once per key."""
+        write.refused = True
+        key = self.counts.key(write.kind, EVENT, day_of(write.day * DAY_MS))
+        if key not in self._refused_keys:
+            self._refused_keys.add(key)
+            log.warning("lookup counts: Redis refuses the writes to %s (%s: %s): a key of another type, written by "
+                        "another client? its lookups are not counted (streamrec_serving_lookup_counts_dropped_total"
+                        "{reason=\"refused\"}) until it is deleted (redis-cli DEL %s)", key, type(exc).__name__, exc,
+                        key)
+
+    def _failed(self, exc: Exception, unwritten: list[LookupWrite], outage: bool = True) -> None:
         """A flush failed with ``exc`` before writing ``unwritten``: each is kept for the next flush (counted against
         ``max_pending`` when the flush ends, :meth:`flush`), unless this was its last try; counted and logged (once per
-        outage)."""
-        keep, lost = [], 0
+        outage). No ``outage``: Redis only refused writes for their keys (said by :meth:`_say_refused`), so nothing
+        is logged here and a later outage is still said."""
+        keep, lost, refused = [], 0, 0
         closed = self._closed  # stop()'s last flush: none comes after it
         for write in unwritten:
             write.tries += 1
             if write.tries < TRIES and not closed:
                 keep.append(write)
+            elif write.refused:
+                refused += write.lookups
             else:
                 lost += write.lookups
         with self._lock:
             self._kept = keep
-            self._failed_at = time.monotonic()
+            if outage:  # (Redis answered a refusal: up, and stop()'s last flush is still worth trying)
+                self._failed_at = time.monotonic()
         self._settled += sum(w.lookups for w in unwritten)
         if lost:
             self._drop("redis", lost)
+        if refused:
+            self._drop("refused", refused)
         self._outcome("error")
+        if not outage:  # Redis answered every write: an outage before is over, and the next one is said
+            if self._failing:
+                log.info("lookup counts: flushing to Redis again")
+            self._failing = False
+            return
         if not self._failing:
             log.warning("lookup counts: a flush to Redis failed (%s: %s); %d lookups kept for the next flush, %d not "
                         "counted, and further failures are counted in streamrec_serving_lookup_counts_dropped_total "

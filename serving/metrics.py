@@ -57,7 +57,8 @@
                                                             (serving/lookup_counts.py): ok | error
     streamrec_serving_lookup_counts_flushed_total           row lookups written to Redis day counts
     streamrec_serving_lookup_counts_dropped_total{reason}   row lookups not counted: full (too many waiting) |
-                                                            redis (the flush holding them failed) | stopped (after
+                                                            redis (the flush holding them failed) | refused (Redis
+                                                            refused their day key: of another type) | stopped (after
                                                             the counter stopped) | invalid (a negative id: no hash)
                                                             | error (the flush holding them failed unexpectedly: a
                                                             bug, logged with its traceback)
@@ -294,11 +295,12 @@ class ServingMetrics:
         self.lookup_counts_flushed = Counter("streamrec_serving_lookup_counts_flushed", "Row lookups written to the "
                                              "Redis day counts the hot set ranks by.", registry=r)
         self.lookup_counts_dropped = Counter("streamrec_serving_lookup_counts_dropped", "Row lookups not counted: "
-                                             "full (too many waiting), redis (their flush failed), stopped "
+                                             "full (too many waiting), redis (their flush failed), refused "
+                                             "(Redis refused their day key: another type), stopped "
                                              "(after stop()), invalid (a negative id, no hash) or error (their "
                                              "flush failed unexpectedly: a bug, logged).", ["reason"],
                                              registry=r)
-        for reason in ("full", "redis", "stopped", "invalid", "error"):
+        for reason in ("full", "redis", "refused", "stopped", "invalid", "error"):
             self.lookup_counts_dropped.labels(reason)
         self.lookups = _LookupCollector(live_model)
         r.register(self.lookups)  # type: ignore[arg-type]

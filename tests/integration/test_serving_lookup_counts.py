@@ -22,6 +22,7 @@ import redis
 
 from cache_refresh import hot_set
 from serving.lookup_counts import LookupCounts
+from serving.metrics import ServingMetrics
 from serving.service import ScoringService
 from serving.settings import ServeSettings
 from stream.config import RedisSettings
@@ -282,3 +283,39 @@ def test_a_lookup_day_key_of_another_redis_type_costs_only_its_own_kinds_lookups
     assert lc.flush() == 0  # the items' second try, refused again: dropped
     assert (lc.flushed, lc.dropped) == (2, 2)
     assert lookups(redis_client, prefix, "user") == {_members(["u1"])[0]: 2}
+
+
+def test_a_refused_day_key_is_dropped_as_refused_said_once_and_hides_no_later_outage_from_the_log(
+        redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A day key of another Redis type refuses every write of its kind all day: its lookups were dropped as
+    ``reason="redis"`` (a Redis failure, which it is not), and the refusal's flush took the outage's one log line,
+    so a real outage after it (Redis out of memory here) was never logged."""
+    metrics = ServingMetrics(lambda: None)
+    counts = DailyCounts(redis_client, prefix=prefix)
+    key = counts.key("item", "lookup", day_of(int(time.time() * 1000)))
+    redis_client.set(key, "not a sorted set")
+    lc = LookupCounts(counts, metrics, flush_s=60.0)
+    with caplog.at_level("INFO", logger="streamrec.serve"):
+        for _ in range(3):  # the items' writes refused at each flush, each kept once and dropped at its second try
+            lc.add("item", np.array(_members(["i1", "i2"]), np.int64))
+            lc.flush()
+        assert caplog.text.count("Redis refuses the writes to") == 1 and f"redis-cli DEL {key}" in caplog.text
+        assert "a flush to Redis failed" not in caplog.text
+        maxmemory = str(redis_client.config_get("maxmemory")["maxmemory"])
+        real_add = counts.add_counts
+
+        def out_of_memory(*args: Any, **kwargs: Any) -> None:
+            redis_client.config_set("maxmemory", "1")  # full: Redis refuses writes (OOM): an outage
+            try:
+                real_add(*args, **kwargs)
+            finally:
+                redis_client.config_set("maxmemory", maxmemory)
+
+        monkeypatch.setattr(counts, "add_counts", out_of_memory)
+        lc.add("user", np.array(_members(["u1"]), np.int64))
+        lc.flush()
+        assert "a flush to Redis failed" in caplog.text
+    dropped = {s.labels["reason"]: s.value for s in metrics.registry.collect() for s in s.samples
+               if s.name == "streamrec_serving_lookup_counts_dropped_total"}
+    assert dropped["refused"] == 6 and dropped["redis"] == 0  # (the third batch of items at its second try too)
