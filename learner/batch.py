@@ -43,6 +43,10 @@ class TensorBatch:
     # (counter, labels) -> what a DataLoader worker counted before handing this batch over, for the training process
     # to count (learner/worker_counters.py: a worker's own registry never reaches the learner's /metrics)
     worker_counts: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
+    # the DataLoader worker that read it (None: the training process), and whether it is that worker's last (its
+    # reading ended): what the training process's bound on a hung worker goes by (learner/worker_stall.py)
+    worker: int | None = None
+    worker_done: bool = False
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -36,6 +36,7 @@ import math
 import time
 from collections import Counter, OrderedDict
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ from learner.row_mapper import MapStats, RowMapper, user_keys
 from learner.tensorpack import load_signing_key
 from learner.trainer import Trainer
 from learner.worker_counters import count_worker_counters
+from learner.worker_stall import watched
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError
 from stream.features import MISSING
@@ -584,10 +586,11 @@ class Learner:
                                      max_label_delay_s=ls.attribution_window_s, unsaved=unsaved,
                                      listed=listed, limits=self.limits)
         loader = sample_loader(dataset, ls.num_workers, ls.prefetch_factor, ls.pin_memory.resolve(self.device.type),
-                               persistent_workers=ls.persistent_workers)
+                               persistent_workers=ls.persistent_workers, stall_s=ls.worker_stall_s)
         last_ckpt, since_ckpt = time.monotonic(), 0
         reason = "input idle"
-        for batch in loader:
+        for batch in watched(loader, ls.num_workers, ls.worker_stall_s,
+                             partial(dataset.worker_partitions, num_workers=ls.num_workers)):
             count_worker_counters(batch)  # a DataLoader worker's: its registry is not the one /metrics serves
             keys = [(topic, p, o) for p, o, _ in batch.positions]
             try:

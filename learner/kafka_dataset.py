@@ -212,6 +212,10 @@ class KafkaSampleDataset(IterableDataset):
             log.info("DataLoader worker %d of %d reads samples partitions %s", info.id, info.num_workers, mine)
         return mine
 
+    def worker_partitions(self, worker: int, num_workers: int) -> list[int]:
+        """The partitions DataLoader worker ``worker`` of ``num_workers`` reads from the start (as it decides)."""
+        return partitions_of(sorted(self.start), *self.shard, worker, num_workers)
+
     def _added(self, consumer: Consumer, known: set[int]) -> list[int]:
         """The partitions of the samples topic, past ``known``, that this reader owns: one metadata request."""
         topic = self.kafka.samples_topic
@@ -224,15 +228,21 @@ class KafkaSampleDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[TensorBatch]:
         """The batches of :meth:`_read`; in a DataLoader worker each carries what the worker counted since the one
-        before (``learner/worker_counters.py``: the worker's registry is not the one the learner's /metrics serves)."""
-        if get_worker_info() is None:
+        before (``learner/worker_counters.py``: the worker's registry is not the one the learner's /metrics serves)
+        and the worker's id, and a last heartbeat says that its reading ended (``learner/worker_stall.py``: a worker
+        that stopped reading is no hung one)."""
+        info = get_worker_info()
+        if info is None:
             yield from self._read()
             return
         tally = WorkerTally()
         with contextlib.closing(self._read()) as batches:  # closed with this iterator: its consumer too, at once
             for tb in batches:
-                tb.worker_counts = tally.take()
+                tb.worker_counts, tb.worker = tally.take(), info.id
                 yield tb
+        last = to_tensors_empty(self.cfg, None)
+        last.worker, last.worker_done = info.id, True
+        yield last
 
     def _read(self) -> Generator[TensorBatch, None, None]:
         if get_worker_info() is not None and multiprocessing.parent_process() is not None:  # a worker process
@@ -421,17 +431,18 @@ class KafkaSampleDataset(IterableDataset):
 
 
 def sample_loader(dataset: IterableDataset, num_workers: int, prefetch_factor: int, pin_memory: bool,
-                  persistent_workers: bool = False) -> DataLoader:
+                  persistent_workers: bool = False, stall_s: float = 0.0) -> DataLoader:
     """The DataLoader both learners train from: ``dataset``'s batches as they are (``batch_size=None``), each handed
     on as soon as its worker has it (``in_order=False``). In order, the loader takes one batch of each worker in
     turn: a worker with nothing to read (caught up, or with fewer partitions than workers) held every other worker
     to its idle heartbeat, one batch a second, however large their backlog. A partition is one worker's and a
     worker's batches keep their order, so each partition's positions still come in offset order (what a
     checkpoint records). Cyclic garbage is collected first where workers will fork: a Kafka client in a reference
-    cycle collected in a worker hangs or crashes it (module docstring)."""
+    cycle collected in a worker hangs or crashes it (module docstring). ``stall_s`` (> 0, with workers): a wait for a
+    batch from any worker ends after that long with torch's timeout (``learner/worker_stall.py``: every worker hung)."""
     if num_workers:
         gc.collect()
-    return DataLoader(dataset, batch_size=None, num_workers=num_workers,
+    return DataLoader(dataset, batch_size=None, num_workers=num_workers, timeout=stall_s if num_workers else 0.0,
                       prefetch_factor=prefetch_factor if num_workers else None,
                       persistent_workers=persistent_workers and num_workers > 0, pin_memory=pin_memory,
                       in_order=False)

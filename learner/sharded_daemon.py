@@ -64,6 +64,7 @@ import time
 import traceback
 from collections import Counter
 from dataclasses import fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,7 @@ from learner.sharded_ids import ShardedRowMapper, merged_stats
 from learner.sharded_model import ShardedDeepFM, feature_names, fused_state, shard, state_scale
 from learner.sharded_trainer import ShardedTrainer
 from learner.worker_counters import count_worker_counters
+from learner.worker_stall import watched
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError, close_after_error, shown
 from stream.files import NotDurable, describe_os_error, write_atomic
@@ -625,8 +627,10 @@ class ShardedLearner:
                                      future_ts_s=ls.future_ts_s, max_label_delay_s=ls.attribution_window_s,
                                      unsaved=unsaved, listed=listed, shard=(self.ctx.rank, self.ctx.world_size),
                                      limits=self.limits)
-        loader = iter(sample_loader(dataset, ls.num_workers, ls.prefetch_factor,
-                                    ls.pin_memory.resolve(self.device.type)))
+        loader = watched(sample_loader(dataset, ls.num_workers, ls.prefetch_factor,
+                                       ls.pin_memory.resolve(self.device.type), stall_s=ls.worker_stall_s),
+                         ls.num_workers, ls.worker_stall_s,
+                         partial(dataset.worker_partitions, num_workers=ls.num_workers))
         lock = LockStep(step_rows, ls.max_samples)
         empty = to_tensors_empty(self.cfg, None)
         ended = False

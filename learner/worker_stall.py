@@ -1,0 +1,76 @@
+"""The bound on a hung DataLoader worker: alive, so torch never reports it, but neither reading nor handing over.
+
+A live samples reader (``learner/kafka_dataset.py``) hands over a batch at least once a second: its rows, or an empty
+heartbeat while its partitions are idle (an empty topic is no hang) or while a trickle of messages fills a batch. A
+worker that does neither for ``[learner] worker_stall_s`` is hung: in a library call that never returns, on a lock,
+stopped (SIGSTOP). torch reports a worker that dies, never one that hangs, and the learner waited for it for good:
+
+- every worker hung: the loader's ``next()`` waited for ever. ``DataLoader(timeout=worker_stall_s)`` ends that wait
+  with torch's "DataLoader timed out after N seconds", raised here as :class:`WorkerStalled`.
+- some workers hung: the loader hands on any worker's batch (``in_order=False``), so the others' kept coming and the
+  hung worker's partitions were never trained again, in silence. :func:`watched` keeps, per worker, the time the
+  training process spent waiting for the loader since that worker's last batch. Only waiting counts: a long training
+  step or checkpoint backs every worker up (their queues are full), it hangs none of them. Read from a backlog the
+  training process seldom waits, so a hung worker is found later there, after worker_stall_s of waiting.
+
+Either way the learner stops with the worker, its partitions and the setting named: a restart reads them again from
+the checkpoint (torchrun restarts the group; a supervisor the single process). No message's fault: nothing is struck.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from learner.batch import TensorBatch
+
+# torch's text when DataLoader(timeout=...) ends a wait for a batch (checked on torch 2.13)
+_TORCH_TIMEOUT = "DataLoader timed out after"
+
+
+class WorkerStalled(RuntimeError):
+    """A DataLoader worker handed over no batch and no heartbeat for ``[learner] worker_stall_s`` of waiting."""
+
+
+def stalled(workers: str, stall_s: float) -> WorkerStalled:
+    return WorkerStalled(
+        f"{workers} handed over no batch and no heartbeat (a live reader sends one a second, idle or not) for "
+        f"{stall_s:g} s of waiting ([learner] worker_stall_s): hung, not dead (torch reports only a dead worker). "
+        "Stopping without a checkpoint so that a restart reads its partitions again from the last one; raise "
+        "worker_stall_s if the worker was only slow")
+
+
+def watched(batches: Iterable[TensorBatch], num_workers: int, stall_s: float,
+            partitions_of_worker: Callable[[int], list[int]],
+            clock: Callable[[], float] = time.monotonic) -> Iterator[TensorBatch]:
+    """``batches`` (a :func:`learner.kafka_dataset.sample_loader`'s) as they come, raising :class:`WorkerStalled` once
+    a worker's batches stop for ``stall_s`` of waiting (module docstring). ``num_workers`` 0: as they come."""
+    it: Iterator[TensorBatch] | None = iter(batches)
+    waited = dict.fromkeys(range(num_workers), 0.0)  # worker -> seconds waited for the loader since its last batch
+    while it is not None:
+        start, timed_out = clock(), False
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except RuntimeError as exc:
+            if _TORCH_TIMEOUT not in str(exc):
+                raise
+            timed_out = True  # raised below, outside this block: torch's error (its frames hold the loader) not chained
+        spent = clock() - start
+        for w in waited:
+            waited[w] += spent
+        if not timed_out and batch.worker is not None and batch.worker_done:  # reading ended (exit_when_idle_s)
+            waited.pop(batch.worker, None)
+        elif not timed_out and batch.worker is not None:
+            waited[batch.worker] = 0.0
+        hung = list(waited) if timed_out else [w for w, s in waited.items() if s >= stall_s]
+        if hung:
+            it = None  # the loader's workers shut down now (the hung one terminated), not at the learner's exit
+            which = "every DataLoader worker" if timed_out else f"DataLoader worker(s) {hung}"
+            raise stalled(f"{which} (samples partitions {_listed(hung, partitions_of_worker)})", stall_s)
+        yield batch
+
+
+def _listed(workers: Iterable[int], partitions_of_worker: Callable[[int], list[int]]) -> list[int]:
+    return sorted(p for w in workers for p in partitions_of_worker(w))

@@ -1,0 +1,116 @@
+"""A DataLoader worker that hangs (alive, neither reading nor handing over) stops the learner with the worker, its
+partitions and ``[learner] worker_stall_s`` named (learner/worker_stall.py), where it was waited for in silence for
+good; a worker that sends heartbeats, or whose reading ended, is no hang. The workers here really hang: blocked on an
+Event in a DataLoader worker process, behind the learner's own loader (``sample_loader``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+from torch.utils.data import IterableDataset, get_worker_info
+
+from learner.batch import TensorBatch
+from learner.config import LearnerSettings
+from learner.features import FeatureConfig, FieldSpec
+from learner.kafka_dataset import sample_loader, to_tensors_empty
+from learner.worker_stall import WorkerStalled, watched
+from stream.errors import ConfigError
+
+CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "single", 40)), embedding_dim=4)
+STALL_S = 1.0  # short, so a hang is found within seconds; what a test asserts is the error, not a time
+
+
+def _beat(worker: int, done: bool = False) -> TensorBatch:
+    tb = to_tensors_empty(CFG, None)  # an idle heartbeat, as the samples reader sends one a second
+    tb.worker, tb.worker_done = worker, done
+    return tb
+
+
+class _Workers(IterableDataset):
+    """Worker 0 sends heartbeats for ever (an idle topic); the workers in ``hang`` send one, then block for good on an
+    Event (alive: torch never reports them)."""
+
+    def __init__(self, hang: set[int]) -> None:
+        super().__init__()
+        self.hang = hang
+
+    def __iter__(self) -> Iterator[TensorBatch]:
+        info = get_worker_info()
+        assert info is not None
+        yield _beat(info.id)
+        if info.id in self.hang:
+            threading.Event().wait()
+        while True:
+            threading.Event().wait(0.05)
+            yield _beat(info.id)
+
+
+def _partitions(worker: int) -> list[int]:
+    return [worker, worker + 2]  # of 4 partitions, dealt to 2 workers
+
+
+def test_one_hung_dataloader_worker_among_live_ones_stops_the_learner_naming_it_and_its_partitions() -> None:
+    """The loader hands on the live worker's heartbeats (``in_order=False``), so its own timeout never fires: before,
+    the hung worker's partitions were never trained again, and nothing said so."""
+    loader = sample_loader(_Workers(hang={1}), num_workers=2, prefetch_factor=2, pin_memory=False, stall_s=STALL_S)
+    batches = watched(loader, 2, STALL_S, _partitions)
+    with pytest.raises(WorkerStalled) as hung:
+        for _ in batches:
+            pass
+    text = str(hung.value)
+    assert "DataLoader worker(s) [1] (samples partitions [1, 3])" in text
+    assert "[learner] worker_stall_s" in text and "hung, not dead" in text
+    batches.close()
+
+
+def test_every_dataloader_worker_hung_ends_the_learners_wait_for_a_batch_naming_the_setting() -> None:
+    """No batch at all: the loader's next() waited for ever; the loader's timeout ends it, raised as the same error."""
+    loader = sample_loader(_Workers(hang={0, 1}), num_workers=2, prefetch_factor=2, pin_memory=False, stall_s=STALL_S)
+    batches = watched(loader, 2, STALL_S, _partitions)
+    with pytest.raises(WorkerStalled, match=r"every DataLoader worker \(samples partitions \[0, 1, 2, 3\]\) handed "
+                                            r"over no batch .*\[learner\] worker_stall_s"):
+        for _ in batches:
+            pass
+    batches.close()
+
+
+class _Clock:
+    """The training process's clock, moved by the batches it is handed (no wall clock in what is asserted)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_idle_heartbeats_a_worker_whose_reading_ended_and_time_spent_training_are_no_stall() -> None:
+    clock = _Clock()
+
+    def handed() -> Iterator[TensorBatch]:
+        yield _beat(1, done=True)  # worker 1's reading ended (exit_when_idle_s): it owes nothing more
+        for _ in range(100):
+            clock.now += 0.5  # the learner waits half a second for each of worker 0's idle heartbeats
+            yield _beat(0)
+
+    got = list(watched(handed(), 2, STALL_S, _partitions, clock=clock))
+    assert len(got) == 101
+    clock.now = 0.0
+
+    def slow_training() -> Iterator[TensorBatch]:  # worker 1's heartbeat waits behind a long training step
+        yield _beat(0)
+        yield _beat(1)
+
+    batches = watched(slow_training(), 2, STALL_S, _partitions, clock=clock)
+    next(batches)
+    clock.now += 100 * STALL_S  # training, not waiting for the loader
+    assert next(batches).worker == 1
+
+
+def test_worker_stall_s_comes_from_the_settings_and_must_be_a_positive_number_of_seconds() -> None:
+    assert LearnerSettings().worker_stall_s == 300.0
+    assert LearnerSettings(worker_stall_s=30).worker_stall_s == 30
+    with pytest.raises(ConfigError, match=r"\[learner\] worker_stall_s must be a finite number of seconds > 0"):
+        LearnerSettings(worker_stall_s=0)
