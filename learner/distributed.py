@@ -253,6 +253,23 @@ def is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(t in text for t in _PEER_FAILURE_TEXT)
 
 
+# What a collective raises when its timeout (RankContext.init's, [learner] collective_timeout_s) ends the wait for a
+# peer (checked on torch 2.13, gloo: "[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 2000ms for send
+# operation to complete"; NCCL's watchdog: "Watchdog caught collective operation timeout")
+_TIMEOUT_TEXT = ("timed out waiting", "collective operation timeout")
+
+
+def peer_hung(exc: BaseException, rank: int, timeout_s: float) -> str | None:
+    """The line that says a collective gave up waiting for a hung peer, naming the setting that bounds it; None when
+    ``exc`` is no collective's timeout. gloo's own text names neither the peer's state nor the setting."""
+    text = str(exc).lower()
+    if not is_peer_failure(exc) or not any(t in text for t in _TIMEOUT_TEXT):
+        return None
+    return (f"rank {rank}: a collective waited {timeout_s:g} s ([learner] collective_timeout_s) for another rank and "
+            "gave up: a peer hung (alive, but not in the collective) or is that much slower. torchrun restarts the "
+            "group from the last checkpoint; raise collective_timeout_s if a rank's step or checkpoint takes longer")
+
+
 # The store key of a round that failed for its data; the store is the attempt's (under torchrun's agent its keys
 # carry the restart count, RankContext.init), so a restarted group starts without it.
 _ROUND_FAILED = "streamrec/round-failed"

@@ -111,6 +111,7 @@ from learner.distributed import (
     is_peer_failure,
     mark_round_failed,
     partitions_of,
+    peer_hung,
     round_failed_elsewhere,
 )
 from learner.event_clock import EventClock
@@ -976,6 +977,8 @@ def run_ranks(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
     try:
         summary = _train(kafka, ls, ctx, redis, limits)
     except BaseException as exc:  # its traceback's frames hold the learner: clear them before the group goes
+        if (hung := peer_hung(exc, ctx.rank, ls.collective_timeout_s)) is not None:
+            log.error("%s", hung)
         clear_chained_frames(exc)
         raise
     finally:
