@@ -53,6 +53,7 @@ from learner.calibration import OnlineCalibration, identity
 from learner.config import Amp, CheckpointMismatch, LearnerSettings, check_topic, parse_mlp, shape_of
 from learner.delayed import BaseRateBias
 from learner.deltas import DeltaWriter
+from learner.distributed import partitions_of
 from learner.event_clock import EventClock
 from learner.features import FeatureConfig, FieldKind, default_config
 from learner.health import FieldCoverage, MemoryMonitor, PositiveRate
@@ -590,7 +591,7 @@ class Learner:
         last_ckpt, since_ckpt = time.monotonic(), 0
         reason = "input idle"
         for batch in watched(loader, ls.num_workers, ls.worker_stall_s,
-                             partial(dataset.worker_partitions, num_workers=ls.num_workers)):
+                             partial(partitions_of, sorted(self.offsets), 0, 1, num_workers=ls.num_workers)):
             count_worker_counters(batch)  # a DataLoader worker's: its registry is not the one /metrics serves
             keys = [(topic, p, o) for p, o, _ in batch.positions]
             try:

@@ -212,10 +212,6 @@ class KafkaSampleDataset(IterableDataset):
             log.info("DataLoader worker %d of %d reads samples partitions %s", info.id, info.num_workers, mine)
         return mine
 
-    def worker_partitions(self, worker: int, num_workers: int) -> list[int]:
-        """The partitions DataLoader worker ``worker`` of ``num_workers`` reads from the start (as it decides)."""
-        return partitions_of(sorted(self.start), *self.shard, worker, num_workers)
-
     def _added(self, consumer: Consumer, known: set[int]) -> list[int]:
         """The partitions of the samples topic, past ``known``, that this reader owns: one metadata request."""
         topic = self.kafka.samples_topic

@@ -631,7 +631,7 @@ class ShardedLearner:
         loader = watched(sample_loader(dataset, ls.num_workers, ls.prefetch_factor,
                                        ls.pin_memory.resolve(self.device.type), stall_s=ls.worker_stall_s),
                          ls.num_workers, ls.worker_stall_s,
-                         partial(dataset.worker_partitions, num_workers=ls.num_workers))
+                         partial(partitions_of, mine, self.ctx.rank, self.ctx.world_size, num_workers=ls.num_workers))
         lock = LockStep(step_rows, ls.max_samples)
         empty = to_tensors_empty(self.cfg, None)
         ended = False
