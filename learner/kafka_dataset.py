@@ -400,11 +400,9 @@ class KafkaSampleDataset(IterableDataset):
                     yield self._emit(pending)
                     pending, rows, values = [], 0, 0
                     last_yield = time.monotonic()
-                elif time.monotonic() - last_yield >= 1.0:
+                elif not msgs and time.monotonic() - last_yield >= 1.0:
                     # A heartbeat (no rows, no positions) while idle, so the consumer of this iterator can
-                    # react to a stop signal and checkpoint on time even when no data arrives; and while a trickle
-                    # of messages fills a batch slowly: a live reader hands over something every second, what tells
-                    # it from a hung one (learner/worker_stall.py).
+                    # react to a stop signal and checkpoint on time even when no data arrives.
                     yield to_tensors_empty(self.cfg, None)
                     last_yield = time.monotonic()
                 if (self.exit_when_idle_s is not None and not pending and (merge is None or merge.empty())

@@ -12,7 +12,6 @@ heartbeats and, with ``exit_when_idle_s``, ends the iteration.
 from __future__ import annotations
 
 import gc
-import threading
 import time
 from collections import defaultdict
 
@@ -269,39 +268,6 @@ def test_an_idle_input_yields_empty_heartbeats_and_ends_after_exit_when_idle_s(t
     assert 1 <= len(out) <= 3, len(out)
     assert all(len(b) == 0 and b.positions == [] for b in out)
     assert idle_s <= took < idle_s + 10
-
-
-def test_a_trickle_that_fills_a_batch_slowly_still_gets_a_heartbeat_handed_over(topic: KafkaSettings) -> None:
-    """Every poll brings a message, none fills the batch: the reader handed over nothing until batch_rows rows had
-    come, minutes on a quiet stream, and a live DataLoader worker looked hung (learner/worker_stall.py bounds a
-    worker that hands over nothing). It hands over a heartbeat every second meanwhile, its rows kept for the batch."""
-    rng = np.random.default_rng(11)
-    values = [good(rng, 1, f"t{k}") for k in range(80)]
-    trickling = threading.Event()
-    trickling.set()
-
-    def trickle() -> None:  # one small message every 50 ms for 4 s: each 200 ms poll finds some
-        producer = Producer(producer_config(topic, **{"linger.ms": 0}))
-        for value in values:
-            producer.produce(topic.samples_topic, value, b"k", partition=0)
-            producer.poll(0)
-            threading.Event().wait(0.05)
-        producer.flush(10)
-        trickling.clear()
-
-    it = iter(KafkaSampleDataset(topic, CFG, {0: 0}, batch_rows=10_000, merge=False, exit_when_idle_s=IDLE_S))
-    thread = threading.Thread(target=trickle)
-    thread.start()
-    try:
-        during = [next(it)]
-        while trickling.is_set():
-            during.append(next(it))
-        rest = list(it)
-    finally:
-        thread.join()
-        it.close()  # type: ignore[attr-defined]
-    assert len([b for b in during if not len(b) and not b.positions]) >= 2  # heartbeats while the trickle lasted
-    assert sorted(i for b in during + rest for i in b.impression_ids.tolist()) == sorted(f"t{k}-0" for k in range(80))
 
 
 def test_the_last_rows_are_yielded_at_once_when_the_input_pauses_then_the_iteration_ends(
