@@ -256,8 +256,8 @@ class LearnerSettings:
     persistent_workers: bool = False  # keep workers between iterations (the daemon iterates once per run)
     pin_memory: PinMemory = PinMemory.AUTO  # auto | on | off: page-locked batches for the copy to the GPU
     # With workers: a worker that hands over no batch for this long while the learner waits for it is hung (a live
-    # one sends a heartbeat every second, idle or not) and stops the learner, naming it (learner/worker_stall.py);
-    # a hung worker was otherwise waited for in silence for good. Keep it well above 10 s (a reader's start).
+    # one hands over its rows, or a heartbeat every second while idle) and stops the learner, naming it
+    # (learner/worker_stall.py); it was otherwise waited for in silence for good. Keep it well above 10 s (a start).
     worker_stall_s: float = 300.0
     # Hand the samples partitions on in event-time order (learner/kafka_dataset.py, EventTimeMerge): a backlog is
     # otherwise read a partition chunk at a time. False: as fetched.

@@ -1,7 +1,8 @@
 """The bound on a hung DataLoader worker: alive, so torch never reports it, but neither reading nor handing over.
 
-A live samples reader (``learner/kafka_dataset.py``) hands over a batch at least once a second: its rows, or an empty
-heartbeat while its partitions are idle (an empty topic is no hang) or while a trickle of messages fills a batch. A
+A live samples reader (``learner/kafka_dataset.py``) hands over its rows, or an empty heartbeat every second while its
+partitions are idle (an empty topic is no hang); a trickle of messages is handed over at each poll that brings none
+(librdkafka's fetches leave one every second or two: measured on the test broker at 100 one-row messages a second). A
 worker that does neither for ``[learner] worker_stall_s`` is hung: in a library call that never returns, on a lock,
 stopped (SIGSTOP). torch reports a worker that dies, never one that hangs, and the learner waited for it for good:
 
@@ -34,7 +35,7 @@ class WorkerStalled(RuntimeError):
 
 def stalled(workers: str, stall_s: float) -> WorkerStalled:
     return WorkerStalled(
-        f"{workers} handed over no batch and no heartbeat (a live reader sends one a second, idle or not) for "
+        f"{workers} handed over no batch and no heartbeat (a live reader sends a heartbeat a second when idle) for "
         f"{stall_s:g} s of waiting ([learner] worker_stall_s): hung, not dead (torch reports only a dead worker). "
         "Stopping without a checkpoint so that a restart reads its partitions again from the last one; raise "
         "worker_stall_s if the worker was only slow")
