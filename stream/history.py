@@ -69,6 +69,11 @@ from stream.redis_deadline import round_trip
 # 16 at 1.26-1.39x (bench/README.md, "history appends").
 REDO_SLACK = 16
 
+# The longest entry a history read sends back as it is: a well-formed one, "{ts}:{item}" of two int64s, is at most 40
+# bytes (19 digits, a colon, a dash and 19 digits); a longer one is read as malformed (``_LRANGE_MANY``). 64: room
+# above 40, and 50 entries of it are a ~3 KB reply per user however large the stored values are.
+ENTRY_MAX_BYTES = 64
+
 
 def _as_ints(name: str, values: Sequence[int] | np.ndarray) -> list[int]:
     seq = values.tolist() if isinstance(values, np.ndarray) else list(values)
@@ -385,11 +390,17 @@ class UserHistory:
     # A key of the wrong type (damaged or written by someone else) reads as one malformed entry, not as an
     # error that fails the whole batch. Any other error (an ACL denying LRANGE: NOPERM, or Redis 6's "The user
     # executing the script can't run this command") fails the read: read as malformed, every user had no history.
+    # An entry longer than ENTRY_MAX_BYTES is no click of ours (another client's, damaged): it is sent back as one
+    # malformed entry too, so the reply holds at most max_len * ENTRY_MAX_BYTES bytes of entries per user. Sent
+    # whole, one user's 20 MB entry crossed the socket on every serving request and every joiner batch for that
+    # user (past the timeout, or into the memory of the process). The server still copies it into the script.
     _LRANGE_MANY = (
         "local out = {} for i, k in ipairs(KEYS) do "
         "local r = redis.pcall('LRANGE', k, 0, ARGV[1]) "
         "if r['err'] then if not string.find(r['err'], 'WRONGTYPE', 1, true) then return r end "
-        "r = {'!wrongtype'} end out[i] = r end return out"
+        "r = {'!wrongtype'} end "
+        f"for j = 1, #r do if #r[j] > {ENTRY_MAX_BYTES} then r[j] = '!toolong' end end "
+        "out[i] = r end return out"
     )
 
     def _script(self) -> Any:

@@ -14,7 +14,8 @@ import pytest
 import redis
 
 from stream.counts import DAY_S, DailyCounts, day_of
-from stream.history import REDO_SLACK, UserHistory
+from stream.history import ENTRY_MAX_BYTES, REDO_SLACK, UserHistory
+from stream.metrics import HISTORY_MALFORMED
 
 
 def ms(y: int, mo: int, d: int, h: int = 0, mi: int = 0, s: int = 0, milli: int = 0) -> int:
@@ -406,6 +407,30 @@ def test_a_malformed_history_entry_is_skipped_not_an_error(redis_client: redis.R
     redis_client.set(h.key(6), "not a list")  # a key of the wrong type
     assert h.as_of([5, 6], [3000, 3000]) == [[100, 200], []]
     assert h.recent(5) == [100, 200]
+
+
+def _net_output_bytes(client: redis.Redis) -> int:
+    return int(client.info("stats")["total_net_output_bytes"])
+
+
+def test_a_huge_history_entry_reads_as_one_malformed_entry_and_its_bytes_stay_in_redis(
+        redis_client: redis.Redis, prefix: str) -> None:
+    """Another client's 20 MB entry under a user's key (and a list of several big ones under another's) was sent
+    whole by every history read: each serving request and joiner batch for that user pulled it through the socket.
+    It reads as one malformed entry each, the users' other clicks as before, and the replies stay small."""
+    h = UserHistory(redis_client, prefix=prefix, max_len=10)
+    h.append_many([5, 5, 6], [100, 200, 300], [1000, 2000, 1500])
+    redis_client.lpush(h.key(5), b"1500:" + b"7" * 20_000_000)
+    redis_client.lpush(h.key(6), *[b"9" * 5_000_000] * 4)
+    before_malformed, before_bytes = HISTORY_MALFORMED._value.get(), _net_output_bytes(redis_client)
+    assert h.as_of([5, 6], [3000, 3000]) == [[100, 200], [300]]  # the joiner's read
+    assert h.as_of_later([5], [2**62])() == [[100, 200]]  # serving's
+    assert h.as_of_later([6], [2**62])() == [[300]]
+    sent = _net_output_bytes(redis_client) - before_bytes
+    assert sent < 20 * 10 * ENTRY_MAX_BYTES + 10_000, sent  # three replies of at most 10 short entries, and INFO's
+    assert HISTORY_MALFORMED._value.get() - before_malformed == 1 + 4 + 1 + 4
+    entries = [e for got in h._lrange([5, 6]) for e in got]
+    assert len(entries) == 3 + 5 and max(map(len, entries)) <= ENTRY_MAX_BYTES
 
 
 def test_as_of_later_sends_now_and_answers_as_as_of(redis_client: redis.Redis, prefix: str) -> None:

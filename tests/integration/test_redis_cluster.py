@@ -26,7 +26,7 @@ from learner.features import FeatureConfig, FieldSpec
 from stream import redis_client
 from stream.config import RedisSettings
 from stream.counts import DAY_MS, DailyCounts
-from stream.history import UserHistory
+from stream.history import ENTRY_MAX_BYTES, UserHistory
 from stream.redis_client import connect, is_cluster
 from stream.strikes import RedisStrikes, is_infrastructure
 from streamrec.stack import LocalStack
@@ -138,6 +138,12 @@ def test_history_on_a_cluster_equals_a_single_nodes_and_spreads_users_over_the_n
     assert np.array_equal(flat_c, flat_n) and np.array_equal(off_c, off_n)
     assert on_cluster.as_of_later([7, 8], [2**41, 2**41])() == on_node.as_of_later([7, 8], [2**41, 2**41])()
     assert on_cluster.recent(5) == on_node.recent(5) != []
+    # a huge entry (another client's) is sent back as one malformed entry by every slot's script call, as on a node
+    for client, h in ((cluster, on_cluster), (single, on_node)):
+        client.lpush(h.key(7), b"1:" + b"5" * 2_000_000)
+    assert on_cluster.as_of_later([7, 8], [2**41, 2**41])() == on_node.as_of_later([7, 8], [2**41, 2**41])()
+    stored = on_cluster._lrange(list(dict.fromkeys([int(u) for u in users[:500] if u != 7] + [7])))  # many slots
+    assert stored[-1][0] == b"!toolong" and max(len(e) for got in stored for e in got) <= ENTRY_MAX_BYTES
     # one batch's users live on every node (a key per user, no hash tag)
     assert len({node_of(cluster, on_cluster.key(int(u))) for u in users[:500]}) == 3
     # a key of the wrong type fails its own append only, as on a single node
