@@ -140,7 +140,7 @@ from redis.crc import key_slot
 from redis.exceptions import NoPermissionError
 
 from stream.errors import clip
-from stream.redis_client import Client, ClusterUnavailable, is_cluster, run_script, unavailable, wrong_type
+from stream.redis_client import Client, ClusterUnavailable, is_cluster, run_script
 from stream.redis_deadline import replies_by, round_trip
 
 KINDS = ("item", "user")
@@ -359,6 +359,30 @@ redis.call('HSET', KEYS[3], ARGV[2], 1)
 redis.call('EXPIREAT', KEYS[3], ARGV[1])
 return had
 """
+# The longest name DailyCounts.names reads (bytes): 4 per character of the longest raw id shown by name (the hot set's
+# NAME_MAX_CHARS, 4096; the joiner's raw ids are at most max_str_len, 256). A longer one (another client's HSET) is
+# left in Redis and its member shown by hash: read, 20 names of 1 MB each crossed the socket on every refresh.
+NAME_MAX_BYTES = 16_384
+# KEYS = names keys (one hash slot: one kind's, or the layout before hash tags on a single node); ARGV = NAME_MAX_BYTES,
+# then the members. Per key, each member's name as HMGET gives it, but the length (an integer) of one longer than
+# ARGV[1], whose bytes are never copied (HSTRLEN first); '!wrongtype' for a key of another type than a hash. Any other
+# error (an ACL's) fails the read.
+_NAMES_BOUNDED = """
+local out, most = {}, tonumber(ARGV[1])
+for i, k in ipairs(KEYS) do
+  local got = {}
+  for j = 2, #ARGV do
+    local n = redis.pcall('HSTRLEN', k, ARGV[j])
+    if type(n) == 'table' then
+      if not string.find(n['err'], 'WRONGTYPE', 1, true) then return n end
+      got = '!wrongtype' break
+    end
+    if n > most then got[j - 1] = n else got[j - 1] = redis.call('HGET', k, ARGV[j]) end
+  end
+  out[i] = got
+end
+return out
+"""
 _CUTOFFS_MAX = 1024  # failed writes whose "too far ahead" cut-off DailyCounts keeps for their retry (the joiner: 4)
 _NAMED_MAX = 1 << 17  # names remembered as written (DailyCounts._named), ~12 MB at most
 
@@ -386,6 +410,7 @@ class DailyCounts:
         # (its retry keeps it); removed when the write succeeds. Bounded by _CUTOFFS_MAX, the oldest forgotten first.
         self._cutoffs: dict[tuple[str, str, str], int] = {}
         self._zincr_many: Any = None  # registered on first use
+        self._names_bounded: Any = None
         # kind -> {markers key: markers} of kind's last write that succeeded: forgotten in Redis by kind's next write
         # (module docstring, "Retries"). One write's markers per kind: a day's for record, a chunk's for add_counts.
         self._acked: dict[str, dict[str, list[str]]] = {}
@@ -893,16 +918,18 @@ class DailyCounts:
         Looks in ``kind``'s names of the ``days`` days ending at ``day`` and of the day before them (a click
         just after midnight was named with its impression the day before), newest first; each further day is
         asked only for the members still without a name, and the search stops once every member has one. The days
-        are asked ``_NAMES_DAYS_PER_TRIP`` at a time, one pipelined round trip each: members that have no name at
-        all (counted without names, e.g. serving's lookups) cost one round trip per that many days, not per day. Each
-        round trip completes within the client's timeout as a whole (:func:`~stream.redis_deadline.round_trip`, as
-        :meth:`_top_of_sum`'s rounds): bounded reply by reply, a trickling Redis held it up to one timeout per day.
+        are asked ``_NAMES_DAYS_PER_TRIP`` at a time, one script call each (``_NAMES_BOUNDED``): members that have no
+        name at all (counted without names, e.g. serving's lookups) cost one round trip per that many days, not per
+        day. Each round trip completes within the client's timeout as a whole
+        (:func:`~stream.redis_deadline.round_trip`, as :meth:`_top_of_sum`'s rounds): bounded reply by reply, a
+        trickling Redis held it up to one timeout per day.
+        A name longer than ``NAME_MAX_BYTES`` is not read: its member has none (shown by hash), with a warning.
         """
         _check_kind_event(kind, EVENTS[0])
         _check_positive_int("days", days)
         end = _parse_day(day)
         missing = list(dict.fromkeys(members))
-        found: dict[str, str] = {}
+        found: dict[str, str | int] = {}  # a name, or the length of one too long to read
         n = _days_back(end, int(days) + 1)
         for first in range(0, n, _NAMES_DAYS_PER_TRIP):
             if not missing:
@@ -913,32 +940,30 @@ class DailyCounts:
                 keys.append(self._names_key(kind, day_i))
                 if self._legacy():
                     keys.append(self._legacy_names_key(kind, day_i))
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.hmget(key, missing)
-            with round_trip(self.client):  # a trip's HMGETs by one timeout, not one each (a trickling Redis: 32)
-                replies = pipe.execute(raise_on_error=False)
+            if self._names_bounded is None:
+                self._names_bounded = self.client.register_script(_NAMES_BOUNDED)
+            with round_trip(self.client):  # a trip's reads by one timeout, not one each (a trickling Redis: 32)
+                replies = run_script(self.client, self._names_bounded, [(keys, [NAME_MAX_BYTES, *missing])],
+                                     transaction=False)[0]
             for values in self._names_read(keys, replies):  # in key order: the first name found stays
                 for member, value in zip(missing, values, strict=True):
                     if value is not None and member not in found:
-                        found[member] = _text(value)
+                        found[member] = value if isinstance(value, int) else _text(value)
             missing = [m for m in missing if m not in found]
-        return found
+        too_long = [m for m, v in found.items() if isinstance(v, int)]
+        if too_long:
+            log.warning("day names: %d of the %s names asked for are longer than %d bytes (written by another "
+                        "client?); left unread, their ids shown by hash", len(too_long), kind, NAME_MAX_BYTES)
+        return {m: v for m, v in found.items() if isinstance(v, str)}
 
     @staticmethod
     def _names_read(keys: list[str], replies: list[Any]) -> list[list[Any]]:
-        """The HMGET ``replies`` of the names ``keys``, less those of a key holding another type than a hash (any
-        client can write one under the prefix), with a warning naming them: such a key holds no names. Before, one
-        day's failed the whole read with WRONGTYPE: every day's names lost (the hot set's top ids all shown by hash,
-        ``streamrec counts top`` failed). Any other error is raised, as ``execute`` raises it."""
-        for reply in replies:
-            if isinstance(reply, Exception) and not wrong_type(reply):
-                err = unavailable(reply)
-                if err is reply:
-                    raise reply
-                raise err from reply
-        wrong = [k for k, r in zip(keys, replies, strict=True) if wrong_type(r)]
+        """The ``_NAMES_BOUNDED`` ``replies`` of the names ``keys``, less those of a key holding another type than a
+        hash (any client can write one under the prefix), with a warning naming them: such a key holds no names.
+        Before, one day's failed the whole read with WRONGTYPE: every day's names lost (the hot set's top ids all shown
+        by hash, ``streamrec counts top`` failed)."""
+        wrong = [k for k, r in zip(keys, replies, strict=True) if not isinstance(r, list)]  # the script's '!wrongtype'
         if wrong:
             log.warning("day names: %s %s not a hash (WRONGTYPE: written by another client?); left out of the names "
                         "read", clip(", ".join(wrong)), "is" if len(wrong) == 1 else "are")
-        return [r for r in replies if not wrong_type(r)]
+        return [r for r in replies if isinstance(r, list)]

@@ -170,6 +170,21 @@ def test_a_name_that_is_not_utf8_is_shown_escaped_not_a_failed_refresh(redis_cli
     assert hs.stats["top_items"] == [{"name": "caf\ufffd", "count": 3}]
 
 
+def test_a_huge_name_is_left_in_redis_and_its_id_shown_by_hash_with_a_warning(
+        redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    # another client's 20 MB names (one on each of two days) were read whole by every refresh's names of its top ids
+    counts = _items(redis_client, prefix, {"456": 3, "789": 2})
+    redis_client.hset(counts.names_key("item", DAY), mapping={"456": b"n" * 20_000_000, "789": "bob-item"})
+    redis_client.hset(counts.names_key("item", "20030227"), "456", b"m" * 20_000_000)
+    before = int(redis_client.info("stats")["total_net_output_bytes"])
+    with caplog.at_level(logging.WARNING):
+        assert counts.names("item", ["456", "789"], DAY, days=2) == {"789": "bob-item"}
+        hs = _hot_items(redis_client, prefix)
+    assert int(redis_client.info("stats")["total_net_output_bytes"]) - before < 1_000_000  # the names, counts, INFO
+    assert hs.stats["top_items"] == [{"name": None, "hash": "456", "count": 3}, {"name": "bob-item", "count": 2}]
+    assert f"longer than {counts_module.NAME_MAX_BYTES} bytes" in caplog.text
+
+
 def test_a_names_key_of_the_wrong_type_leaves_the_ids_unnamed_with_a_warning(
         redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
     counts = _items(redis_client, prefix, {"456": 3})
