@@ -219,6 +219,12 @@ def _text(value: bytes | str) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
+def _scored(flat: list[Any]) -> list[tuple[bytes, float]]:
+    """A ``_TOP_PAGE_BOUNDED`` reply (member, score text, member, ...) as ZREVRANGE WITHSCORES gives it: (member,
+    score) pairs."""
+    return [(m, float(score)) for m, score in zip(flat[0::2], flat[1::2], strict=True)]
+
+
 def _kth_largest(values: Mapping[Any, float], k: int) -> float:
     """The ``k``-th largest of ``values``' values (1 <= k <= len(values))."""
     arr = np.fromiter(values.values(), np.float64, len(values))
@@ -383,6 +389,18 @@ for i, k in ipairs(KEYS) do
 end
 return out
 """
+# The longest member DailyCounts.top reads as it is (bytes): the joiner's and serving's members are a stable hash's text
+# (at most 20 bytes), a caller's own raw ids at most max_str_len (256) characters. A longer one (another client's ZADD)
+# reads as '!toolong:' and its SHA-1 (one per member, so pages and days still tell members apart): read, a 20 MB member
+# in a day's top crossed the socket on every refresh, and was refused (no stable hash's text) only after.
+MEMBER_MAX_BYTES = 1024
+# KEYS[1] = a day's counts key; ARGV = start, stop, MEMBER_MAX_BYTES: ZREVRANGE start stop WITHSCORES, the members
+# longer than ARGV[3] replaced (above); a flat reply, member then score (text).
+_TOP_PAGE_BOUNDED = """
+local r, most = redis.call('ZREVRANGE', KEYS[1], ARGV[1], ARGV[2], 'WITHSCORES'), tonumber(ARGV[3])
+for i = 1, #r, 2 do if #r[i] > most then r[i] = '!toolong:' .. redis.sha1hex(r[i]) end end
+return r
+"""
 _CUTOFFS_MAX = 1024  # failed writes whose "too far ahead" cut-off DailyCounts keeps for their retry (the joiner: 4)
 _NAMED_MAX = 1 << 17  # names remembered as written (DailyCounts._named), ~12 MB at most
 
@@ -411,6 +429,7 @@ class DailyCounts:
         self._cutoffs: dict[tuple[str, str, str], int] = {}
         self._zincr_many: Any = None  # registered on first use
         self._names_bounded: Any = None
+        self._top_page_bounded: Any = None
         # kind -> {markers key: markers} of kind's last write that succeeded: forgotten in Redis by kind's next write
         # (module docstring, "Retries"). One write's markers per kind: a day's for record, a chunk's for add_counts.
         self._acked: dict[str, dict[str, list[str]]] = {}
@@ -717,6 +736,18 @@ class DailyCounts:
             rows = self._top_of_sum(keys, int(k))
         return [(_text(member), float(score)) for member, score in rows]
 
+    def _read(self, script: Any, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """A read script's ``calls`` (one kind's keys: one hash slot), in one round trip. On a cluster in a MULTI/EXEC
+        even when it is one call: ``run_script`` then loads the script on the slot's node only, where its one-call
+        shortcut (redis-py's) loads it on every primary, which one node down fails (the counts on the others too)."""
+        return run_script(self.client, script, calls, transaction=is_cluster(self.client))
+
+    def _top_page(self) -> Any:
+        """The ``_TOP_PAGE_BOUNDED`` script, registered on first use."""
+        if self._top_page_bounded is None:
+            self._top_page_bounded = self.client.register_script(_TOP_PAGE_BOUNDED)
+        return self._top_page_bounded
+
     def _top_of_one(self, key: str, k: int) -> list[tuple[bytes, float]]:
         """The ``k`` highest members of one key, by score then member descending, read ``TOP_PAGE`` members per command
         (ZREVRANGE), as :meth:`_top_of_sum` reads a window: one ZREVRANGE of ``k`` was one reply of ``k`` members, and
@@ -741,8 +772,8 @@ class DailyCounts:
         start, moved = 0, False
         while len(rows) < k:
             asked = min(TOP_PAGE, k - len(rows))
-            page = cast("list[tuple[bytes, float]]", self.client.zrevrange(key, start, start + asked - 1,
-                                                                           withscores=True))
+            got = self._read(self._top_page(), [([key], [start, start + asked - 1, MEMBER_MAX_BYTES])])
+            page = _scored(got[0])
             for member, score in page:
                 moved = moved or member in rows
                 rows.setdefault(member, float(score))
@@ -776,12 +807,10 @@ class DailyCounts:
         depth = 0
         while True:
             live = [i for i, d in enumerate(done) if not d]
-            pipe = self.client.pipeline(transaction=False)
-            for i in live:
-                pipe.zrevrange(keys[i], depth, depth + page - 1, withscores=True)
             fresh: dict[bytes, None] = {}
             with round_trip(self.client):  # the round's reads by one timeout, not one each (a trickling Redis: 7)
-                pages = pipe.execute()
+                pages = [_scored(got) for got in self._read(
+                    self._top_page(), [([keys[i]], [depth, depth + page - 1, MEMBER_MAX_BYTES]) for i in live])]
             for i, rows in zip(live, pages, strict=True):
                 done[i] = len(rows) < page
                 if rows:
@@ -943,8 +972,7 @@ class DailyCounts:
             if self._names_bounded is None:
                 self._names_bounded = self.client.register_script(_NAMES_BOUNDED)
             with round_trip(self.client):  # a trip's reads by one timeout, not one each (a trickling Redis: 32)
-                replies = run_script(self.client, self._names_bounded, [(keys, [NAME_MAX_BYTES, *missing])],
-                                     transaction=False)[0]
+                replies = self._read(self._names_bounded, [(keys, [NAME_MAX_BYTES, *missing])])[0]
             for values in self._names_read(keys, replies):  # in key order: the first name found stays
                 for member, value in zip(missing, values, strict=True):
                     if value is not None and member not in found:

@@ -133,11 +133,15 @@ class _WriteBetweenPages:
     def __init__(self, client: redis.Redis, key: str, member: str, by: float) -> None:
         self.client, self.write = client, (key, by, member)
 
-    def zrevrange(self, *args: object, **kwargs: object) -> object:
-        page = self.client.zrevrange(*args, **kwargs)  # type: ignore[arg-type]
-        if self.write is not None:
-            self.client.zincrby(*self.write)
-            self.write = None
+    def register_script(self, text: str) -> object:  # the page read (counts._TOP_PAGE_BOUNDED)
+        script = self.client.register_script(text)
+
+        def page(*args: object, **kwargs: object) -> object:
+            got = script(*args, **kwargs)  # type: ignore[arg-type]
+            if self.write is not None:
+                self.client.zincrby(*self.write)
+                self.write = None
+            return got
         return page
 
     def __getattr__(self, name: str) -> object:
@@ -168,6 +172,23 @@ def test_a_name_that_is_not_utf8_is_shown_escaped_not_a_failed_refresh(redis_cli
     redis_client.hset(counts.names_key("item", DAY), "456", b"caf\xe9")
     hs = _hot_items(redis_client, prefix)
     assert hs.stats["top_items"] == [{"name": "caf\ufffd", "count": 3}]
+
+
+@pytest.mark.parametrize("days", [1, 3])  # one key read in pages; a window's pages summed
+def test_a_huge_member_at_the_head_of_the_counts_is_refused_without_crossing_the_socket(
+        redis_client: redis.Redis, prefix: str, days: int) -> None:
+    # another client's 20 MB members at the head of a day's counts were read whole by every refresh, then refused
+    huge = [b"9" * 20_000_000, b"8" * 20_000_000]
+    counts = _items(redis_client, prefix, {huge[0]: 50.0, huge[1]: 40.0, "456": 3.0, "789": 2.0})  # type: ignore[dict-item]
+    _items(redis_client, prefix, {huge[0]: 5.0, "789": 2.0}, day="20030227")  # type: ignore[dict-item]
+    before = int(redis_client.info("stats")["total_net_output_bytes"])
+    top = counts.top("item", "impression", day=DAY, days=days, k=4)
+    hs = _hot_items(redis_client, prefix, k=2)
+    assert int(redis_client.info("stats")["total_net_output_bytes"]) - before < 1_000_000  # counts, names, INFO
+    assert [m for m, _ in top[2:]] == (["456", "789"] if days == 1 else ["789", "456"])  # 789: 2 + 2 over days
+    assert all(m.startswith("!toolong:") for m, _ in top[:2])
+    assert top[0][0] != top[1][0] and top[0][1] == (50.0 if days == 1 else 55.0)  # two members, and each one's sum
+    assert [r["hash"] for r in hs.stats["top_items"]] == ["789", "456"]  # the refresh's window: 7 days
 
 
 def test_a_huge_name_is_left_in_redis_and_its_id_shown_by_hash_with_a_warning(

@@ -25,7 +25,7 @@ from learner.deltas import redis_notifier
 from learner.features import FeatureConfig, FieldSpec
 from stream import redis_client
 from stream.config import RedisSettings
-from stream.counts import DAY_MS, DailyCounts
+from stream.counts import DAY_MS, DailyCounts, day_of
 from stream.history import ENTRY_MAX_BYTES, UserHistory
 from stream.redis_client import connect, is_cluster
 from stream.strikes import RedisStrikes, is_infrastructure
@@ -516,5 +516,6 @@ def test_counts_written_by_a_client_made_while_a_node_holding_no_counts_is_down_
         counts.record("user", "impression", [2001], [now_ms])
         assert counts.top("item", "impression", k=5) == [("2", 2.0), ("1", 1.0)]
         assert counts.top("user", "impression", k=5) == [("2001", 1.0)]
+        assert counts.names("item", ["1", "2"], day_of(now_ms), days=2) == {}  # (its read is a script too)
     finally:
         client.close()

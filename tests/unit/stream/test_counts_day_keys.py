@@ -76,8 +76,11 @@ class EmptyRedis:
     def zrevrange(self, key: str, start: int, end: int, withscores: bool = False) -> None:
         self.queued.append([])
 
-    def register_script(self, text: str) -> Any:  # the names read (NAME_MAX_BYTES, then the members): no name found
-        return lambda keys, args, client=None: [[None] * (len(args) - 1) for _ in keys]
+    def register_script(self, text: str) -> Any:  # the top's page read (none) or the names read (no name found)
+        def run(keys: list[str], args: list[Any], client: Any = None) -> Any:
+            got = [] if "ZREVRANGE" in text else [[None] * (len(args) - 1) for _ in keys]
+            return self.queued.append(got) if client is not None else got
+        return run
 
     def execute(self, raise_on_error: bool = True) -> list[Any]:
         out, self.queued = self.queued, []

@@ -21,8 +21,8 @@ PAGE_MAX = 10_000
 
 
 class Days:
-    """Sorted sets in memory: ZREVRANGE (score, then member, descending, as Redis), ZMSCORE, TYPE, EXISTS, pipelines;
-    ``largest`` is the most members one command read, ``commands`` the commands sent."""
+    """Sorted sets in memory: ZREVRANGE (score, then member, descending, as Redis; also as the page script), ZMSCORE,
+    TYPE, EXISTS, pipelines; ``largest`` is the most members one command read, ``commands`` the commands sent."""
 
     def __init__(self, sets: dict[str, dict[bytes, float]]) -> None:
         self.sets, self.largest, self.commands = sets, 0, []
@@ -38,6 +38,13 @@ class Days:
         rows = sorted(self.sets.get(key, {}).items(), key=lambda r: (r[1], r[0]), reverse=True)[start:end + 1]
         self.largest = max(self.largest, len(rows))
         return rows
+
+    def register_script(self, text: str) -> Any:  # the page read (counts._TOP_PAGE_BOUNDED): a ZREVRANGE, flat
+        def page(keys: list[str], args: list[int], client: Any = None) -> Any:
+            def run() -> list[Any]:
+                return [x for m, score in self.zrevrange(keys[0], args[0], args[1]) for x in (m, repr(score).encode())]
+            return client.queued.append(run) if client is not None else run()
+        return page
 
     def zmscore(self, key: str, members: list[Any]) -> list[float | None]:
         self.commands.append("zmscore")
