@@ -129,7 +129,7 @@ def test_a_stored_strike_count_below_one_is_no_strike(redis_client: redis.Redis)
 
 def test_wrong_type_knows_a_real_wrongtype_raised_alone_raised_from_a_pipeline_and_returned_in_its_replies(
         redis_client: redis.Redis) -> None:
-    # one definition for the four readers of a key of another type (strikes, keyspace markers, day names, layered rows)
+    # one definition for the readers of a key of another type in Python (strikes, keyspace markers, layered rows)
     key = f"wt-{uuid.uuid4().hex[:10]}"
     redis_client.set(key, "a string")
     try:
