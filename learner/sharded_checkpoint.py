@@ -470,16 +470,17 @@ def state_loaded(path: Path) -> Generator[None, None, None]:
             "from (or unshard) the one before it") from None
 
 
-def loaded_together(path: Path, load: Callable[[], None]) -> None:
+def loaded_together(path: Path, load: Callable[[], T]) -> T:
     """Collective: ``load()`` (this rank's part of a restore, with no collective in it) under :func:`state_loaded` on
-    every rank, then a CheckpointError on EVERY rank when it raised on any, naming that rank and its reason. Raised on
+    every rank, then a CheckpointError on EVERY rank when it raised on any, naming that rank and its reason; else
+    what ``load()`` returned. Raised on
     the refusing rank alone (a value only rank 0 reads: its calibration, quality metrics, clock; or one rank's own
     metrics), that rank left while the others went on into the next collective and waited there for it until the
     collective timeout (10 minutes), failing with a timeout that named neither the checkpoint nor the fix."""
     error: checkpoint.CheckpointError | None = None
     try:
         with state_loaded(path):
-            load()
+            loaded = load()
     except checkpoint.CheckpointError as exc:
         error = exc
     failed = [(r, why) for r, why in enumerate(all_gather_objects(None if error is None else str(error))) if why]
@@ -487,6 +488,7 @@ def loaded_together(path: Path, load: Callable[[], None]) -> None:
         raise error
     if failed:
         raise checkpoint.CheckpointError(f"rank {failed[0][0]} refused it: {failed[0][1]}")
+    return loaded
 
 
 def _rank_state(path: Path, rank: int) -> dict[str, Any]:

@@ -421,9 +421,9 @@ class ShardedLearner:
                                 "exp_avg_sq": st["exp_avg_sq"].clone()}
         states = sharded_checkpoint.rank_states(path, meta)
         # a value no training makes: this checkpoint refused, by every rank together whichever rank reads it
-        sharded_checkpoint.loaded_together(path, lambda: self._load_own_states(meta, states))
+        moves = sharded_checkpoint.loaded_together(path, lambda: self._load_own_states(meta, states))
         with sharded_checkpoint.state_loaded(path):
-            self._load_shared_states(states)
+            self._load_shared_states(moves)
         if self.ctx.rank == 0:
             self._base_samples = int(meta["samples_trained"])
         self._base_steps = int(meta["steps"])
@@ -434,20 +434,24 @@ class ShardedLearner:
                  meta["world_size"], meta["samples_trained"], self.offsets)
         return True
 
-    def _load_shared_states(self, states: list[dict[str, Any]]) -> None:
-        """Collective: the id maps (every rank's parts, whatever the world size that wrote them) and rank 0's
-        calibration, after :meth:`_load_own_states`."""
+    def _load_shared_states(self, moves: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """Collective: the id maps' rows that change rank (``moves``: :meth:`_load_own_states`; None: no maps) and
+        rank 0's calibration, after :meth:`_load_own_states`."""
         assert self.ids is not None
-        if self.ids.active:
-            self.ids.load_state_dict(states, self.dmp)
+        if moves is not None:
+            self.ids.move_rows(moves, self.dmp)
             if self.deltas is not None:  # the first delta (with the maps) resends every admitted id's row: deltas.py
                 self.deltas.mark(self.ids.owned_rows())
         self._share_calibration()
 
-    def _load_own_states(self, meta: dict[str, Any], states: list[dict[str, Any]]) -> None:
+    def _load_own_states(self, meta: dict[str, Any],
+                         states: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray] | None:
         """The ranks' own states (``rank_states``) into this rank, no collective among them (so every rank refuses a
-        checkpoint together: ``sharded_checkpoint.loaded_together``): a ValueError for a value no training makes."""
+        checkpoint together: ``sharded_checkpoint.loaded_together``): a ValueError for a value no training makes.
+        Returns the id maps' rows that change rank (``ShardedRowMapper.load_shares``; None: no maps)."""
         assert self.trainer is not None
+        assert self.ids is not None
+        moves = self.ids.load_shares(states) if self.ids.active else None  # (every rank's parts, whatever the world)
         if states[0].get("base_rate_bias"):  # rank 0's copy; every rank's is the same
             self.bias = BaseRateBias(prior_rate=self.ls.prior_click_rate)
             self.bias.load_state_dict(states[0]["base_rate_bias"])
@@ -473,6 +477,7 @@ class ShardedLearner:
                 self.trainer.metrics = merged_metrics(states, self.ls.metrics_window)
                 self.duplicates = int(meta["duplicates"])
             self.recent.load_merged([s.get("recent_ids", []) for s in states])
+        return moves
 
     def samples_trained(self) -> int:
         """This rank's share of the job's samples (rank 0 also counts those of earlier runs)."""

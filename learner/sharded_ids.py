@@ -457,6 +457,14 @@ class ShardedRowMapper:
     def load_state_dict(self, states: Sequence[Mapping[str, Any]], dmp: Any) -> None:
         """Collective: this rank's shares from every rank's checkpoint state (``states``, rank order), whatever the
         world size or plan that wrote them (module docstring); the rows that must change rank move."""
+        self.move_rows(self.load_shares(states), dmp)
+
+    def load_shares(self, states: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's shares from every rank's checkpoint state (:meth:`load_state_dict`), no collective: a share only
+        its rank reads (its counters, free stack, candidates) refused there must be refused by every rank before the
+        rows move (``sharded_checkpoint.loaded_together``), or the others wait in that move for a rank that left.
+        Returns the rows that must change rank, global (src (M,), dst (M,)), the same on every rank
+        (:meth:`move_rows`)."""
         moves_src, moves_dst = [], []
         for name, f in self.fields.items():
             parts, clock = _parts_of_states(states, name)
@@ -494,6 +502,12 @@ class ShardedRowMapper:
                                    p.candidates_of(keep, f.map.max_candidates), swept, own, stack)
         self.now = max((float(s.get("ids_now", float("-inf"))) for s in states), default=float("-inf"))
         self._clock.load([t for s in states for t in s.get("ids_clock", [])])  # every rank's is the same clock
-        src = np.concatenate(moves_src) if moves_src else np.empty(0, np.int64)
+        if not moves_src:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        return np.concatenate(moves_src), np.concatenate(moves_dst)
+
+    def move_rows(self, moves: tuple[np.ndarray, np.ndarray], dmp: Any) -> None:
+        """Collective: the rows :meth:`load_shares` found on another rank's share (src (M,), dst (M,)) moved there."""
+        src, dst = moves
         if src.size:  # the same on every rank: every rank computed every share's plan
-            self._move_rows(src, np.concatenate(moves_dst), dmp)
+            self._move_rows(src, dst, dmp)

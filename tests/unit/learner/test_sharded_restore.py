@@ -167,21 +167,24 @@ def test_delayed_feedback_counts_restored_on_more_ranks_are_shared_out_not_copie
     assert single["delayed_weights"] == {"positives": 40, "delayed": 10}
 
 
-def _two_ranks_admit_and_save(rank: int, world: int, directory: str) -> None:
+def _two_ranks_admit_and_save(rank: int, world: int, directory: str, id_capacity: int = 0) -> None:
     """A gloo rank's work: admit 8 samples of its own (impression ids ``<rank>-<k>``) into its recent ids (a window
-    of 8), then the job's checkpoint."""
+    of 8), then the job's checkpoint. ``id_capacity`` > 0: user and item ids get own rows (``default_config``), each
+    rank's share of them in its ``rank-<r>.pt``."""
     import learner.sharded_daemon as sd
+    from learner.features import default_config
     from learner.kafka_dataset import to_tensors_empty
 
     sd.new_consumer = lambda *a, **k: NoBroker()  # type: ignore[assignment]  # (a process of its own)
     ls = LearnerSettings(checkpoint_dir=Path(directory), mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
-                         dedup_window=8)
+                         dedup_window=8, id_capacity=id_capacity)
+    cfg = default_config({"genres": "multi"}, buckets=16, ctx_buckets=8, embedding_dim=4, id_capacity=id_capacity)
     lr = sd.ShardedLearner(KafkaSettings(bootstrap_servers="127.0.0.1:9"), ls, RankContext(rank, world))
     try:
-        lr._build(CFG)
-        batch = to_tensors(sample_batch(np.random.default_rng(rank), 8, start=0, prefix=f"{rank}-"), CFG,
+        lr._build(cfg)
+        batch = to_tensors(sample_batch(np.random.default_rng(rank), 8, start=0, prefix=f"{rank}-"), cfg,
                            [(rank, 0, 8)])
-        lr._admit(batch, to_tensors_empty(CFG, None))
+        lr._admit(batch, to_tensors_empty(cfg, None))
         lr.save()
     finally:
         lr.close()
@@ -244,15 +247,15 @@ def test_a_rank_state_no_training_makes_refuses_the_sharded_checkpoint_naming_it
     assert sharded_checkpoint.latest(tmp_path / "ckpt") is not None  # (left in place for the operator)
 
 
-def _two_ranks_restore(rank: int, world: int, directory: str, out: str) -> None:
-    """A gloo rank's work: restore the checkpoint in ``directory``; write what happened to ``out``-<rank>.txt (the
-    CheckpointError's message, or "resumed")."""
+def _two_ranks_restore(rank: int, world: int, directory: str, out: str, id_capacity: int = 0) -> None:
+    """A gloo rank's work: restore the checkpoint in ``directory`` (written with ``id_capacity``); write what happened
+    to ``out``-<rank>.txt (the CheckpointError's message, or "resumed")."""
     import learner.sharded_daemon as sd
     from learner import checkpoint
 
     sd.new_consumer = lambda *a, **k: NoBroker()  # type: ignore[assignment]  # (a process of its own)
     ls = LearnerSettings(checkpoint_dir=Path(directory), mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
-                         dedup_window=8)
+                         dedup_window=8, id_capacity=id_capacity)
     lr = sd.ShardedLearner(KafkaSettings(bootstrap_servers="127.0.0.1:9"), ls, RankContext(rank, world))
     try:
         try:
@@ -289,3 +292,30 @@ def test_a_rank_state_only_rank_0_reads_refuses_the_sharded_checkpoint_on_every_
     said = [(tmp_path / f"out-{r}.txt").read_text() for r in (0, 1)]
     assert all(s.startswith("CheckpointError") and str(path) in s and "forced" in s for s in said), said
     assert "rank 0 refused it" in said[1]
+
+
+def test_an_id_map_share_only_its_rank_reads_refuses_the_sharded_checkpoint_on_every_rank_together(
+        tmp_path: Path) -> None:
+    """Rank 1 alone loads its own share of an id map (its counters, free stack, candidates): a damaged value there
+    was refused on rank 1 only, inside the ids' load, and rank 0 went on into the rows' move and the next collectives
+    with a rank 1 that had left (it failed there, or waited out the collective timeout, naming neither the
+    checkpoint nor the fix). Every rank refuses it before the move, rank 0 naming rank 1 and its reason."""
+    import torch
+
+    from learner import checkpoint
+    from tests.unit.learner.gloo_ranks import in_turn, run_gloo_ranks
+
+    run_gloo_ranks(2, str(tmp_path / "store-save"), in_turn,
+                   lambda r: ([(_two_ranks_admit_and_save, (str(tmp_path / "ckpt"), 32))],))
+    path = next((tmp_path / "ckpt").glob("dcp-*"))
+    rank1 = path / "rank-1.pt"
+    state = checkpoint.load(rank1)
+    share = next(iter(state["id_shards"].values()))["map"]
+    share["counters"] = {**share["counters"], "edited": 1}  # every rank sums the counters; only rank 1 loads them
+    rank1.unlink()
+    torch.save(state, rank1)
+    works = [(_two_ranks_restore, (str(tmp_path / "ckpt"), str(tmp_path / "out"), 32))]
+    assert run_gloo_ranks(2, str(tmp_path / "store-restore"), in_turn, lambda r: (works,)) == [0, 0]
+    said = [(tmp_path / f"out-{r}.txt").read_text() for r in (0, 1)]
+    assert all(s.startswith("CheckpointError") and str(path) in s and "edited" in s for s in said), said
+    assert "rank 1 refused it" in said[0]
