@@ -82,7 +82,17 @@ class AdaptiveClip:
         """From :meth:`state_dict`; None or {} (a checkpoint from before clipping): an empty history."""
         state = state or {}
         state_counts("dense gradient clip state (dense_clip)", {"clipped": state.get("clipped", 0)})  # (no bool)
-        norms = [float(x) for x in state.get("norms", ()) if np.isfinite(x) and x >= 0][-len(self._norms):]
+        norms = [float(x) for x in _norms(state.get("norms", ())) if np.isfinite(x) and x >= 0][-len(self._norms):]
         self._norms[:len(norms)] = norms
         self._count = len(norms)
         self.clipped = state.get("clipped", 0)
+
+
+def _norms(norms: Any) -> list[Any]:
+    """A state's ``norms``: a list of numbers (a non-finite or negative one is dropped by the load), else a ValueError
+    naming the field: text raised a bare TypeError from ``np.isfinite`` and ``true`` was read as a norm of 1.0."""
+    if not isinstance(norms, list | tuple) or \
+            any(isinstance(x, bool) or not isinstance(x, int | float | np.integer | np.floating) for x in norms):
+        raise ValueError(f'dense gradient clip state (dense_clip): "norms" is {str(norms)[:80]!r}, not a list of '
+                         "numbers: the state is damaged")
+    return list(norms)

@@ -117,6 +117,13 @@ def test_a_clipped_count_that_is_no_integer_is_refused_at_load_naming_it(clipped
         AdaptiveClip().load_state_dict({"norms": [1.0], "clipped": clipped})
 
 
+@pytest.mark.parametrize("norms", ["1.0", ["1.0", 2.0], [1.0, True], {"a": 1.0}])
+def test_norms_that_are_no_list_of_numbers_are_refused_at_load_naming_them(norms: object) -> None:
+    """Text raised a bare TypeError from ``np.isfinite`` (no field named) and ``true`` was read as a norm of 1.0."""
+    with pytest.raises(ValueError, match=r'dense gradient clip state \(dense_clip\): "norms" is'):
+        AdaptiveClip().load_state_dict({"norms": norms, "clipped": 0})
+
+
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
 def test_the_setting_must_be_a_finite_number_at_least_zero(value: float) -> None:
     with pytest.raises(ConfigError, match=r"\[learner\] dense_grad_clip must be a finite number >= 0"):
