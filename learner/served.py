@@ -213,6 +213,7 @@ class ServedQuality:
                 any(len(c) != len(ids) for c in cols) or len(set(ids)) != len(ids) or len(set(parts)) != len(parts):
             raise ValueError(f"served quality state: {len(parts)} partitions, sizes {sum(sizes)} in all, {len(ids)} "
                              f"ids ({len(set(ids))} distinct), columns of {[len(c) for c in cols]}: it does not add up")
+        _check_pending(cols)
         # a finite prediction outside [0, 1] made a negative histogram bin, and the batch that resolved it raised
         # (its messages struck); a non-finite one is a prediction as served, left out when resolved (:meth:`_resolve`)
         if (bad := [x for x in cols[1] if math.isfinite(x) and not 0.0 <= x <= 1.0]):
@@ -227,3 +228,15 @@ class ServedQuality:
                 self._where[i] = part
         self._clock = {int(part): int(t) for part, t in d.get("clock", [])}
         self._expire()  # (a no-op for a state this class saved: it expired all it could before)
+
+
+# The pending columns' value types (tolist() of the saved int64, float64 and bool arrays: int, float and bool)
+_PENDING = (("ts", (int,), "a time in integer ms"), ("probs", (int, float), "a number"), ("cold", (bool,), "a bool"))
+
+
+def _check_pending(cols: list[list[Any]]) -> None:
+    """A ValueError naming the pending column (``ts``, ``probs``, ``cold``) and its first value of another type:
+    ``int()`` read a damaged checkpoint's ``true`` or ``"42"`` as a time, ``bool()`` its ``"false"`` as cold."""
+    for (name, kinds, what), col in zip(_PENDING, cols, strict=True):
+        if (bad := [x for x in col if type(x) not in kinds]):
+            raise ValueError(f"served quality state: pending {name} hold {bad[0]!r:.80}, not {what}")

@@ -81,6 +81,20 @@ def test_a_served_state_count_that_is_no_integer_is_refused_naming_it(field: str
     assert named in str(err.value)
 
 
+@pytest.mark.parametrize("column, value", [("ts", [True]), ("ts", ["42"]), ("ts", [4.5]), ("cold", ["false"]),
+                                           ("cold", [2]), ("probs", ["0.5"])])
+def test_a_served_state_pending_value_of_another_type_is_refused_naming_its_column(column: str, value: list) -> None:
+    """``int()`` read a damaged checkpoint's pending time ``true`` as 1 ms and ``"42"`` as 42, ``bool()`` its cold
+    flag ``"false"`` as cold; a text probability raised a bare TypeError."""
+    q = ServedQuality(window_ms=1000)
+    q.record(np.array(["a"], object), np.array([0]), np.full(1, OBSERVED, np.int8), np.zeros(1, np.float32),
+             np.array([0.5]), None)
+    state = q.state_dict()
+    state["pending"][column] = value
+    with pytest.raises(ValueError, match=f"served quality state: pending {column} hold"):
+        ServedQuality(window_ms=1000).load_state_dict(state)
+
+
 def test_the_delayed_positive_of_an_impression_served_a_nan_is_matched_not_counted_unmatched() -> None:
     """An observed 0 predicted NaN (a model gone non-finite for a batch) is never scored, but its click is its own,
     not a click whose impression was lost: ``unmatched`` stays 0, and nothing non-finite reaches the metrics."""
