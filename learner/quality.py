@@ -156,7 +156,12 @@ class IdMetrics:
         """From :meth:`state_dict` (an empty or older state: no share yet), and publishes each field's share now,
         before the first batch (class docstring). A field the state lacks keeps no series."""
         shares = state.get("bucket_share", {})
-        self.bucket_share = {str(name): float(v) for name, v in shares.items()}
+        if not isinstance(shares, dict) or any(not isinstance(name, str) or isinstance(v, bool) or
+                                               not isinstance(v, int | float) or not 0.0 <= v <= 1.0
+                                               for name, v in shares.items()):
+            raise ValueError(f'id metrics state: "bucket_share" is {str(shares)[:80]!r}, not a map of field -> share '
+                             "in [0, 1]: the state is damaged")
+        self.bucket_share = {name: float(v) for name, v in shares.items()}
         for name, v in self.bucket_share.items():
             BUCKET_SHARE.labels(name).set(v)
 

@@ -176,6 +176,15 @@ def test_a_checkpoint_without_the_bucket_share_loads_with_none_until_the_first_l
     assert BUCKET_SHARE.labels("user_id")._value.get() == 1.0
 
 
+@pytest.mark.parametrize("shares", [{"user_id": "0.3"}, {"user_id": True}, {"user_id": 1.5},
+                                    {"user_id": float("nan")}, [0.3]])
+def test_a_checkpointed_bucket_share_that_is_no_share_is_refused_naming_it(shares: object) -> None:
+    """``float()`` read a damaged checkpoint's ``"0.3"`` as 0.3 and ``true`` as 1.0 (every lookup in a bucket: the
+    cold-start alert's input), and published a share of 1.5 or NaN as it was."""
+    with pytest.raises(ValueError, match='id metrics state: "bucket_share" is'):
+        IdMetrics(metrics_window=1000).load_state_dict({"bucket_share": shares})
+
+
 T0_MS = 1_700_000_000_000  # event time of the first sample
 
 
