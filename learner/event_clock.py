@@ -88,7 +88,12 @@ class EventClock(_QuorumTime):
         return None if now is None else now / 1000.0
 
     def load(self, state: Any, now_ms: int | None = None) -> None:
-        """From :meth:`state`; a record from before this clock held only its ``now_ms``: it counts as one row."""
+        """From :meth:`state`; a record from before this clock held only its ``now_ms``: it counts as one row. A state
+        that is neither a list of times nor None (absent) is a ValueError naming it: it was ignored, and the clock
+        started fresh (one row stamped a day ahead then moved it by a day)."""
+        if state is not None and not isinstance(state, list | tuple):
+            raise ValueError(f"event clock state: {state!r:.80} is not a list of times in integer ms: the state is "
+                             "damaged; the restore uses the previous checkpoint")
         self._load(state, now_ms)
 
 

@@ -66,6 +66,14 @@ def test_a_clock_state_time_that_is_no_integer_is_refused_naming_it(state: objec
         EventClock(quorum=3).load(state, one)
 
 
+@pytest.mark.parametrize("state", [42, "[1, 2]", {"now_ms": 42}, True])
+def test_a_clock_state_that_is_no_list_is_refused_naming_it(state: object) -> None:
+    """A damaged or edited checkpoint's clock of another type was ignored: the clock started fresh (one row stamped a
+    day ahead then moved it by a day), where a list of another value is refused."""
+    with pytest.raises(ValueError, match=r"event clock state: .* is not a list of times in integer ms"):
+        EventClock(quorum=3).load(state, 7)
+
+
 def test_one_far_ahead_row_does_not_mature_the_calibrations_pending_impressions() -> None:
     """The calibration's maturity clock (ts + label_delay_ms) took the newest row: one row an hour ahead matured every
     observed impression at once, fitted as a 0 before its click could come."""
