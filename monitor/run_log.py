@@ -155,4 +155,12 @@ class RunLog:
             self.write({"kind": "alert", "t": now, "alert": a.as_dict()})
 
     def close(self) -> None:
-        self._file.close()
+        """Close the file, never raising for it: a record whose write failed (disk full; counted in ``failures`` and
+        said then) stays in the file's buffer, and closing flushes it once more. That failure escaped
+        ``Monitor.close`` and ``streamrec monitor`` stopped with a traceback instead of its summary (the count of
+        alerts left undelivered); the file is closed either way."""
+        try:
+            self._file.close()
+        except OSError as exc:
+            self.failures += 1
+            log.warning("run log %s: its last records were not written at close (%s)", self.path, exc)

@@ -7,6 +7,8 @@ import json
 import math
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -585,3 +587,33 @@ def test_rule_state_bars_are_one_collection_per_rule_and_draw_the_png_a_bar_per_
 
     monkeypatch.setattr(Axes, "broken_barh", a_bar_per_evaluation)
     assert alerts_png() == png and len(figures[1].axes[0].collections) == 3 * 40
+
+
+FULL_DISK_CLOSE = """
+import logging, resource, signal, sys
+from pathlib import Path
+from monitor.rules import RunLogSettings
+from monitor.run_log import RunLog
+log = RunLog(RunLogSettings(path=Path(sys.argv[1])))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as on a full disk
+logging.disable()  # (stderr is a file too: nothing more is written until the limit is lifted)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.RLIM_INFINITY))
+log.write({"kind": "x", "pad": "a" * 300})
+try:
+    log.close()
+    outcome = "closed"
+except OSError as exc:
+    outcome = f"raised {exc!r}"
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+print(outcome, log.failures, log._file.closed)
+"""
+
+
+def test_a_run_log_closed_after_a_write_the_full_disk_refused_closes_without_raising(tmp_path: Path) -> None:
+    """The refused record stays in the file's buffer and the close flushes it again: that OSError escaped
+    ``Monitor.close`` (``streamrec monitor`` stopped with a traceback, no summary). A real write failure of the OS,
+    in a child process (its file size limit would hit pytest's own files)."""
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_CLOSE, str(tmp_path / "r.jsonl")], capture_output=True,
+                          text=True, check=False, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["closed", "2", "True"], done.stdout
