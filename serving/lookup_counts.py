@@ -330,6 +330,8 @@ class LookupCounts:
         the last flush is made."""
         if self._abandoned is not None and self._abandoned.is_alive():
             return  # stopped before without its flush thread: a flush now would wait on the lock that thread holds
+        if self._closed:  # stopped before: what it left is settled (a second stop said "the last flush failed ...")
+            return
         self._stop.set()
         self._wake.set()
         thread, self._thread = self._thread, None

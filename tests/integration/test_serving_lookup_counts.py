@@ -10,6 +10,7 @@ item 5), against the real Redis of the session stack.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from stream.config import RedisSettings
 from stream.counts import DAY_MS, DailyCounts, day_of
 from stream.features import hash_value
 from stream.history import UserHistory
+from stream.redis_client import connect as connect_redis
 from streamrec.stack import LocalStack, free_port
 from tests.integration.test_serving import CFG, HISTORY_READ_S, TinyLearner, connect, post, publish_version
 from tests.trickle_proxy import TrickleProxy
@@ -319,3 +321,32 @@ def test_a_refused_day_key_is_dropped_as_refused_said_once_and_hides_no_later_ou
     dropped = {s.labels["reason"]: s.value for s in metrics.registry.collect() for s in s.samples
                if s.name == "streamrec_serving_lookup_counts_dropped_total"}
     assert dropped["refused"] == 6 and dropped["redis"] == 0  # (the third batch of items at its second try too)
+
+
+def test_a_second_stop_after_a_last_flush_cut_off_by_a_trickling_redis_says_and_counts_nothing_more(
+        stack: LocalStack, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The first stop gives up on its last flush (Redis trickles past ``flush_timeout_s``); that flush ends on its own
+    and counts its lookups dropped. A second stop (a caller's own ``stop`` inside ``with ScoringService``) found
+    the failure of that flush and logged "the last flush to Redis failed ... before serving stopped", of a stop
+    that made its last flush: it now returns, saying and counting nothing."""
+    timeout_s = 0.5
+    with TrickleProxy(stack.s.redis_port, gap_s=timeout_s / 20) as proxy:
+        client = connect_redis(RedisSettings(url=proxy.url), timeout_s=timeout_s, retries=0, whole_reply=True)
+        try:
+            lc = LookupCounts(DailyCounts(client, prefix=prefix), flush_s=3600, flush_timeout_s=timeout_s)
+            lc.add("item", np.arange(1, 200, dtype=np.int64))
+            proxy.trickling = True
+            try:
+                lc.stop()
+                assert lc._abandoned is not None
+                lc._abandoned.join()  # the cut-off flush ends: its lookups dropped and counted
+            finally:
+                proxy.trickling = False
+            assert (lc.flushed, lc.dropped) == (0, 199)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="streamrec.serve"):
+                lc.stop()
+            assert [r.getMessage() for r in caplog.records] == []
+            assert (lc.flushed, lc.dropped) == (0, 199)
+        finally:
+            client.close()
