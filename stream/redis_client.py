@@ -334,7 +334,7 @@ def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Se
     """Run ``script`` (a redis-py :class:`~redis.commands.core.Script` registered on ``client``) once per ``(keys,
     args)`` of ``calls``, in one pipeline (MULTI/EXEC with ``transaction``), and return the results in call order;
     the first error is raised, as ``pipeline.execute()`` does. One call outside a transaction is sent on its own
-    (no pipeline: redis-py's pipeline asks SCRIPT EXISTS first, a second round trip).
+    (no pipeline: redis-py's pipeline asks SCRIPT EXISTS first, a second round trip; on a cluster :func:`_call`).
 
     On a Redis Cluster each call's keys must share a hash slot (the callers' key layouts see to it) and the pipeline
     sends one batch per node. redis-py's cluster pipeline sends EVALSHA without loading the script, so it is loaded on
@@ -345,10 +345,10 @@ def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Se
     is sent once more at once, after ASK to the node it names with ASKING (:func:`_send`)."""
     if not calls:
         return []
-    if len(calls) == 1 and not transaction:
-        keys, args = calls[0]
-        return [script(keys=list(keys), args=list(args))]
     if not is_cluster(client):
+        if len(calls) == 1 and not transaction:
+            keys, args = calls[0]
+            return [script(keys=list(keys), args=list(args))]
         pipe = client.pipeline(transaction=transaction)
         for keys, args in calls:
             script(keys=list(keys), args=list(args), client=pipe)
@@ -356,6 +356,8 @@ def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Se
     if script not in _LOADED:
         _load(client, script, calls)
         _LOADED.add(script)
+    if len(calls) == 1 and not transaction:
+        return [_call(client, script, *calls[0])]
     results: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
     for attempt in range(2):
@@ -373,6 +375,28 @@ def run_script(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Se
                 raise result
             raise err from result
     return results
+
+
+def _call(client: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+    """One call of ``script`` on a cluster, alone (one round trip, as on a single node), sent once more where the node
+    answered NOSCRIPT (not loaded there yet, its cache flushed, or a migrating slot's target that an ASK sent it to)
+    after loading the script on every primary that answers (:func:`_load_reachable`). Not redis-py's
+    ``Script.__call__``: it loads the script on every primary too, and one node down failed the load and so the call
+    (a user's history read by serving, its appends by the joiner, in a process started during the outage)."""
+    try:
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        _load_reachable(client, script)
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+
+
+def _load_reachable(client: Any, script: Any) -> None:
+    """SCRIPT LOAD ``script`` on every primary that answers; one down (or not answering in time) is skipped, and loads
+    it at its first NOSCRIPT once back. Every primary, not the call's slot's: the node that answered NOSCRIPT may be
+    another (an ASK's), which the reply does not name."""
+    for node in client.get_primaries():
+        with contextlib.suppress(redis.ConnectionError, redis.TimeoutError, RedisClusterException):
+            client.execute_command("SCRIPT LOAD", script.script, target_nodes=[node])
 
 
 def _load(client: Any, script: Any, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> None:

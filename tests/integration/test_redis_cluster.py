@@ -519,3 +519,24 @@ def test_counts_written_by_a_client_made_while_a_node_holding_no_counts_is_down_
         assert counts.names("item", ["1", "2"], day_of(now_ms), days=2) == {}  # (its read is a script too)
     finally:
         client.close()
+
+
+def test_a_users_history_is_written_and_read_by_a_client_made_while_a_node_holding_none_of_it_is_down(
+        cluster_nodes: Any, prefix: str) -> None:
+    # one user's append and read are one script call each (one hash slot), which took redis-py's own path: NOSCRIPT,
+    # then SCRIPT LOAD on every primary, which the node down failed; serving's history read and the joiner's appends
+    # of a process started during the outage failed for the users of the healthy nodes too
+    client = _serving_partial_coverage(cluster_nodes, prefix)
+    try:
+        history = UserHistory(client, prefix=prefix, max_len=8)
+        user = 2001
+        cluster_nodes.stop(next(k for k in (1, 2) if k != cluster_nodes.index_of(history.key(user))))  # 0: the url's
+        history.append_many([user, user], [7, 8], [1_000, 2_000])
+        assert history.as_of([user], [1_500]) == [[7]]
+        assert history.as_of_later([user], [3_000])() == [[7, 8]]
+        with contextlib.closing(cluster_nodes._admin(cluster_nodes.index_of(history.key(user)))) as node:
+            node.script_flush()  # the user's node forgot the scripts (a restart): loaded again there only
+        history.append_many([user], [9], [2_500])
+        assert history.recent(user) == [7, 8, 9]
+    finally:
+        client.close()
