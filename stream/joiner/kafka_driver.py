@@ -467,12 +467,18 @@ class KafkaJoinWorker:
         state log's offsets are of another topic id than the topic's now), which are sought to their first record and
         lose their floor (``_remember_done``). The group's committed offset there is the old topic's too: a new topic
         with fewer records than it started at its high watermark - 1 (``resume_offsets``) and the floor dropped every
-        new record below the old offset as processed, in silence (the broker keeps no commit metadata to tell)."""
+        new record below the old offset as processed, in silence (the broker keeps no commit metadata to tell). So the
+        new topic's first offset is committed for the group at once, before anything of it is joined: left the old
+        topic's until the first commit, a crash or a rewind after a batch's state was durable started at it again, the
+        state's topic id now the topic's (no start over), and the records between the state and it were never joined."""
         again, self.pipeline.started_over = self.pipeline.started_over, set()
         if not again:
             return records
         for topic, partition in sorted(again):
             self._done.pop((topic, partition), None)
+            self._offsets.pop((topic, partition), None)  # a failed commit's, kept: the old topic's
+            low = self.consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)[0]
+            self.consumer.commit(offsets=[TopicPartition(topic, partition, low)], asynchronous=False)
             start = TopicPartition(topic, partition, OFFSET_BEGINNING)
             self.consumer.seek(start)
             self.gaps.expect([start])

@@ -1048,3 +1048,49 @@ def test_an_impressions_topic_made_again_with_fewer_records_than_the_groups_comm
     again = make(exit_when_idle_s=1.0)
     assert KafkaJoinWorker(again, kafka, again.js).run() == 0
     assert again.totals.counts["impressions"] == 3  # every new one joined
+
+
+def test_a_new_impressions_topic_partly_joined_before_a_crash_is_read_on_from_its_state_not_the_old_committed_offset(
+        kafka: KafkaSettings, make) -> None:
+    """The group's committed offset 6 is the old impressions topic's; the topic made again and written 10 records. A
+    worker read the new topic from its first record, joined records 0-4 (their state chunk, of the new topic id, is
+    durable) and stopped before its commit (a crash, or an infrastructure failure rewinding it). The restart started
+    at the old topic's offset 6, the state's topic id now the topic's: no start over, and record 5 was never joined,
+    in silence. Now the start over commits the new topic's beginning for the group before its batch is joined."""
+    producer = AckedProducer(kafka)
+
+    def write(ids: list[str]) -> None:
+        for i, imp_id in enumerate(ids):
+            r = imp(kafka, 0, i, imp_id, T0 + i)
+            producer.send(r.topic, r.value, r.key, partition=r.partition)
+            producer.flush()  # each its own record batch: the local broker's high watermark is the true end
+
+    make()  # creates the topics
+    write([f"old-{i}" for i in range(6)])
+    first = make(exit_when_idle_s=1.0)
+    assert KafkaJoinWorker(first, kafka, first.js).run() == 0
+    make_again(kafka, kafka.impressions_topic, partitions=4)
+    new = [f"new-{i}" for i in range(10)]
+    write(new)
+
+    def stale_commit() -> None:  # a member still running commits its position of the old topic after the deletion
+        committer = Consumer(consumer_config(kafka, first.js.app_id))
+        try:
+            committer.commit(offsets=[TopicPartition(kafka.impressions_topic, 0, 6)], asynchronous=False)
+        finally:
+            committer.close()
+
+    stale_commit()
+    crashed = make(exit_when_idle_s=1.0, batch_max=5)
+    worker = KafkaJoinWorker(crashed, kafka, crashed.js)
+
+    def crash() -> None:  # the process dies after the batch's state is durable, before its offsets are committed
+        raise RuntimeError("killed before the commit")
+
+    worker._commit = crash  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="killed before the commit"):
+        worker.run()
+    assert crashed.totals.counts["impressions"] == 5  # records 0-4 joined and durable, not committed
+    again = make(exit_when_idle_s=1.0)
+    assert KafkaJoinWorker(again, kafka, again.js).run() == 0
+    assert again.totals.counts["impressions"] == 5  # records 5-9: none lost between the state and the old offset
