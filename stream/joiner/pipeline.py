@@ -694,6 +694,8 @@ class JoinPipeline:
         self._held_list = []  # what the driver passes again is not that list any more
         self.held_counts = {tp: n for tp, n in self.held_counts.items() if tp[1] not in partitions}
         self._reached = {k: t for k, t in self._reached.items() if k[1] not in partitions}
+        # a restore that failed after finding them made again: their next owner starts them over, not this member
+        self.started_over = {tp for tp in self.started_over if tp[1] not in partitions}
         self.strikes.forget(partitions)
         for p in partitions:
             self.engines.pop(p, None)

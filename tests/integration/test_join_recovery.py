@@ -1094,3 +1094,46 @@ def test_a_new_impressions_topic_partly_joined_before_a_crash_is_read_on_from_it
     again = make(exit_when_idle_s=1.0)
     assert KafkaJoinWorker(again, kafka, again.js).run() == 0
     assert again.totals.counts["impressions"] == 5  # records 5-9: none lost between the state and the old offset
+
+
+def test_an_input_made_again_whose_restore_failed_and_whose_partition_was_revoked_is_not_started_over_by_this_member(
+        kafka: KafkaSettings, make) -> None:
+    """A restore found the impressions of partition 0 made again (``started_over``), and its flush failed (the broker
+    away: the worker rewinds); a rebalance then revoked partition 0 and its new owner committed offset 2. The next
+    batch of this member started the revoked partition over all the same: it committed the new topic's first offset
+    over the new owner's and sought a partition it no longer has (a KafkaException: one more rewind). Now a revoked
+    partition's start over goes with the rest of its in-memory state (``JoinPipeline.forget``)."""
+    producer = AckedProducer(kafka)
+    make()  # creates the topics
+    for i in range(3):
+        r = imp(kafka, 0, i, f"old-{i}", T0 + i)
+        producer.send(r.topic, r.value, r.key, partition=r.partition)
+    producer.flush()
+    first = make(exit_when_idle_s=1.0)
+    assert KafkaJoinWorker(first, kafka, first.js).run() == 0
+    make_again(kafka, kafka.impressions_topic, partitions=4)
+    r = imp(kafka, 0, 0, "new-0", T0)
+    producer.send(r.topic, r.value, r.key, partition=r.partition)
+    producer.flush()
+    p = make()
+    worker = KafkaJoinWorker(p, kafka, p.js)
+    flush = p.producer.flush
+
+    def away() -> None:
+        p.producer.flush = flush  # type: ignore[method-assign]
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT))
+
+    p.producer.flush = away  # type: ignore[method-assign]
+    with pytest.raises(KafkaException):
+        p.restore({0})
+    assert p.started_over == {(kafka.impressions_topic, 0)}
+    tps = [TopicPartition(t, 0) for t in (kafka.impressions_topic, kafka.clicks_topic)]
+    worker._on_revoke(worker.consumer, tps)
+    owner = Consumer(consumer_config(kafka, p.js.app_id))  # the partition's new owner commits what it processed
+    try:
+        owner.commit(offsets=[TopicPartition(kafka.impressions_topic, 0, 2)], asynchronous=False)
+    finally:
+        owner.close()
+    worker._started_over([])
+    assert p._committed([0])[(kafka.impressions_topic, 0)] == 2
+    worker.consumer.close()
