@@ -67,10 +67,28 @@ def watched(batches: Iterable[TensorBatch], num_workers: int, stall_s: float,
             waited[batch.worker] = 0.0
         hung = list(waited) if timed_out else [w for w, s in waited.items() if s >= stall_s]
         if hung:
+            _end_workers(it)
             it = None  # the loader's workers shut down now (the hung one terminated), not at the learner's exit
             which = "every DataLoader worker" if timed_out else f"DataLoader worker(s) {hung}"
             raise stalled(f"{which} (samples partitions {_listed(hung, partitions_of_worker)})", stall_s)
         yield batch
+
+
+def _end_workers(it: Iterator[TensorBatch]) -> None:
+    """A DataLoader iterator's workers shut down (torch's own shutdown: a worker that does not join gets SIGTERM), then
+    any still alive killed and joined. A stopped (SIGSTOP) worker, or one hung holding the GIL (its SIGTERM watcher
+    never runs: ``learner/kafka_dataset.py``), outlives SIGTERM, and multiprocessing's exit handler joined it for
+    good: the learner that had named it never exited. With ``persistent_workers`` the loader keeps its iterator, so
+    dropping ours shut nothing down. Killed after torch's shutdown took their pids off its SIGCHLD check, so the kill
+    is not raised as a worker's death. Any other iterable (no workers): nothing."""
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is None:
+        return
+    shutdown()
+    for w in getattr(it, "_workers", ()):  # multiprocessing.Process, one per worker
+        if w.is_alive():
+            w.kill()
+        w.join()
 
 
 def _listed(workers: Iterable[int], partitions_of_worker: Callable[[int], list[int]]) -> list[int]:

@@ -5,6 +5,9 @@ Event in a DataLoader worker process, behind the learner's own loader (``sample_
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import threading
 from collections.abc import Iterator
 
@@ -30,16 +33,18 @@ def _beat(worker: int, done: bool = False) -> TensorBatch:
 
 class _Workers(IterableDataset):
     """Worker 0 sends heartbeats for ever (an idle topic); the workers in ``hang`` send one, then block for good on an
-    Event (alive: torch never reports them)."""
+    Event (alive: torch never reports them), or, ``stop``, stop themselves (SIGSTOP)."""
 
-    def __init__(self, hang: set[int]) -> None:
+    def __init__(self, hang: set[int], stop: bool = False) -> None:
         super().__init__()
-        self.hang = hang
+        self.hang, self.stop = hang, stop
 
     def __iter__(self) -> Iterator[TensorBatch]:
         info = get_worker_info()
         assert info is not None
         yield _beat(info.id)
+        if info.id in self.hang and self.stop:
+            os.kill(os.getpid(), signal.SIGSTOP)
         if info.id in self.hang:
             threading.Event().wait()
         while True:
@@ -74,6 +79,26 @@ def test_every_dataloader_worker_hung_ends_the_learners_wait_for_a_batch_naming_
         for _ in batches:
             pass
     batches.close()
+
+
+@pytest.mark.parametrize(("stop", "persistent"), [(True, False), (False, True)], ids=["stopped", "persistent"])
+def test_the_workers_of_a_loader_that_named_a_hung_one_are_gone_when_it_raises(stop: bool, persistent: bool) -> None:
+    """Named, the hung worker must not outlive the error: a stopped (SIGSTOP) one ignored torch's SIGTERM and
+    multiprocessing's exit handler joined it for good (the learner never exited); with ``persistent_workers`` the
+    loader kept its iterator, so none of its workers was shut down."""
+    before = set(multiprocessing.active_children())
+    loader = sample_loader(_Workers(hang={1}, stop=stop), num_workers=2, prefetch_factor=2, pin_memory=False,
+                           persistent_workers=persistent, stall_s=STALL_S)
+    batches = watched(loader, 2, STALL_S, _partitions)
+    try:
+        with pytest.raises(WorkerStalled, match=r"DataLoader worker\(s\) \[1\]"):
+            for _ in batches:
+                pass
+        assert set(multiprocessing.active_children()) - before == set()
+    finally:  # without the fix, not left behind to hang this test process's exit
+        for left in set(multiprocessing.active_children()) - before:
+            left.kill()
+            left.join()
 
 
 class _Clock:
