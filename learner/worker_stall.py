@@ -69,7 +69,8 @@ def watched(batches: Iterable[TensorBatch], num_workers: int, stall_s: float,
         if hung:
             _end_workers(it)
             it = None  # the loader's workers shut down now (the hung one terminated), not at the learner's exit
-            which = "every DataLoader worker" if timed_out else f"DataLoader worker(s) {hung}"
+            # (the loader's timeout: every worker still reading; one whose reading ended hung not)
+            which = "every DataLoader worker" if len(hung) == num_workers else f"DataLoader worker(s) {hung}"
             raise stalled(f"{which} (samples partitions {_listed(hung, partitions_of_worker)})", stall_s)
         yield batch
 

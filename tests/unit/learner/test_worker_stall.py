@@ -101,6 +101,19 @@ def test_the_workers_of_a_loader_that_named_a_hung_one_are_gone_when_it_raises(s
             left.join()
 
 
+def test_the_loaders_timeout_after_a_worker_ended_names_only_the_workers_still_reading() -> None:
+    """Worker 0's reading ended (exit_when_idle_s) and worker 1 hung: the loader's own timeout fires (no live worker
+    is left), and the error said "every DataLoader worker", as if worker 0 had hung too."""
+
+    def handed() -> Iterator[TensorBatch]:
+        yield _beat(0, done=True)
+        raise RuntimeError(f"DataLoader timed out after {STALL_S} seconds")  # torch's text
+
+    with pytest.raises(WorkerStalled) as hung:
+        list(watched(handed(), 2, STALL_S, _partitions))
+    assert str(hung.value).startswith("DataLoader worker(s) [1] (samples partitions [1, 3]) handed over no batch")
+
+
 class _Clock:
     """The training process's clock, moved by the batches it is handed (no wall clock in what is asserted)."""
 
