@@ -60,6 +60,7 @@ from learner.batch import TensorBatch, concat, to_tensors
 from learner.distributed import partitions_of
 from learner.features import FeatureConfig
 from learner.worker_counters import WorkerTally
+from learner.worker_stall import loader_timeout
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage, clip
@@ -433,10 +434,12 @@ def sample_loader(dataset: IterableDataset, num_workers: int, prefetch_factor: i
     worker's batches keep their order, so each partition's positions still come in offset order (what a
     checkpoint records). Cyclic garbage is collected first where workers will fork: a Kafka client in a reference
     cycle collected in a worker hangs or crashes it (module docstring). ``stall_s`` (> 0, with workers): a wait for a
-    batch from any worker ends after that long with torch's timeout (``learner/worker_stall.py``: every worker hung)."""
+    batch from any worker ends after at most that long with torch's timeout, waited again and counted by
+    ``learner/worker_stall.py`` (every worker hung)."""
     if num_workers:
         gc.collect()
-    return DataLoader(dataset, batch_size=None, num_workers=num_workers, timeout=stall_s if num_workers else 0.0,
+    return DataLoader(dataset, batch_size=None, num_workers=num_workers,
+                      timeout=loader_timeout(stall_s) if num_workers else 0.0,
                       prefetch_factor=prefetch_factor if num_workers else None,
                       persistent_workers=persistent_workers and num_workers > 0, pin_memory=pin_memory,
                       in_order=False)

@@ -6,13 +6,17 @@ partitions are idle (an empty topic is no hang); a trickle of messages is handed
 worker that does neither for ``[learner] worker_stall_s`` is hung: in a library call that never returns, on a lock,
 stopped (SIGSTOP). torch reports a worker that dies, never one that hangs, and the learner waited for it for good:
 
-- every worker hung: the loader's ``next()`` waited for ever. ``DataLoader(timeout=worker_stall_s)`` ends that wait
-  with torch's "DataLoader timed out after N seconds", raised here as :class:`WorkerStalled`.
+- every worker hung: the loader's ``next()`` waited for ever. ``DataLoader(timeout=...)`` (:func:`loader_timeout`) ends
+  each wait after at most :data:`WAIT_CHUNK_S` with torch's "DataLoader timed out after N seconds" (the iterator goes
+  on after it), counted below; :class:`WorkerStalled` once that adds up to worker_stall_s.
 - some workers hung: the loader hands on any worker's batch (``in_order=False``), so the others' kept coming and the
   hung worker's partitions were never trained again, in silence. :func:`watched` keeps, per worker, the time the
   training process spent waiting for the loader since that worker's last batch. Only waiting counts: a long training
   step or checkpoint backs every worker up (their queues are full), it hangs none of them. Read from a backlog the
-  training process seldom waits, so a hung worker is found later there, after worker_stall_s of waiting.
+  training process seldom waits, so a hung worker is found later there, after worker_stall_s of waiting. One wait
+  counts at most the loader's timeout: the monotonic clock runs on while the whole learner is frozen (SIGSTOP of its
+  process group, a paused VM or container), and a freeze inside one wait, counted whole, named every worker as hung
+  once it was continued (torch's own timeout, one wait of worker_stall_s, fired at once too).
 
 Either way the learner stops with the worker, its partitions and the setting named: a restart reads them again from
 the checkpoint (torchrun restarts the group; a supervisor the single process). No message's fault: nothing is struck.
@@ -27,6 +31,14 @@ from learner.batch import TensorBatch
 
 # torch's text when DataLoader(timeout=...) ends a wait for a batch (checked on torch 2.13)
 _TORCH_TIMEOUT = "DataLoader timed out after"
+# The longest one wait for the loader counts (module docstring): well above a live reader's heartbeat (1 s)
+WAIT_CHUNK_S = 5.0
+
+
+def loader_timeout(stall_s: float) -> float:
+    """The loader's ``timeout`` for a bound of ``stall_s``: a wait ends after this long, and :func:`watched` waits
+    again, counting it."""
+    return min(stall_s, WAIT_CHUNK_S)
 
 
 class WorkerStalled(RuntimeError):
@@ -58,21 +70,21 @@ def watched(batches: Iterable[TensorBatch], num_workers: int, stall_s: float,
             if _TORCH_TIMEOUT not in str(exc):
                 raise
             timed_out = True  # raised below, outside this block: torch's error (its frames hold the loader) not chained
-        spent = clock() - start
+        spent = min(clock() - start, loader_timeout(stall_s))  # a freeze inside it: one wait (module docstring)
         for w in waited:
             waited[w] += spent
         if not timed_out and batch.worker is not None and batch.worker_done:  # reading ended (exit_when_idle_s)
             waited.pop(batch.worker, None)
         elif not timed_out and batch.worker is not None:
             waited[batch.worker] = 0.0
-        hung = list(waited) if timed_out else [w for w, s in waited.items() if s >= stall_s]
+        hung = [w for w, s in waited.items() if s >= stall_s]
         if hung:
             _end_workers(it)
             it = None  # the loader's workers shut down now (the hung one terminated), not at the learner's exit
-            # (the loader's timeout: every worker still reading; one whose reading ended hung not)
             which = "every DataLoader worker" if len(hung) == num_workers else f"DataLoader worker(s) {hung}"
             raise stalled(f"{which} (samples partitions {_listed(hung, partitions_of_worker)})", stall_s)
-        yield batch
+        if not timed_out:
+            yield batch
 
 
 def _end_workers(it: Iterator[TensorBatch]) -> None:

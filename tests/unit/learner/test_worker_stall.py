@@ -14,11 +14,12 @@ from collections.abc import Iterator
 import pytest
 from torch.utils.data import IterableDataset, get_worker_info
 
+from learner import worker_stall
 from learner.batch import TensorBatch
 from learner.config import LearnerSettings
 from learner.features import FeatureConfig, FieldSpec
 from learner.kafka_dataset import sample_loader, to_tensors_empty
-from learner.worker_stall import WorkerStalled, watched
+from learner.worker_stall import WorkerStalled, loader_timeout, watched
 from stream.errors import ConfigError
 
 CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "single", 40)), embedding_dim=4)
@@ -101,19 +102,6 @@ def test_the_workers_of_a_loader_that_named_a_hung_one_are_gone_when_it_raises(s
             left.join()
 
 
-def test_the_loaders_timeout_after_a_worker_ended_names_only_the_workers_still_reading() -> None:
-    """Worker 0's reading ended (exit_when_idle_s) and worker 1 hung: the loader's own timeout fires (no live worker
-    is left), and the error said "every DataLoader worker", as if worker 0 had hung too."""
-
-    def handed() -> Iterator[TensorBatch]:
-        yield _beat(0, done=True)
-        raise RuntimeError(f"DataLoader timed out after {STALL_S} seconds")  # torch's text
-
-    with pytest.raises(WorkerStalled) as hung:
-        list(watched(handed(), 2, STALL_S, _partitions))
-    assert str(hung.value).startswith("DataLoader worker(s) [1] (samples partitions [1, 3]) handed over no batch")
-
-
 class _Clock:
     """The training process's clock, moved by the batches it is handed (no wall clock in what is asserted)."""
 
@@ -122,6 +110,22 @@ class _Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def test_the_loaders_timeout_after_a_worker_ended_names_only_the_workers_still_reading() -> None:
+    """Worker 0's reading ended (exit_when_idle_s) and worker 1 hung: the loader's own timeout fires (no live worker
+    is left), and the error said "every DataLoader worker", as if worker 0 had hung too."""
+
+    clock = _Clock()
+
+    def handed() -> Iterator[TensorBatch]:
+        yield _beat(0, done=True)
+        clock.now += STALL_S
+        raise RuntimeError(f"DataLoader timed out after {STALL_S} seconds")  # torch's text
+
+    with pytest.raises(WorkerStalled) as hung:
+        list(watched(handed(), 2, STALL_S, _partitions, clock=clock))
+    assert str(hung.value).startswith("DataLoader worker(s) [1] (samples partitions [1, 3]) handed over no batch")
 
 
 def test_idle_heartbeats_a_worker_whose_reading_ended_and_time_spent_training_are_no_stall() -> None:
@@ -152,3 +156,47 @@ def test_worker_stall_s_comes_from_the_settings_and_must_be_a_positive_number_of
     assert LearnerSettings(worker_stall_s=30).worker_stall_s == 30
     with pytest.raises(ConfigError, match=r"\[learner\] worker_stall_s must be a finite number of seconds > 0"):
         LearnerSettings(worker_stall_s=0)
+
+
+class _Frozen:
+    """The loader as the training process sees it around a freeze of the whole learner (SIGSTOP of its process group,
+    a paused VM): the clock jumps inside one wait, which torch's timeout then ends; then each worker's heartbeat."""
+
+    def __init__(self, clock: _Clock, stall_s: float) -> None:
+        self.clock, self.stall_s, self.handed = clock, stall_s, [_beat(0), _beat(1)]
+        self.frozen = False
+
+    def __iter__(self) -> _Frozen:
+        return self
+
+    def __next__(self) -> TensorBatch:
+        if not self.frozen:
+            self.frozen = True
+            self.clock.now += 10 * self.stall_s
+            raise RuntimeError(f"DataLoader timed out after {loader_timeout(self.stall_s)} seconds")  # torch's text
+        if not self.handed:
+            raise StopIteration
+        return self.handed.pop(0)
+
+
+def test_a_freeze_of_the_whole_learner_inside_a_wait_for_the_loader_is_no_stall() -> None:
+    """The monotonic clock runs on while the learner is frozen: counted whole as waiting, a freeze longer than
+    worker_stall_s named every worker as hung once it was continued (torch's timeout, then one wait of worker_stall_s,
+    fired at once). One wait counts at most the loader's timeout, and the loader is waited for again after it."""
+    stall_s = 60.0  # the settings' check: well above a start; what a freeze counts (WAIT_CHUNK_S) is far below it
+    clock = _Clock()
+    got = [b.worker for b in watched(_Frozen(clock, stall_s), 2, stall_s, _partitions, clock=clock)]
+    assert got == [0, 1]
+
+
+def test_every_worker_hung_is_named_after_worker_stall_s_of_the_loaders_shorter_timeouts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's timeout is a part of worker_stall_s (learner/worker_stall.py, WAIT_CHUNK_S): torch's iterator is
+    waited on again after each, and the hang named once they add up."""
+    monkeypatch.setattr(worker_stall, "WAIT_CHUNK_S", STALL_S / 4)
+    loader = sample_loader(_Workers(hang={0, 1}), num_workers=2, prefetch_factor=2, pin_memory=False, stall_s=STALL_S)
+    assert loader.timeout == STALL_S / 4
+    batches = watched(loader, 2, STALL_S, _partitions)
+    with pytest.raises(WorkerStalled, match=r"every DataLoader worker \(samples partitions \[0, 1, 2, 3\]\)"):
+        for _ in batches:
+            pass
