@@ -117,11 +117,12 @@ def _hash_list(values: list, _hash: Callable[[Any], int]) -> list[int]:
     return list(map(_hash, values))
 
 
-def hash_column(values: Sequence[Any]) -> np.ndarray:
+def hash_column(values: Sequence[Any], types: set[type] | None = None) -> np.ndarray:
     """(N,) int64: :data:`hash_value` of each value, :data:`MISSING` for None (an absent feature). The same numbers
     as the per-value function; a column of str or of int goes through :func:`hash_ids`' cache, one of bool is hashed
-    once per distinct value."""
-    types = set(map(type, values))
+    once per distinct value. ``types``: the values' types, where the caller has them already (the joiner's context
+    columns: one scan of a column, not two)."""
+    types = set(map(type, values)) if types is None else types
     if len(types) == 1 and types <= _ID_TYPES:
         return hash_ids(values)
     if len(types) == 1 and types <= _DEDUP_SAFE:

@@ -1,9 +1,9 @@
 """A batch's hashed impression contexts as columns, and the row of it each pending impression refers to.
 
 The engine hashes the contexts of a batch's impressions once per batch, column by column (one call of
-:func:`stream.features.hash_context` over the columns), into a :class:`ContextBlock`: one column per context key,
-``(N,)`` int64 for a categorical feature, a list column (flat ``(V,)`` int64 values, ``(N + 1,)`` int32 offsets) for
-a multi-valued one.
+:func:`stream.features.hash_column` per column: ``hash_context``'s numbers), into a :class:`ContextBlock`: one column
+per context key, ``(N,)`` int64 for a categorical feature, a list column (flat ``(V,)`` int64 values, ``(N + 1,)``
+int32 offsets) for a multi-valued one.
 Each ``Pending`` holds a :class:`ContextRow` (its block and row) instead of a dict of hashed values, and sample and
 state batches gather their context columns from the blocks (:func:`take_rows`) without a Python value per row.
 
@@ -21,6 +21,8 @@ from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
+
+from stream.features import hash_column
 
 ListColumn = tuple[np.ndarray, np.ndarray]  # flat (V,) int64 values, offsets (N + 1,) int32: row i is flat[o[i]:o[i+1]]
 Column = np.ndarray | ListColumn  # (N,) int64, or a list column
@@ -78,9 +80,9 @@ def hashed_rows(contexts: Sequence[Mapping[str, Any]], hash_context: HashContext
                 ) -> list[ContextRow]:
     """Each raw context (``Impression.context``, validated) hashed, as its row of a block: one block when every
     context has the same keys in the same order, each a list in all of them or in none (the usual stream), else one
-    block per such signature. ``hash_context`` (:func:`stream.features.hash_context`) hashes a block's columns in one
-    call: they are one multi-valued context (key -> the column's values, a list column's elements flattened), whose
-    values it maps through the feature hash in C."""
+    block per such signature. Each column (a list column's elements flattened) is hashed as an array by
+    :func:`stream.features.hash_column` with the types this scan found, the same numbers as ``hash_context``
+    (:func:`stream.features.hash_context`) gives each value; ``hash_context`` hashes a column holding None."""
     n = len(contexts)
     shapes = set(map(tuple, contexts))
     if len(shapes) == 1:
@@ -88,35 +90,43 @@ def hashed_rows(contexts: Sequence[Mapping[str, Any]], hash_context: HashContext
         raw = {k: list(map(itemgetter(k), contexts)) for k in keys}
         kinds = [set(map(type, col)) for col in raw.values()]
         if all(list not in t or len(t) == 1 for t in kinds):  # no key a list in some rows only
-            return _block(raw, [list in t for t in kinds], n, hash_context).rows()
+            return _block(raw, kinds, n, hash_context).rows()
     by_signature: dict[tuple, list[int]] = {}
     for i, c in enumerate(contexts):
         by_signature.setdefault(tuple((k, type(v) is list) for k, v in c.items()), []).append(i)
     out: list[ContextRow] = [None] * n  # type: ignore[list-item]
     for signature, idx in by_signature.items():
         part = [contexts[i] for i in idx]
-        block = _block({k: [c[k] for c in part] for k, _ in signature}, [is_list for _, is_list in signature],
-                       len(idx), hash_context)
+        raw = {k: [c[k] for c in part] for k, _ in signature}
+        block = _block(raw, [set(map(type, col)) for col in raw.values()], len(idx), hash_context)
         for i, row in zip(idx, block.rows(), strict=True):
             out[i] = row
     return out
 
 
-def _block(raw: dict[str, list], is_list: list[bool], n: int,
+def _block(raw: dict[str, list], kinds: list[set[type]], n: int,
            hash_context: HashContext) -> ContextBlock:
-    """The block of ``n`` rows of raw columns (key -> (N,) values; a list column's values are the rows' lists)."""
-    offsets: dict[str, np.ndarray] = {}
-    flat: dict[str, list] = {}
-    for (k, col), listed in zip(raw.items(), is_list, strict=True):
-        if listed:
-            offsets[k] = np.zeros(n + 1, np.int32)  # (N + 1,)
-            np.cumsum(np.fromiter(map(len, col), np.int64, n), out=offsets[k][1:])
-            flat[k] = list(chain.from_iterable(col))  # (V,)
+    """The block of ``n`` rows of raw columns (key -> (N,) values; a list column's values are the rows' lists), each
+    column's value types in ``kinds`` (``{list}`` for a list column)."""
+    columns: dict[str, Column] = {}
+    for (k, col), types in zip(raw.items(), kinds, strict=True):
+        if list in types:
+            offsets = np.zeros(n + 1, np.int32)  # (N + 1,)
+            np.cumsum(np.fromiter(map(len, col), np.int64, n), out=offsets[1:])
+            flat = list(chain.from_iterable(col))  # (V,)
+            columns[k] = (_hashed(k, flat, set(map(type, flat)), hash_context), offsets)
         else:
-            flat[k] = col
-    hashed = hash_context(flat)
-    return ContextBlock({k: (np.array(hashed[k], np.int64), offsets[k]) if k in offsets else
-                         np.array(hashed[k], np.int64) for k in raw}, n)
+            columns[k] = _hashed(k, col, types, hash_context)
+    return ContextBlock(columns, n)
+
+
+def _hashed(key: str, values: list, types: set[type], hash_context: HashContext) -> np.ndarray:
+    """(N,) int64: the hash of each of a column's ``values`` (of ``types``). ``hash_column`` gives every value a
+    context may hold ``hash_context``'s number, without a Python list of them; None (no valid context value, which
+    ``hash_column`` takes for an absent feature) keeps ``hash_context``'s."""
+    if type(None) in types:
+        return np.array(hash_context({key: values})[key], np.int64)
+    return hash_column(values, types)
 
 
 def take_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Column] | None:

@@ -69,3 +69,12 @@ def test_rows_that_cannot_gather_as_columns() -> None:
     rows = hashed_rows([{"a": 1}, {"a": [1]}], hash_context)  # blocks of different signatures
     assert take_rows(rows) is None
     assert take_rows([{"a": 1}]) is None and take_rows([]) is None  # plain dicts; nothing
+
+
+def test_columns_hashed_as_arrays_give_hash_contexts_numbers_for_every_value_type() -> None:
+    # each column goes through hash_column with the scan's types; None (which hash_column takes for an absent
+    # feature, MISSING) and mixed or float columns must still read as hash_context's numbers
+    contexts = [{"s": "x", "i": 7, "b": True, "f": -0.0, "m": 1, "n": None, "l": ["a", 1, True]},
+                {"s": "", "i": 2**62, "b": False, "f": 2.5, "m": "1", "n": "None", "l": []},
+                {"s": "日本", "i": -3, "b": True, "f": 0.0, "m": 1.0, "n": None, "l": [None, 0.0]}]
+    assert [dict(r) for r in hashed_rows(contexts, hash_context)] == [hash_context(c) for c in contexts]
