@@ -185,6 +185,16 @@ def rows_sharing_a_slot(prefix: str) -> tuple[int, np.ndarray, list[str], dict[i
     return n_rows, table, keys, per_slot, next(s for s, rs in per_slot.items() if len(rs) >= 2)
 
 
+def stored_rows_sharing_a_slot(client: Any, prefix: str
+                               ) -> tuple[np.ndarray, list[str], dict[int, list[int]], int, np.ndarray, dict[str, Any]]:
+    """:func:`rows_sharing_a_slot`'s table written as version v1: the split slot's rows and every 701st row besides,
+    ``(table, keys, per_slot, slot, rows (M,), the version's meta)``."""
+    n_rows, table, keys, per_slot, slot = rows_sharing_a_slot(prefix)
+    rows = np.array(per_slot[slot] + [r for r in range(0, n_rows, 701) if r not in per_slot[slot]], np.int64)
+    meta = embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
+    return table, keys, per_slot, slot, rows, meta
+
+
 @pytest.fixture(scope="module")
 def moving_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterNodes]:
     """One cluster for the tests below, each moving slots of its own (its own prefix: keys of other slots)."""
@@ -197,9 +207,7 @@ def test_a_request_whose_rows_live_in_a_slot_a_resharding_split_gets_its_rows_no
     # a multi-key MGET on a slot split between two nodes mid-move is refused (TRYAGAIN, redis-py's ClusterError once
     # its redirections run out): the whole round trip failed and every request's misses fell back for retry_after_s
     with cluster_client(moving_cluster, prefix, timeout_s=1.0, retries=0) as client:
-        n_rows, table, keys, per_slot, slot = rows_sharing_a_slot(prefix)
-        rows = np.array(per_slot[slot] + [r for r in range(0, n_rows, 701) if r not in per_slot[slot]], np.int64)
-        meta = embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
+        table, keys, per_slot, slot, rows, meta = stored_rows_sharing_a_slot(client, prefix)
         src = moving_cluster.index_of(keys[per_slot[slot][0]])
         moving_cluster.begin_move(slot, src, (src + 1) % 3, keys=1)  # one of its rows on the other node now
         store = embedding_store.RedisEmbeddingStore(client, prefix, retry_after_s=60.0, cluster=True)
@@ -216,9 +224,7 @@ def test_a_row_key_of_another_redis_type_in_a_split_slot_falls_back_alone_and_ke
     # again one GET each, and a GET answers WRONGTYPE: the whole round trip failed and every request's rows fell back
     # for retry_after_s
     with cluster_client(moving_cluster, prefix, timeout_s=1.0, retries=0) as client:
-        n_rows, table, keys, per_slot, slot = rows_sharing_a_slot(prefix)
-        rows = np.array(per_slot[slot] + [r for r in range(0, n_rows, 701) if r not in per_slot[slot]], np.int64)
-        meta = embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
+        table, keys, per_slot, slot, rows, meta = stored_rows_sharing_a_slot(client, prefix)
         hashed, moved = per_slot[slot][:2]
         client.delete(keys[hashed])
         client.hset(keys[hashed], "a", "b")  # another client's hash under the row's key
@@ -240,9 +246,7 @@ def test_rows_of_a_split_slot_not_read_by_the_fetch_deadline_fall_back_without_r
     # redis-py followed the split slot's MGET itself: ASK, TRYAGAIN, ... 16 tries, sleeping 50 ms before each of the
     # last TRYAGAINs (measured: ~0.10 s, two sleeps, for a request whose embedding_store_timeout_s is 0.05 s)
     with cluster_client(moving_cluster, prefix, timeout_s=1.0, retries=0) as client:
-        n_rows, table, keys, per_slot, slot = rows_sharing_a_slot(prefix)
-        rows = np.array(per_slot[slot] + [r for r in range(0, n_rows, 701) if r not in per_slot[slot]], np.int64)
-        embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
+        table, keys, per_slot, slot, rows, _ = stored_rows_sharing_a_slot(client, prefix)
         src = moving_cluster.index_of(keys[per_slot[slot][0]])
         moving_cluster.begin_move(slot, src, (src + 1) % 3, keys=1)  # one of its rows on the other node now
         sleeps: list[float] = []
@@ -251,7 +255,7 @@ def test_rows_of_a_split_slot_not_read_by_the_fetch_deadline_fall_back_without_r
         metrics = ServingMetrics(lambda: None)
         store = embedding_store.RedisEmbeddingStore(client, prefix, retry_after_s=60.0, cluster=True, timeout_s=0.05,
                                                     clock=lambda: float(next(ticks)), metrics=metrics)
-        layered = embedding_store.LayeredRows(store, "v1", np.zeros((n_rows, 3), np.float32), [], None)
+        layered = embedding_store.LayeredRows(store, "v1", np.zeros_like(table), [], None)
         started = time.perf_counter()
         got, failed = layered.gather(rows)
         print(f"gather took {time.perf_counter() - started:.3f} s")  # a diagnostic, not asserted
