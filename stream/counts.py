@@ -219,10 +219,19 @@ def _text(value: bytes | str) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
-def _scored(flat: list[Any]) -> list[tuple[bytes, float]]:
-    """A ``_TOP_PAGE_BOUNDED`` reply (member, score text, member, ...) as ZREVRANGE WITHSCORES gives it: (member,
-    score) pairs."""
+def _scored(reply: list[Any]) -> list[tuple[bytes, float]]:
+    """A ``_TOP_PAGE_BOUNDED`` reply's page (member, score text, member, ...) as ZREVRANGE WITHSCORES gives it:
+    (member, score) pairs."""
+    flat = reply[0]
     return [(m, float(score)) for m, score in zip(flat[0::2], flat[1::2], strict=True)]
+
+
+def _elsewhere(reply: list[Any], others: list[int]) -> list[tuple[int, bytes, float]]:
+    """A ``_TOP_PAGE_BOUNDED`` reply's scores of its page's replaced members in the keys ``others`` (indexes, in the
+    order of the call's KEYS[2..]): (key index, member as replaced, score) where the key holds the member."""
+    flat, got, step = reply[0], reply[1], len(others) + 1
+    return [(j, flat[got[at] - 1], float(score)) for at in range(0, len(got), step)
+            for j, score in zip(others, got[at + 1:at + step], strict=True) if score is not None]
 
 
 def _kth_largest(values: Mapping[Any, float], k: int) -> float:
@@ -394,12 +403,20 @@ return out
 # reads as '!toolong:' and its SHA-1 (one per member, so pages and days still tell members apart): read, a 20 MB member
 # in a day's top crossed the socket on every refresh, and was refused (no stable hash's text) only after.
 MEMBER_MAX_BYTES = 1024
-# KEYS[1] = a day's counts key; ARGV = start, stop, MEMBER_MAX_BYTES: ZREVRANGE start stop WITHSCORES, the members
-# longer than ARGV[3] replaced (above); a flat reply, member then score (text).
+# KEYS[1] = a day's counts key, KEYS[2..] = the window's other days' keys (one hash slot); ARGV = start, stop,
+# MEMBER_MAX_BYTES: {ZREVRANGE start stop WITHSCORES (a flat reply, member then score text) with the members longer
+# than ARGV[3] replaced (above), and for each replaced member its index in the flat page (1-based) then its score
+# (text, or nil) in KEYS[2], KEYS[3], ...}. A replaced member's scores in the other days are read here, where its bytes
+# are: asked by ZMSCORE later, its '!toolong:' text is in no key, and a window's sum lost the days where it was below
+# the first page.
 _TOP_PAGE_BOUNDED = """
-local r, most = redis.call('ZREVRANGE', KEYS[1], ARGV[1], ARGV[2], 'WITHSCORES'), tonumber(ARGV[3])
-for i = 1, #r, 2 do if #r[i] > most then r[i] = '!toolong:' .. redis.sha1hex(r[i]) end end
-return r
+local r, most, other = redis.call('ZREVRANGE', KEYS[1], ARGV[1], ARGV[2], 'WITHSCORES'), tonumber(ARGV[3]), {}
+for i = 1, #r, 2 do if #r[i] > most then
+  other[#other + 1] = i
+  for j = 2, #KEYS do other[#other + 1] = redis.call('ZSCORE', KEYS[j], r[i]) end
+  r[i] = '!toolong:' .. redis.sha1hex(r[i])
+end end
+return {r, other}
 """
 _CUTOFFS_MAX = 1024  # failed writes whose "too far ahead" cut-off DailyCounts keeps for their retry (the joiner: 4)
 _NAMED_MAX = 1 << 17  # names remembered as written (DailyCounts._named), ~12 MB at most
@@ -809,9 +826,13 @@ class DailyCounts:
             live = [i for i, d in enumerate(done) if not d]
             fresh: dict[bytes, None] = {}
             with round_trip(self.client):  # the round's reads by one timeout, not one each (a trickling Redis: 7)
-                pages = [_scored(got) for got in self._read(
-                    self._top_page(), [([keys[i]], [depth, depth + page - 1, MEMBER_MAX_BYTES]) for i in live])]
-            for i, rows in zip(live, pages, strict=True):
+                others = {i: [j for j in range(len(keys)) if j != i] for i in live}
+                replies = self._read(self._top_page(), [([keys[i], *(keys[j] for j in others[i])],
+                                                         [depth, depth + page - 1, MEMBER_MAX_BYTES]) for i in live])
+            pages = [_scored(got) for got in replies]
+            for i, rows, got in zip(live, pages, replies, strict=True):
+                for j, m, score in _elsewhere(got, others[i]):  # a replaced member's score in the other days
+                    read[j][m] = score
                 done[i] = len(rows) < page
                 if rows:
                     bound[i] = float(rows[-1][1])

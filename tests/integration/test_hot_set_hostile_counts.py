@@ -191,6 +191,17 @@ def test_a_huge_member_at_the_head_of_the_counts_is_refused_without_crossing_the
     assert [r["hash"] for r in hs.stats["top_items"]] == ["789", "456"]  # the refresh's window: 7 days
 
 
+def test_a_huge_members_sum_over_days_counts_the_days_where_it_is_below_the_first_page(
+        redis_client: redis.Redis, prefix: str) -> None:
+    # a window's other days were asked for a member's score by ZMSCORE of the member as read: '!toolong:<sha1>', which
+    # no key holds, so a huge member deep in another day (below its first page) lost that day's count from its sum
+    huge = b"9" * 2_000
+    counts = _items(redis_client, prefix, {huge: 100.0, "1": 1.0})  # type: ignore[dict-item]
+    _items(redis_client, prefix, {huge: 1.0, **{str(m): 50.0 for m in range(1000, 2200)}}, day="20030227")  # type: ignore[dict-item]
+    top = counts.top("item", "impression", day=DAY, days=2, k=1)
+    assert top[0][0].startswith("!toolong:") and top[0][1] == 101.0  # as ZUNIONSTORE sums it
+
+
 def test_a_huge_name_is_left_in_redis_and_its_id_shown_by_hash_with_a_warning(
         redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
     # another client's 20 MB names (one on each of two days) were read whole by every refresh's names of its top ids

@@ -78,7 +78,7 @@ class EmptyRedis:
 
     def register_script(self, text: str) -> Any:  # the top's page read (none) or the names read (no name found)
         def run(keys: list[str], args: list[Any], client: Any = None) -> Any:
-            got = [] if "ZREVRANGE" in text else [[None] * (len(args) - 1) for _ in keys]
+            got = [[], []] if "ZREVRANGE" in text else [[None] * (len(args) - 1) for _ in keys]
             return self.queued.append(got) if client is not None else got
         return run
 

@@ -42,7 +42,8 @@ class Days:
     def register_script(self, text: str) -> Any:  # the page read (counts._TOP_PAGE_BOUNDED): a ZREVRANGE, flat
         def page(keys: list[str], args: list[int], client: Any = None) -> Any:
             def run() -> list[Any]:
-                return [x for m, score in self.zrevrange(keys[0], args[0], args[1]) for x in (m, repr(score).encode())]
+                rows = self.zrevrange(keys[0], args[0], args[1])
+                return [[x for m, score in rows for x in (m, repr(score).encode())], []]  # (no member replaced here)
             return client.queued.append(run) if client is not None else run()
         return page
 
