@@ -16,7 +16,7 @@ parser, so serving sees exactly the clicks training saw). Degraded modes, each c
   ``streamrec_serving_history_malformed_total`` counts the users.
 * **Redis unavailable** (down, refusing, slower than ``redis_timeout_s``, or refusing this service's
   credentials or an ACL permission: a ``NOPERM`` answer, or Redis 6's codeless one from inside the read's script,
-  ``stream.strikes.acl_denied``, is not malformed data): every user of the request
+  ``stream.redis_client.acl_denied``, is not malformed data): every user of the request
   has no history; ``streamrec_serving_history_unavailable_total`` counts the requests. The request path
   never retries (the client is built with retries off, ``serving/service.py``), and after a failure
   requests skip Redis for ``retry_after_s`` (a breaker), so an outage costs one timeout per
@@ -52,7 +52,7 @@ import redis
 from serving.metrics import ServingMetrics
 from stream.history import UserHistory
 from stream.keyspace import KeyspaceWatch
-from stream.strikes import acl_denied
+from stream.redis_client import acl_denied
 
 log = logging.getLogger("streamrec.serve")
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 import types
 import weakref
@@ -69,8 +70,8 @@ from stream.startup import wait_ready
 from stream.tls import client_context
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Client", "ClusterUnavailable", "LazyClient", "RedisAuthError", "RedisFailure",
-           "connect", "describe", "eviction_advice", "failure", "is_cluster", "latency_advice", "run_script",
-           "scaled_timeout_s", "unavailable", "verify", "wait_until_up"]
+           "acl_denied", "connect", "describe", "eviction_advice", "failure", "is_cluster", "latency_advice",
+           "run_script", "scaled_timeout_s", "script_codes", "unavailable", "verify", "wait_until_up"]
 
 Client = redis.Redis | RedisCluster  # what connect() returns: a single node's client or a cluster's
 
@@ -112,6 +113,33 @@ def wrong_type(reply: object) -> bool:
         return False
     code = getattr(reply, "status_code", None) or str(reply).rsplit("caused error: ", 1)[-1].split(" ", 1)[0]
     return code == "WRONGTYPE"
+
+
+# Redis 6 wraps the error of a command a Lua script called: "@user_script: 1: -OOM command not allowed ..." (the
+# script's result, redis.pcall), "Error running script (...): @user_script:1: @user_script: 1: -OOM ..." or
+# "Error running script (...): @user_script:1: WRONGTYPE ..." (an ERR reply, redis.call; a pipeline puts "Command # 1
+# (...) of pipeline caused error: " before it); Redis 7 replies with the command's own code.
+_SCRIPT_CODE = re.compile(r"@user_script: ?\d+: -?([A-Z][A-Z0-9_]*) ")
+# Redis 6 answers a command its ACL denies inside a script with no code at all: "@user_script: 1: The user executing
+# the script can't run this command or subcommand" (or "... can't access at least one of the keys mentioned in the
+# command"): NOPERM all the same, the ACL's to fix; struck, every message was dead-lettered for it.
+_SCRIPT_ACL = "The user executing the script can't "
+
+
+def script_codes(text: str) -> list[str]:
+    """The error codes of the commands a Lua script called, as Redis 6 puts them in a script's error
+    (:data:`_SCRIPT_CODE`)."""
+    return _SCRIPT_CODE.findall(text)
+
+
+def acl_denied(exc: BaseException) -> bool:
+    """Whether a Redis error is its ACL refusing a command (NOPERM), also one a script called, which Redis 6 says
+    without a code (:data:`_SCRIPT_ACL`): the configuration's to fix, never the data's (serving's history read counts
+    it as Redis unavailable, ``serving/history.py``, not as malformed data; :func:`describe` says which ACL to fix)."""
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return True
+    text = str(exc) if isinstance(exc, redis.ResponseError) else ""
+    return text.startswith("NOPERM ") or "NOPERM" in script_codes(text) or _SCRIPT_ACL in text
 
 
 def unavailable(exc: BaseException) -> BaseException:
@@ -628,7 +656,7 @@ def describe(exc: BaseException, settings: RedisSettings) -> str:
     where = f"Redis at {redact(settings.url)}"
     what = clip(redact(f"{type(exc).__name__}: {exc}"), 240)
     who = f"ACL user {settings.user!r}" if settings.user else "the default user"
-    if isinstance(exc, NoPermissionError):
+    if acl_denied(exc):  # NOPERM, also a command a script called (Redis 6 gives that one no code)
         return (f"{where}: {who} lacks a permission this needs ({what}); grant it in the Redis ACL "
                 f"(keys ~{settings.prefix}:*, channels &{settings.prefix}:*)")
     if isinstance(exc, _AUTH_ERRORS):

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
@@ -44,7 +43,7 @@ from confluent_kafka import KafkaException
 
 from stream.errors import ConfigError, DeliveryFailed, PartitionLost, clip
 from stream.files import MAX_STATE_FILE_BYTES, FileTooLarge, NotRegularFile, read_regular, write_atomic
-from stream.redis_client import RedisAuthError, RedisFailure, wrong_type
+from stream.redis_client import RedisAuthError, RedisFailure, acl_denied, script_codes, wrong_type
 
 log = logging.getLogger("streamrec.strikes")
 
@@ -66,39 +65,19 @@ _SERVER_STATE_ERRORS = (redis.exceptions.OutOfMemoryError, redis.exceptions.Read
                         redis.exceptions.AuthenticationWrongNumberOfArgsError, redis.exceptions.NoSuchFieldsetError)
 
 
-# Redis 6 wraps the error of a command a Lua script called: "@user_script: 1: -OOM command not allowed ..." (the
-# script's result, redis.pcall), "Error running script (...): @user_script:1: @user_script: 1: -OOM ..." or
-# "Error running script (...): @user_script:1: WRONGTYPE ..." (an ERR reply, redis.call; a pipeline puts "Command # 1
-# (...) of pipeline caused error: " before it); Redis 7 replies with the command's own code.
-_SCRIPT_CODE = re.compile(r"@user_script: ?\d+: -?([A-Z][A-Z0-9_]*) ")
-# Redis 6 answers a command its ACL denies inside a script with no code at all: "@user_script: 1: The user executing
-# the script can't run this command or subcommand" (or "... can't access at least one of the keys mentioned in the
-# command"): NOPERM all the same, the ACL's to fix; struck, every message was dead-lettered for it.
-_SCRIPT_ACL = "The user executing the script can't "
-
-
 def _server_state(exc: redis.ResponseError) -> bool:
     """Whether a Redis error reply is one of :data:`_SERVER_STATE`: by redis-py's class, else by the reply's code
     (redis-py keeps it as ``status_code``; an error re-raised from a script's result, ``stream/history.py``, has only
-    its text, which starts with the code), or by the code of the command a script called (:data:`_SCRIPT_CODE`;
-    an ACL's refusal however Redis says it, :func:`acl_denied`)."""
+    its text, which starts with the code), or by the code of the command a script called
+    (:func:`~stream.redis_client.script_codes`; an ACL's refusal however Redis says it,
+    :func:`~stream.redis_client.acl_denied`)."""
     if isinstance(exc, _SERVER_STATE_ERRORS):
         return True
     text = str(exc)
     code = getattr(exc, "status_code", None) or text.split(" ", 1)[0]
     if code in _SERVER_STATE:
         return True
-    return any(c in _SERVER_STATE for c in _SCRIPT_CODE.findall(text)) or acl_denied(exc)
-
-
-def acl_denied(exc: BaseException) -> bool:
-    """Whether a Redis error is its ACL refusing a command (NOPERM), also one a script called, which Redis 6 says
-    without a code (:data:`_SCRIPT_ACL`): the configuration's to fix, never the data's (serving's history read counts
-    it as Redis unavailable, ``serving/history.py``, not as malformed data)."""
-    if isinstance(exc, redis.exceptions.NoPermissionError):
-        return True
-    text = str(exc) if isinstance(exc, redis.ResponseError) else ""
-    return text.startswith("NOPERM ") or "NOPERM" in _SCRIPT_CODE.findall(text) or _SCRIPT_ACL in text
+    return any(c in _SERVER_STATE for c in script_codes(text)) or acl_denied(exc)
 
 
 # After an infrastructure failure (:func:`is_infrastructure`) a join driver rewinds to its committed offsets and waits

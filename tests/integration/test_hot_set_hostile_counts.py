@@ -16,7 +16,7 @@ from cache_refresh import hot_set
 from stream import counts as counts_module
 from stream.config import RedisSettings
 from stream.counts import DailyCounts
-from stream.redis_client import connect
+from stream.redis_client import connect, describe
 from streamrec.stack import LocalStack
 from tests.integration.test_refresh import CFG
 from tests.trickle_proxy import TrickleProxy
@@ -320,3 +320,22 @@ def test_a_names_key_of_the_wrong_type_on_one_day_leaves_the_other_days_names_re
     with caplog.at_level(logging.WARNING, logger="streamrec.counts"):
         assert counts.names("item", ["456", "789"], day=DAY, days=3) == {"456": "alice-item", "789": "bob-item"}
     assert counts.names_key("item", "20030227") in caplog.text and "not a hash" in caplog.text
+
+
+def test_the_names_read_under_an_acl_denying_hstrlen_is_described_as_the_acls_to_fix(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str) -> None:
+    # the names read is a script now: Redis 6 answers a command its ACL denies inside one with no NOPERM code, and
+    # `streamrec counts top` said only "Redis at ...: ResponseError: ... can't run this command", not which ACL to fix
+    counts = _items(redis_client, prefix, {"456": 3})
+    user, password = f"{prefix}-user", uuid.uuid4().hex
+    redis_client.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all", "-hstrlen")
+    settings = RedisSettings(url=stack.redis_url, username=user)
+    limited = redis.Redis.from_url(stack.redis_url, username=user, password=password)
+    try:
+        with pytest.raises(redis.ResponseError) as exc:
+            DailyCounts(limited, prefix=prefix).names("item", ["456"], DAY)
+        assert "grant it in the Redis ACL" in describe(exc.value, settings), describe(exc.value, settings)
+    finally:
+        limited.close()
+        redis_client.execute_command("ACL", "DELUSER", user)
+    assert counts.names("item", ["456"], DAY) == {}
