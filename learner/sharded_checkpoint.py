@@ -460,11 +460,12 @@ def state_loaded(path: Path) -> Generator[None, None, None]:
     the state's ``load_state_dict`` refuses: negative counts, a rate outside (0, 1), a histogram of another length) is
     a CheckpointError naming the checkpoint, the state and the value, and the fix. Raised bare, it named neither the
     checkpoint nor what to do, and loaded, each such value broke every batch after it (its messages struck). A field
-    of another type or a missing one (a TypeError, a KeyError, an IndexError) is as damaged; a failed collective (a
-    RuntimeError: a rank gone) is not the checkpoint's fault and is raised as it is."""
+    of another type or a missing one (a TypeError, a KeyError, an IndexError, an AttributeError: a list where a map
+    belongs, read with ``.get``) is as damaged; a failed collective (a RuntimeError: a rank gone) is not the
+    checkpoint's fault and is raised as it is."""
     try:
         yield
-    except (ValueError, TypeError, KeyError, IndexError) as exc:
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
         raise checkpoint.CheckpointError(
             f"sharded checkpoint {path} is damaged: {checkpoint._reason(exc)}; move it out of {path.parent} to resume "
             "from (or unshard) the one before it") from None

@@ -294,6 +294,31 @@ def test_a_rank_state_only_rank_0_reads_refuses_the_sharded_checkpoint_on_every_
     assert "rank 0 refused it" in said[1]
 
 
+def test_a_rank_0_state_of_another_type_refuses_the_sharded_checkpoint_on_every_rank_together(tmp_path: Path) -> None:
+    """A state only rank 0 reads that is a list where a map belongs (the id metrics here) raised an AttributeError
+    (``.get`` of a list), which the restore did not take for damage: rank 0 left with it bare, naming neither the
+    checkpoint nor the fix, and rank 1 waited in the refusals' all-gather for a rank 0 that had gone. Every rank
+    refuses it, rank 1 naming rank 0 and its reason."""
+    import torch
+
+    from learner import checkpoint
+    from tests.unit.learner.gloo_ranks import in_turn, run_gloo_ranks
+
+    run_gloo_ranks(2, str(tmp_path / "store-save"), in_turn,
+                   lambda r: ([(_two_ranks_admit_and_save, (str(tmp_path / "ckpt"),))],))
+    path = next((tmp_path / "ckpt").glob("dcp-*"))
+    rank0 = path / "rank-0.pt"
+    state = checkpoint.load(rank0)
+    state["id_metrics"] = [0.3]
+    rank0.unlink()
+    torch.save(state, rank0)
+    works = [(_two_ranks_restore, (str(tmp_path / "ckpt"), str(tmp_path / "out")))]
+    assert run_gloo_ranks(2, str(tmp_path / "store-restore"), in_turn, lambda r: (works,)) == [0, 0]
+    said = [(tmp_path / f"out-{r}.txt").read_text() for r in (0, 1)]
+    assert all(s.startswith("CheckpointError") and str(path) in s and "AttributeError" in s for s in said), said
+    assert "rank 0 refused it" in said[1]
+
+
 def test_an_id_map_share_only_its_rank_reads_refuses_the_sharded_checkpoint_on_every_rank_together(
         tmp_path: Path) -> None:
     """Rank 1 alone loads its own share of an id map (its counters, free stack, candidates): a damaged value there
