@@ -117,8 +117,12 @@ class FirstTime(_QuorumTime):
         return self._kth()
 
     def load(self, state: Any) -> None:
-        """From :meth:`state`; a record from before this held one ``first_ms`` (an int): it counts as one row."""
-        self._load(state, None if isinstance(state, list | tuple) else state)
+        """From :meth:`state`; a record from before this held one ``first_ms`` (an int), the start of a stream the code
+        of then had seen: it counts as the whole quorum. Counted as one row, the first batch after the upgrade moved the
+        start to the restart, and a stream hours old was taken for a fresh one (the calibration skipped a warm-up of its
+        observed impressions again, the bias rule measured its span of delays from the restart)."""
+        old = isinstance(state, int | np.integer) and not isinstance(state, bool)
+        self._load([state] * self.quorum if old else state, None if isinstance(state, list | tuple) else state)
 
 
 def load_times(state: str, clock: EventClock, first: FirstTime, d: Mapping[str, Any]) -> None:

@@ -345,3 +345,21 @@ def test_a_calibration_state_of_the_first_layout_is_migrated_and_fits_the_same_p
     run(old, rest)
     assert cal.rows <= old.rows <= cal.rows + 256
     assert (old.a, old.b) == pytest.approx((cal.a, cal.b), rel=0.05)
+
+
+def test_a_first_layout_checkpoint_long_past_its_warm_up_takes_the_next_observed_impressions_as_the_old_code_did(
+        ) -> None:
+    """The first layout kept the stream's start as one ``first_ms`` (an int). Counted as one row of the quorum, the
+    first batch after the upgrade moved the start to the restart (its 16th smallest time), and the calibration took a
+    maturity_s of a stream an hour old for a fresh stream's warm-up: none of its observed impressions was fitted,
+    where the code that wrote the checkpoint took them all."""
+    day = 1_700_000_000_000
+    first_layout = {"a": 1.0, "b": 0.0, "h": (np.eye(2) * 90.0).tolist(), "rows": 5_000, "now_ms": day + 3_600 * SECOND,
+                    "first_ms": day, "pending_ids": [], "pending": torch.zeros(0, 3, dtype=torch.float64)}
+    cal = OnlineCalibration(maturity_s=300)
+    cal.load_state_dict(first_layout)
+    n = 64
+    ts = np.full(n, day + 3_601 * SECOND, np.int64)
+    cal.observe(np.array([f"i{k}" for k in range(n)], object), np.full(n, OBSERVED, np.int8), np.zeros(n),
+                np.zeros(n), ts, np.zeros(n, np.int64))
+    assert cal.first_ms == day and cal.pending == n
