@@ -12,8 +12,9 @@ Parts with a state dict: ``IdMap`` and ``FieldIdMaps`` (learner/id_map.py), ``Ro
 restored with ``from_state``), ``ColdTracker``, ``ProgressiveMetrics`` (learner/progressive.py), the model with
 each sparse optimizer (learner/optim.py: rowwise_adagrad, rowwise_adagrad with boost, sparse_adam; the dense
 Adam comes along), ``RecentIds`` (the duplicate filter, learner/daemon.py), ``BaseRateBias``,
-``DelayedFeedbackWeights`` (the late share), ``OnlineCalibration`` and ``ServedQuality`` (learner/served.py: its
-pending impressions and clocks too). Parts whose state is their store:
+``DelayedFeedbackWeights`` (the late share), ``OnlineCalibration``, ``ServedQuality`` (learner/served.py: its
+pending impressions and clocks too), ``AdaptiveClip`` (the dense gradient clip, learner/grad_clip.py) and
+``IdMetrics`` (the bucket share, learner/quality.py). Parts whose state is their store:
 ``DeltaWriter`` (learner/deltas.py: its directory), ``Strikes`` over ``FileStrikes`` and ``RedisStrikes``.
 
 Each part's driven outputs must also differ from a fresh part's (``test_..._depend_on_the_state``): otherwise
@@ -42,11 +43,13 @@ from learner.daemon import RecentIds
 from learner.delayed import BaseRateBias, DelayedFeedbackWeights
 from learner.deltas import DeltaWriter, load_delta
 from learner.features import FeatureConfig, FieldSpec
+from learner.grad_clip import AdaptiveClip
 from learner.id_map import FieldIdMaps, IdMap
 from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.progressive import ProgressiveMetrics
-from learner.row_mapper import ColdTracker, RowMapper, user_keys
+from learner.quality import IdMetrics
+from learner.row_mapper import ColdTracker, MapStats, RowMapper, user_keys
 from learner.served import ServedQuality
 from learner.trainer import Trainer
 from stream.samples import SampleBatch
@@ -360,6 +363,37 @@ def _load_served(state: Any) -> ServedQuality:
     return q
 
 
+def _clip() -> AdaptiveClip:
+    return AdaptiveClip(factor=2.0, history=4, min_history=3)  # a short ring: it wraps before the save
+
+
+def _clip_step(c: AdaptiveClip, s: int) -> Any:
+    """A gradient of norm 1 to 5 (one of 40 now and then): the factor applied, the threshold, the steps clipped."""
+    norm = 40.0 if s % 4 == 3 else 1.0 + np.random.default_rng(600 + s).random() * 4.0
+    grad = torch.full((4,), norm / 2.0)  # (4,) of L2 norm ``norm``
+    scale = c.clip_([grad], norm)
+    return scale, c.threshold, c.clipped, grad
+
+
+def _load_clip(state: Any) -> AdaptiveClip:
+    c = _clip()
+    c.load_state_dict(state)
+    return c
+
+
+def _id_metrics_step(m: IdMetrics, s: int) -> Any:
+    """A batch of 10 to 90 user lookups, some answered by a bucket; the share published after it."""
+    n = 10 + 20 * (s % 5)
+    m.observe(MapStats(lookups={"user_id": n}, bucket_lookups={"user_id": (7 * s) % n}), {})
+    return dict(m.bucket_share)
+
+
+def _load_id_metrics(state: Any) -> IdMetrics:
+    m = IdMetrics(500)
+    m.load_state_dict(state)
+    return m
+
+
 def _training_part(name: str, boost: float = 0.0) -> Part:
     make = _training(name, boost)
     return Part(make, _training_step, _training_save, _training_load(make))
@@ -386,6 +420,8 @@ PARTS: dict[str, Part] = {
     "online_calibration": Part(lambda: OnlineCalibration(maturity_s=2.0, prior_rows=10.0), _calibration_step,
                                OnlineCalibration.state_dict, _load_calibration),
     "served_quality": Part(_served, _served_step, ServedQuality.state_dict, _load_served),
+    "dense_gradient_clip": Part(_clip, _clip_step, AdaptiveClip.state_dict, _load_clip),
+    "id_metrics": Part(lambda: IdMetrics(500), _id_metrics_step, IdMetrics.state_dict, _load_id_metrics),
 }
 # Parts that break the contract today (bugs found by it; the owners of those files have the reproduction).
 KNOWN_BREAKS: dict[str, str] = {}
