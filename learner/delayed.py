@@ -385,10 +385,13 @@ class BaseRateBias:
         if "rate" in d and not (isinstance(d["rate"], float | int) and not isinstance(d["rate"], bool)
                                 and 0.0 < d["rate"] < 1.0):  # (NaN too; a text was read as a number)
             raise ValueError(f"{state}: rate {d['rate']!r:.80} is not a click rate in (0, 1)")
+        for s in [s for s, *_ in bins] + [s for s, _ in delays]:  # (int() read the text "3" as a second)
+            if isinstance(s, bool) or not isinstance(s, int):
+                raise ValueError(f"{state}: bins second {s!r:.80} is not an integer second")
         for name, v in [("delay_rate", d.get("delay_rate", 0.0)), ("click_delay_s", d.get("click_delay_s", 0.0)),
-                        *((f"bin_delay_s[{s}]", x) for s, x in delays)]:
-            if not (math.isfinite(float(v)) and float(v) >= 0.0):
-                raise ValueError(f"{state}: {name} {v!r} is not a finite number >= 0")
+                        *((f"bin_delay_s[{s}]", x) for s, x in delays)]:  # (float() read "0.1" and true as numbers)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"{state}: {name} {v!r:.80} is not a finite number >= 0")
 
 
 def fit_delayed_rate(impressions: np.ndarray, clicks: np.ndarray, age_s: np.ndarray, click_delay_s: float,

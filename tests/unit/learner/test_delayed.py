@@ -644,6 +644,12 @@ CORRUPT_BIAS_STATES = {
     "impressions_as_bool": ({"impressions": True}, "impressions"),
     "clock_time_as_bool": ({"clock": [True]}, "event clock state: True"),
     "first_time_as_text": ({"first_ms": "1700000000000"}, "event clock state: '1700000000000'"),
+    # the delay fields too: float() read "0.1" and true (as 1.0), and "fast" raised a message naming no field
+    "delay_rate_as_text": ({"delay_rate": "0.1"}, "delay_rate '0.1'"),
+    "delay_rate_as_a_word": ({"delay_rate": "fast"}, "delay_rate 'fast'"),
+    "click_delay_sum_as_bool": ({"click_delay_s": True}, "click_delay_s True"),
+    "bin_delay_as_text": ({"bins": [[3, 4, 1]], "bin_delay_s": [[3, "2.5"]]}, "bin_delay_s[3] '2.5'"),
+    "bin_second_as_text": ({"bins": [["3", 4, 1]]}, "bins second '3'"),
 }
 
 
