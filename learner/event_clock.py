@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 QUORUM = 16  # as the joiner's default watermark_quorum: rows that must agree before event time moves
+_MAX_MS = int(np.iinfo(np.int64).max)  # a time's bound either way: the clocks keep int64, FirstTime negated
 
 
 class _QuorumTime:
@@ -54,7 +55,8 @@ class _QuorumTime:
         that is no integer (a bool, a fraction, a text) is a ValueError naming it: ``int()`` read ``true`` as 1 ms
         and ``"17e11"`` raised a message naming no field, from a damaged or edited checkpoint."""
         times = list(state) if isinstance(state, list | tuple) else [] if one is None else [one]
-        if (bad := [x for x in times if isinstance(x, bool) or not isinstance(x, int | np.integer)]):
+        if (bad := [x for x in times if isinstance(x, bool) or not isinstance(x, int | np.integer)
+                    or not -_MAX_MS <= x <= _MAX_MS]):  # (beyond int64: an OverflowError no restore took for damage)
             raise ValueError(f"event clock state: {bad[0]!r:.80} is not a time in integer ms: the state is "
                              "damaged; the restore uses the previous checkpoint")
         self._kept = largest(self.sign * np.asarray(times, np.int64), self.quorum)

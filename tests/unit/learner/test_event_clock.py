@@ -66,6 +66,17 @@ def test_a_clock_state_time_that_is_no_integer_is_refused_naming_it(state: objec
         EventClock(quorum=3).load(state, one)
 
 
+@pytest.mark.parametrize("state, one", [([2 ** 70], None), (None, -2 ** 64)])
+def test_a_clock_state_time_beyond_int64_is_refused_naming_it_not_an_overflow_error(state: object, one: object) -> None:
+    """An integer no int64 holds raised an OverflowError from numpy, which a sharded restore does not take for damage:
+    raised bare on rank 0 (its calibration's, quality's and bias's clocks), naming neither the checkpoint nor the fix,
+    while the other ranks waited in the refusals' all-gather for it. It is a ValueError naming the clock state."""
+    with pytest.raises(ValueError, match=r"event clock state: .* is not a time in integer ms"):
+        EventClock(quorum=3).load(state, one)
+    with pytest.raises(ValueError, match=r"calibration state .*event clock state"):
+        OnlineCalibration().load_state_dict({"clock": state, "now_ms": one})
+
+
 @pytest.mark.parametrize("state", [42, "[1, 2]", {"now_ms": 42}, True])
 def test_a_clock_state_that_is_no_list_is_refused_naming_it(state: object) -> None:
     """A damaged or edited checkpoint's clock of another type was ignored: the clock started fresh (one row stamped a
