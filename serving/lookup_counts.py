@@ -184,6 +184,7 @@ class LookupCounts:
             return 0
         written, unwritten = 0, list[LookupWrite]()  # unwritten: failed, or skipped after a failure (_apart)
         error: Exception | None = None  # the first failure of this flush
+        outage: Exception | None = None  # the first of them Redis failed (not refused): the one the outage's line says
         down: list[LookupWrite] = []  # the writes Redis failed (not refused: _refused)
         for write in writes:
             if down and not self._apart(write, down):
@@ -198,11 +199,12 @@ class LookupCounts:
                 if _refused(exc):
                     self._say_refused(write, exc)
                 else:
+                    outage = outage or exc
                     down.append(write)
                 continue
             written += write.lookups
         if error is not None:
-            self._failed(error, unwritten, outage=bool(down))
+            self._failed(outage or error, unwritten, outage=bool(down))
             self._flushed(written)
             return written
         if self._failing:

@@ -350,3 +350,30 @@ def test_a_second_stop_after_a_last_flush_cut_off_by_a_trickling_redis_says_and_
             assert (lc.flushed, lc.dropped) == (0, 199)
         finally:
             client.close()
+
+
+def test_a_flush_with_a_refusal_and_an_outage_logs_the_outage_by_its_own_error(
+        redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One flush: the item day key is another client's string (refused, said on its own line), then Redis fills up
+    (OOM) at the user write: an outage. Its one line named the refusal's WRONGTYPE as the failure, not the OOM."""
+    counts = DailyCounts(redis_client, prefix=prefix)
+    redis_client.set(counts.key("item", "lookup", day_of(int(time.time() * 1000))), "not a sorted set")
+    lc = LookupCounts(counts, flush_s=60.0)
+    lc.add("user", np.array(_members(["u1"]), np.int64))
+    lc.add("item", np.array(_members(["i1"]), np.int64))
+    real_add, maxmemory = counts.add_counts, str(redis_client.config_get("maxmemory")["maxmemory"])
+
+    def add_refused_for_users(kind: str, *args: Any, **kwargs: Any) -> None:
+        if kind == "user":
+            redis_client.config_set("maxmemory", "1")  # full: Redis refuses writes (OOM)
+        try:
+            real_add(kind, *args, **kwargs)
+        finally:
+            redis_client.config_set("maxmemory", maxmemory)
+
+    monkeypatch.setattr(counts, "add_counts", add_refused_for_users)
+    with caplog.at_level("WARNING", logger="streamrec.serve"):
+        assert lc.flush() == 0
+    failed = [r.getMessage() for r in caplog.records if "a flush to Redis failed" in r.getMessage()]
+    assert len(failed) == 1 and "OutOfMemoryError" in failed[0] and "WRONGTYPE" not in failed[0], failed
