@@ -234,15 +234,27 @@ class LookupCounts:
         return members[start:], counts[start:]
 
     def _say_refused(self, write: LookupWrite, exc: Exception) -> None:
-        """``write`` refused by Redis for its key (:func:`_refused`): marked, and said once per key."""
+        """``write`` refused by Redis for its key (:func:`_refused`): marked, and said once per day key, naming the keys
+        of another type to delete: the day key's, or its markers' (``DailyCounts.other_type_keys``; the day key was
+        named whichever it was, and deleting it lost the day's good counts while the refusals went on)."""
         write.refused = True
         key = self.counts.key(write.kind, EVENT, day_of(write.day * DAY_MS))
-        if key not in self._refused_keys:
-            self._refused_keys.add(key)
-            log.warning("lookup counts: Redis refuses the writes to %s (%s: %s): a key of another type, written by "
-                        "another client? its lookups are not counted (streamrec_serving_lookup_counts_dropped_total"
-                        "{reason=\"refused\"}) until it is deleted (redis-cli DEL %s)", key, type(exc).__name__, exc,
-                        key)
+        if key in self._refused_keys:
+            return
+        self._refused_keys.add(key)
+        try:
+            other = self.counts.other_type_keys(write.kind, EVENT, day_of(write.day * DAY_MS))
+        except Exception:  # noqa: BLE001 - only for the message: Redis failing now is the next write's to say
+            other = []
+        if other:
+            log.warning("lookup counts: Redis refuses the writes to %s (%s: %s): %s hold another Redis type than "
+                        "streamrec writes there (another client's?); its lookups are not counted (streamrec_serving_"
+                        "lookup_counts_dropped_total{reason=\"refused\"}) until deleted (redis-cli DEL %s)", key,
+                        type(exc).__name__, exc, ", ".join(other), " ".join(other))
+        else:
+            log.warning("lookup counts: Redis refuses the writes to %s (%s: %s); its lookups are not counted "
+                        "(streamrec_serving_lookup_counts_dropped_total{reason=\"refused\"})", key,
+                        type(exc).__name__, exc)
 
     def _failed(self, exc: Exception, unwritten: list[LookupWrite], outage: bool = True) -> None:
         """A flush failed with ``exc`` before writing ``unwritten``: each is kept for the next flush (counted against

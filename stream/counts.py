@@ -468,6 +468,18 @@ class DailyCounts:
         _parse_day(day)
         return self._names_key(kind, day)
 
+    def other_type_keys(self, kind: str, event: str, day: str) -> list[str]:
+        """The keys a write of counts (:meth:`add_counts`) to ``kind``/``event`` on ``day`` reads that hold another Redis
+        type than it writes (another client's: the write's WRONGTYPE), the counts' sorted set or its markers' hash
+        (module docstring, "Retries"): the keys to delete, where a refusal's error names none. One round trip."""
+        want = {self.key(kind, event, day): "zset", self._markers_key(kind, event, day): "hash"}
+        pipe = self.client.pipeline(transaction=False)
+        for key in want:
+            pipe.type(key)
+        with round_trip(self.client):  # the TYPEs by one timeout, not one each (as _sorted_sets')
+            found = [_text(t) for t in pipe.execute()]
+        return [key for (key, wanted), got in zip(want.items(), found, strict=True) if got not in ("none", wanted)]
+
     def _key(self, kind: str, event: str, day: str) -> str:
         return f"{self.prefix}:counts:{{{kind}}}:{event}:{day}"
 

@@ -352,6 +352,23 @@ def test_a_second_stop_after_a_last_flush_cut_off_by_a_trickling_redis_says_and_
             client.close()
 
 
+def test_a_refused_write_whose_markers_key_is_of_another_type_names_that_key_not_the_lookup_counts_to_delete(
+        redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The write's script also reads its markers hash (``stream/counts.py``, "Retries"): another client's string there
+    refuses the write (WRONGTYPE) as a string under the day key does. The warning named the day key, whose counts are
+    good, and told to DEL it: that lost the day's lookups and the refusals went on."""
+    counts = DailyCounts(redis_client, prefix=prefix)
+    day = day_of(int(time.time() * 1000))
+    markers = counts._markers_key("item", "lookup", day)
+    redis_client.set(markers, "not a hash")
+    lc = LookupCounts(counts, flush_s=60.0)
+    lc.add("item", np.array(_members(["i1"]), np.int64))
+    with caplog.at_level("WARNING", logger="streamrec.serve"):
+        assert lc.flush() == 0
+    assert f"redis-cli DEL {markers}" in caplog.text
+    assert f"redis-cli DEL {counts.key('item', 'lookup', day)}" not in caplog.text
+
+
 def test_a_flush_with_a_refusal_and_an_outage_logs_the_outage_by_its_own_error(
         redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
