@@ -371,12 +371,15 @@ class LookupCounts:
             down = self._failing and ago < RECENT_FAILURE_S
             if down:
                 lost = self._n + self._kept_n
+                refused = sum(w.lookups for w in self._kept if w.refused)  # refused for their key: no Redis failure
                 self._pending, self._n, self._kept, self._kept_n = {}, 0, [], 0
         if down:
             log.warning("lookup counts: the last flush to Redis failed %.1f s before serving stopped; no last flush "
                         "(it would wait out the timeout again), %d lookups not counted", ago, lost)
-            if lost:
-                self._drop("redis", lost)
+            if lost - refused:
+                self._drop("redis", lost - refused)
+            if refused:
+                self._drop("refused", refused)
             return
         with self._lock:
             writing = self._n + self._kept_n  # what the last flush takes

@@ -394,3 +394,33 @@ def test_a_flush_with_a_refusal_and_an_outage_logs_the_outage_by_its_own_error(
         assert lc.flush() == 0
     failed = [r.getMessage() for r in caplog.records if "a flush to Redis failed" in r.getMessage()]
     assert len(failed) == 1 and "OutOfMemoryError" in failed[0] and "WRONGTYPE" not in failed[0], failed
+
+
+def test_a_stop_just_after_an_outage_drops_the_refused_writes_it_kept_as_refused_not_as_redis(
+        redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flush: the item day key refused (another client's string), the user write failed (OOM), both kept. A stop
+    just after it makes no last flush (Redis just failed) and drops what was kept: the refused items were counted as
+    ``reason="redis"``, a Redis failure they are not."""
+    metrics = ServingMetrics(lambda: None)
+    counts = DailyCounts(redis_client, prefix=prefix)
+    redis_client.set(counts.key("item", "lookup", day_of(int(time.time() * 1000))), "not a sorted set")
+    lc = LookupCounts(counts, metrics, flush_s=60.0)
+    lc.add("user", np.array(_members(["u1"]), np.int64))
+    lc.add("item", np.array(_members(["i1", "i2"]), np.int64))
+    real_add, maxmemory = counts.add_counts, str(redis_client.config_get("maxmemory")["maxmemory"])
+
+    def add_refused_for_users(kind: str, *args: Any, **kwargs: Any) -> None:
+        if kind == "user":
+            redis_client.config_set("maxmemory", "1")  # full: Redis refuses writes (OOM)
+        try:
+            real_add(kind, *args, **kwargs)
+        finally:
+            redis_client.config_set("maxmemory", maxmemory)
+
+    monkeypatch.setattr(counts, "add_counts", add_refused_for_users)
+    assert lc.flush() == 0
+    lc.stop()
+    dropped = {s.labels["reason"]: s.value for s in metrics.registry.collect() for s in s.samples
+               if s.name == "streamrec_serving_lookup_counts_dropped_total"}
+    assert (dropped["refused"], dropped["redis"]) == (2, 1)
+    assert (lc.flushed, lc.dropped) == (0, 3)
