@@ -502,6 +502,46 @@ def test_lookup_counts_on_a_cluster_with_one_node_down_write_the_kinds_on_the_he
     assert written == {2001: 4, 2002: 3}
 
 
+
+def test_lookup_counts_on_a_cluster_with_one_kind_refused_on_a_node_and_the_other_kinds_node_down_count_each_apart(
+        cluster_nodes: Any, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    # the user day key another client's string on one node (WRONGTYPE: refused), the item node down: every flush
+    # tries both, and each kind's lookups are dropped after their retry by their own reason; the outage is said once,
+    # by its own error, the refusal once, and a stop just after drops what was kept by the same reasons
+    from serving.lookup_counts import LookupCounts
+    from serving.metrics import ServingMetrics
+
+    client = _serving_partial_coverage(cluster_nodes, prefix)
+    metrics = ServingMetrics(lambda: None)
+    try:
+        counts = DailyCounts(client, prefix=prefix)
+        item_node = cluster_nodes.index_of(counts.key("item", "lookup", "20010101"))
+        user_key = counts.key("user", "lookup", "20010101")
+        if cluster_nodes.index_of(user_key) == item_node:
+            cluster_nodes.move(key_slot(user_key.encode()), item_node, (item_node + 1) % 3)  # the kinds on two nodes
+        lookups = LookupCounts(counts, metrics, flush_s=60.0)
+        lookups.add("user", np.array([2001], np.int64))
+        assert lookups.flush() == 1  # the counts script loaded while every node is up
+        client.set(counts.key("user", "lookup", day_of(int(time.time() * 1000))), "not a sorted set")
+        cluster_nodes.stop(item_node)
+        with caplog.at_level(logging.INFO, logger="streamrec.serve"):
+            for _ in range(3):
+                lookups.add("item", np.array([7, 8, 7], np.int64))
+                lookups.add("user", np.array([2001, 2002], np.int64))
+                assert lookups.flush() == 0
+            lookups.stop()
+    finally:
+        client.close()
+    said = [r.getMessage() for r in caplog.records]
+    failed = [m for m in said if "a flush to Redis failed" in m]
+    assert len(failed) == 1 and "WRONGTYPE" not in failed[0], said
+    assert len([m for m in said if "Redis refuses the writes to" in m]) == 1, said
+    assert not [m for m in said if "flushing to Redis again" in m], said
+    dropped = {s.labels["reason"]: s.value for s in metrics.registry.collect() for s in s.samples
+               if s.name == "streamrec_serving_lookup_counts_dropped_total"}
+    assert (dropped["redis"], dropped["refused"]) == (9, 6)  # two flushes' at their retry, the third's at the stop
+    assert (lookups.flushed, lookups.dropped) == (1, 15)
+
 def test_counts_written_by_a_client_made_while_a_node_holding_no_counts_is_down_land(
         cluster_nodes: Any, prefix: str) -> None:
     # the counts script was loaded on every primary before its first use: with one node down (the cluster serving
