@@ -469,9 +469,9 @@ class DailyCounts:
         return self._names_key(kind, day)
 
     def other_type_keys(self, kind: str, event: str, day: str) -> list[str]:
-        """The keys a write of counts (:meth:`add_counts`) to ``kind``/``event`` on ``day`` reads that hold another Redis
-        type than it writes (another client's: the write's WRONGTYPE), the counts' sorted set or its markers' hash
-        (module docstring, "Retries"): the keys to delete, where a refusal's error names none. One round trip."""
+        """The keys a write of counts (:meth:`add_counts`) to ``kind``/``event`` on ``day`` reads that hold another
+        Redis type than it writes (another client's: the write's WRONGTYPE), the counts' sorted set or its markers'
+        hash (module docstring, "Retries"): the keys to delete, where a refusal's error names none. One round trip."""
         want = {self.key(kind, event, day): "zset", self._markers_key(kind, event, day): "hash"}
         pipe = self.client.pipeline(transaction=False)
         for key in want:
