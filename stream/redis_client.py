@@ -108,11 +108,13 @@ def wrong_type(reply: object) -> bool:
     """Whether a Redis error reply (raised, or returned in a pipeline's replies with ``raise_on_error=False``) is
     ``WRONGTYPE``: the key holds another Redis type than the command reads (any client can write one under the prefix:
     not a Redis that is down). By the reply's code, also behind the "Command # n (...) of pipeline caused error: "
-    preamble redis-py puts on a pipeline's raised error."""
+    preamble redis-py puts on a pipeline's raised error, or the code of the command a Lua script called
+    (:func:`script_codes`: "Error running script (...): @user_script:9: WRONGTYPE ...")."""
     if not isinstance(reply, redis.ResponseError):
         return False
-    code = getattr(reply, "status_code", None) or str(reply).rsplit("caused error: ", 1)[-1].split(" ", 1)[0]
-    return code == "WRONGTYPE"
+    text = str(reply)
+    code = getattr(reply, "status_code", None) or text.rsplit("caused error: ", 1)[-1].split(" ", 1)[0]
+    return code == "WRONGTYPE" or "WRONGTYPE" in script_codes(text)
 
 
 # Redis 6 wraps the error of a command a Lua script called: "@user_script: 1: -OOM command not allowed ..." (the

@@ -144,6 +144,9 @@ def test_wrong_type_knows_a_real_wrongtype_raised_alone_raised_from_a_pipeline_a
         pipe.hget(key, "f")
         pipe.incr(key)  # ERR value is not an integer: a refusal, but not of the key's type
         returned, other = pipe.execute(raise_on_error=False)
-        assert [wrong_type(e) for e in (alone.value, piped.value, returned, other)] == [True, True, True, False]
+        with pytest.raises(redis.ResponseError) as scripted:  # a script's call: "@user_script:1: WRONGTYPE ..."
+            redis_client.eval("return redis.call('LPUSH', KEYS[1], 1)", 1, key)
+        assert [wrong_type(e) for e in (alone.value, piped.value, returned, scripted.value, other)] == [
+            True, True, True, True, False]
     finally:
         redis_client.delete(key)
