@@ -52,6 +52,12 @@ batches ``process`` returned from.
   max.poll.interval.ms``, 300 s unless set): the batch's commit goes out as a member of no generation, which the
   broker refuses (UnknownMemberId); the revocation drops what it holds, and faust's answer to it counts as a poll
   (``_CommittedReads.on_partitions_revoked``) for aiokafka to rejoin.
+* An input topic deleted and made again under the group's committed offset (of the old topic; a member committing
+  its position after the deletion): the start moved back (above) dropped the new topic's records below it as
+  processed, and no batch came for the restore that tells the topic changed. A fetch whose every record was left out
+  is therefore delivered as an empty batch, and an input its restore found made again
+  (:attr:`BatchDelivery.started_over`: nothing of the batch processed) is committed at its first offset at once, its
+  floor forgotten, and the hand dropped: the seek back to the committed offsets reads it from its first record.
 * A partition paused (backpressure) after its records were fetched: they are delivered; faust's ``getmany``
   drops such records without a seek, so they were not read again until the next rebalance.
 
@@ -100,7 +106,8 @@ _READER = "joiner"  # whose input lost to retention is logged and counted (strea
 # What BatchConsumer uses of faust's Consumer beyond its public interface (faust-streaming 0.15.3, the version
 # pyproject.toml allows): a faust that moved any of it fails at start, not in a batch.
 _FAUST_INTERNALS = ("_drain_messages", "_wait_next_records", "_get_active_partitions", "_add_gap", "_committed_offset",
-                    "_acked", "_acked_index", "_read_offset", "_n_acked", "_waiting_for_ack", "_thread")
+                    "_acked", "_acked_index", "_read_offset", "_n_acked", "_waiting_for_ack", "_thread",
+                    "_commit_offsets")
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,10 @@ class BatchDelivery:
     # Seconds to wait before the next fetch, asked after each batch (a failed batch's backoff: the infrastructure is
     # away); 0: none.
     wait_s: Callable[[], float] = lambda: 0.0
+    # Asked after each batch: the (topic, partition)s of inputs its restore found deleted and made again (the group's
+    # committed offset is the old topic's). ``process`` processed nothing then; they are committed at their first
+    # offset before anything of them is joined, and read from there.
+    started_over: Callable[[], set[tuple[str, int]]] = lambda: set()
 
 
 class _Dropped(Exception):
@@ -175,6 +186,9 @@ class BatchConsumer(faust_aiokafka.Consumer):
         self._redone: dict[TP, int] = {}
         # The jumps of the last fetch (:meth:`_records`): (partition, first offset missing, the next record's offset).
         self._jumps: list[tuple[TP, int, int]] = []
+        # Whether a fetch since the last batch brought records and every one was left out (read or processed already):
+        # delivered all the same, as an empty batch, for ``process`` to restore their partitions (module docstring).
+        self._left_out = False
 
     @property
     def delivery(self) -> BatchDelivery:
@@ -199,7 +213,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     continue
                 finally:
                     self.diag.unset_flag(CONSUMER_FETCHING)
-                if batch or self._kept:  # nothing new: what is kept is offered again (the other input may have come)
+                # nothing new: what is kept is offered again (the other input may have come), and a restore is
+                # owed to records left out (an input made again under the committed offset: module docstring)
+                if batch or self._kept or self._left_out:
+                    self._left_out = False
                     await self._deliver(batch)
                     if (wait := self.delivery.wait_s()) > 0:
                         await self.sleep(wait)  # (mode's: ends early when the consumer stops)
@@ -257,7 +274,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
                 d.in_hand(len(batch))
                 if deadline is None:
                     deadline = time.monotonic() + d.within_s
-            elif (batch and short) or (not batch and self._kept):
+            elif (batch and short) or (not batch and (self._kept or self._left_out)):
                 break
         if len(batch) > d.max_records:
             self._set_carry(batch[d.max_records:])
@@ -301,6 +318,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     # batch: a topic deleted and made again (offsets started over), whose records the join takes
                     if start - (high - 1) <= BATCH_MESSAGES + 1:
                         self._redone[TP(tp.topic, tp.partition)] = start
+                        self._left_out = True  # (delivered now: its restore may find the topic made again)
                 except Exception as exc:  # noqa: BLE001 - revoked meanwhile: its next owner checks again
                     self.log.warning("could not seek %r back to %d: %r", tp, high - 1, exc)
 
@@ -408,12 +426,21 @@ class BatchConsumer(faust_aiokafka.Consumer):
         if high == 0:
             return False
         read, sought = self._read_offset.get(tp), self._sought.get(tp)
+        if sought is not None and sought >= high and not self._start_checked(tp):
+            return None  # moved back at the next fetch (:meth:`_resume_safely`), perhaps to a topic made again
         if read is not None and (read + 1 if sought is None else sought) >= high:
             return False
         if read is not None and sought is not None:  # sought below the high water: more, whatever was fetched
             return True
         position = _fetch_position(self._thread._ensure_consumer(), tp)  # nothing read yet, or read below the high
         return position is None or position < high  # water: the fetch position decides (markers, compacted records)
+
+    def _start_checked(self, tp: TP) -> bool:
+        """Whether :meth:`_resume_safely` checked ``tp``'s start this generation. Until then a start at or past the high
+        water is not known to be read to its end: an idle exit before that check (the high water comes with a fetch
+        that returned nothing, and faust's wait for records goes on a while) ended the run before the restore found the
+        topic made again under the committed offset."""
+        return self._resumed_generation == self.app.consumer_generation_id and TP(tp[0], tp[1]) in self._resumed
 
     def _set_carry(self, records: list[Record]) -> None:
         self._carry = records
@@ -462,6 +489,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
             if read is not None and recs[0].offset < read:
                 recs = [r for r in recs if r.offset >= read]
                 if not recs:
+                    self._left_out = True
                     continue
             key = TP(tp.topic, tp.partition)
             expected = self._sought.pop(key) if key in self._sought else None if read is None else read + 1
@@ -469,6 +497,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
                 self._jumps.extend((key, start, end) for start, end in _jumps(expected, recs))
             topic, partition = tp
             given = _not_redone(self._redone, key, recs)
+            self._left_out |= not given
             stamps = [-1 if r.timestamp is None else r.timestamp for r in given]  # -1: none, the clock bounds ts
             out.extend(records_of(repeat(topic, len(given)), repeat(partition, len(given)), map(_OFFSET, given),
                                   map(_KEY, given), map(_VALUE, given), stamps, _headers(given)))
@@ -486,6 +515,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
             processed = self.delivery.process(batch)
         finally:
             self.delivery.in_hand(len(self._carry))
+        again = self.delivery.started_over()  # (asked before anything awaits: no revocation in between)
         offsets, self._kept = self._kept, {}  # what process() kept from earlier batches comes first
         for (topic, partition), run in groupby(batch, _TOPIC_PARTITION):  # runs of one partition, offsets ascending
             offsets.setdefault(TP(topic, partition), []).extend(map(_OFFSET, run))
@@ -506,13 +536,30 @@ class BatchConsumer(faust_aiokafka.Consumer):
                 if monitor is not None:
                     monitor.stream_inbound_time[tp] = now
         commit_every = self._commit_every
-        if left:  # read again from what was processed (module docstring)
+        if again:
+            await self._start_over(again)
+        if left or again:  # read again from what was processed (module docstring)
             await self.commit()
             unprocessed = sum(len(offs) - bisect_left(offs, left[tp]) for tp, offs in offsets.items() if tp in left)
             await self._drop({**_first_offsets(self._carry), **left}, unprocessed + len(self._carry))
         elif commit_every is not None and self._n_acked >= commit_every:
             self._n_acked = 0
             await self.commit()
+
+    async def _start_over(self, again: set[tuple[str, int]]) -> None:
+        """Inputs found deleted and made again (:attr:`BatchDelivery.started_over`) committed at their first offset and
+        sought there, their floor (``_redone``) forgotten; the hand is dropped next. At once, before anything of them is
+        joined: left at the old topic's offset until a later commit, a crash after the new topic's first state chunk
+        restarted there, the state's topic id now the topic's (no start over), and the records in between were never
+        joined. A broker that cannot answer fails the consumer, as faust's own commit does: the restart's restore
+        finds the topic made again anew."""
+        tps = [TP(topic, partition) for topic, partition in sorted(again)]
+        for tp in tps:
+            self._redone.pop(tp, None)
+        lows = {tp: low for tp, low in (await self.earliest_offsets(*tps)).items() if low is not None}
+        await self._commit_offsets(lows)
+        for tp, low in lows.items():  # (aiokafka's seek to the committed offsets passes over an offset of 0)
+            await self.seek(tp, low)
 
     def forget_kept(self, partitions: set[TP]) -> None:
         """What ``process`` kept of ``partitions`` is dropped (revoked: their next owner reads it); it is told so."""

@@ -18,6 +18,9 @@ consumer resuming at a committed offset inside that batch gets nothing until mor
 starts such partitions at the batch start (``stream.kafka.resume_offsets``), the faust driver's consumer moves its
 start there at the first fetch of a generation (``faust_delivery.BatchConsumer._resume_safely``), and both skip what
 they had applied. A worker does not exit idle during a rebalance: partitions of a member that died come with it.
+An input a restore finds deleted and made again (``JoinPipeline.started_over``: the group's committed offset may be the
+old topic's) is committed at its first offset and read from there by faust's consumer before any of it is joined
+(``faust_delivery``), as the kafka driver does (``kafka_driver.KafkaJoinWorker._started_over``).
 
 An exception in a batch must not let faust acknowledge it, and no faust path may commit it afterwards (faust's
 error handling commits what was acknowledged; its agents acknowledge a crashed batch). A failure of the
@@ -204,6 +207,7 @@ class FaustJoinWorker:
         self.recoveries = 0  # infrastructure failures recovered from (_recover)
         self._backoff_s = RECOVERY_BACKOFF_S[0]  # the next recovery's wait
         self._wait = 0.0  # the wait owed before the next fetch
+        self._again: set[tuple[str, int]] = set()  # inputs the last batch's restore found made again (_started_over)
         self._waited_until = 0.0  # (time.monotonic) when the wait the consumer took ends
         self.worker: faust.Worker | None = None
         # faust writes its table and app-id files under datadir (default: "<app-id>-data" in the working
@@ -237,7 +241,7 @@ class FaustJoinWorker:
         install(app, BatchDelivery(process=self._process, max_records=self.js.batch_max,
                                    within_s=self.js.batch_within_s, short_polls=lambda: bool(self.pauses.paused),
                                    in_hand=self._in_hand, held=lambda: self.pipeline.held_counts,
-                                   dropped=self._drop_held, wait_s=self._wait_s))
+                                   dropped=self._drop_held, wait_s=self._wait_s, started_over=self._take_started_over))
         # Subscribed through faust's Conductor as an agent's topic would be; delivered in batches by faust_delivery.
         app.topics.add(app.topic(k.impressions_topic, k.clicks_topic, key_serializer="raw", value_serializer="raw"))
         app.timer(_IDLE_TICK_S)(self._idle_check)
@@ -259,6 +263,8 @@ class FaustJoinWorker:
             # appears in a batch (each read costs a consumer's start-up and an end-of-partition wait)
             if missing := self._assigned - set(self.pipeline.engines):
                 self.pipeline.restore(missing)
+            if self._started_over():
+                return {}  # read again once the consumer started them over: nothing of them joined before
             self.pipeline.process_new(records, behind)  # what it holds back it keeps, and faust does not acknowledge
             processed = self.pipeline.processed
         except Exception as exc:
@@ -277,6 +283,25 @@ class FaustJoinWorker:
             self._idle.reset()
         self._apply_gate()
         return processed
+
+    def _started_over(self) -> bool:
+        """Whether the restore found inputs deleted and made again (``pipeline.started_over``), said once each and kept
+        for faust's consumer (:meth:`_take_started_over`): it commits their first offset and reads the batch again
+        (``faust_delivery.BatchConsumer._start_over``). Their records below the group's committed offset, the old
+        topic's, were left out as processed (``_resume_safely``'s floor), none joined, in silence."""
+        again, self.pipeline.started_over = self.pipeline.started_over, set()
+        for topic, partition in sorted(again):
+            log.warning("%s partition %d was deleted and created again: reading it from its first record", topic,
+                        partition)
+        self._again |= again
+        if again:
+            self._idle.reset()  # read again from their first record: no idleness before
+        return bool(again)
+
+    def _take_started_over(self) -> set[tuple[str, int]]:
+        """``BatchDelivery.started_over``: what :meth:`_started_over` kept, once."""
+        again, self._again = self._again, set()
+        return again
 
     def _recover(self, exc: Exception) -> None:
         """Back to the last durable point after an infrastructure failure (module docstring): the join state and what

@@ -2,7 +2,7 @@
 stopped, a batch of clicks whose state header is bigger than a message, an unreadable state record, a state topic
 deleted under kept offsets, Redis failing in the middle of a batch, a dead letter that cannot be written, an offset
 commit that fails, a write the broker denies by authorization, a samples topic created again with fewer partitions,
-an impressions topic made again under the group's committed offsets.
+an impressions topic made again under the group's committed offsets (both drivers).
 Each test failed before its fix (the docstrings say how), but the dead letter's.
 
 The pipeline fixtures (``make``, ``prefix``) are test_join_pipeline's, taken as parameters by name.
@@ -12,9 +12,11 @@ The pipeline fixtures (``make``, ``prefix``) are test_join_pipeline's, taken as 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import re
 import signal
+import subprocess
 import time
 from typing import Any
 
@@ -34,6 +36,7 @@ from stream.joiner.state_log import FENCE_SPAN, StateLogError, chunk_key, claim_
 from stream.kafka import AckedProducer, admin_config, consumer_config, ensure_topics, topic_identity
 from stream.strikes import STRIKES_TTL_S
 from tests.integration.test_join_pipeline import T0, click, imp, make, prefix, sample_rows, settings  # noqa: F401
+from tests.integration.test_joiner import join_cmd, join_env
 from tests.kafka_io import make_again, read_topic
 
 
@@ -1048,6 +1051,42 @@ def test_an_impressions_topic_made_again_with_fewer_records_than_the_groups_comm
     again = make(exit_when_idle_s=1.0)
     assert KafkaJoinWorker(again, kafka, again.js).run() == 0
     assert again.totals.counts["impressions"] == 3  # every new one joined
+
+
+def test_the_faust_driver_joins_an_impressions_topic_made_again_under_the_groups_committed_offset_from_its_first(
+        kafka: KafkaSettings, stack, make, prefix: str) -> None:
+    """The faust driver's variant of the test above. The group's committed offset 6 is the old topic's, the new one
+    has 3 records: faust's consumer moved the start back to the broker's high watermark - 1
+    (``BatchConsumer._resume_safely``) and left out every record below the old offset as processed (``_redone``), so
+    no batch came, the restore that tells the topic was made again never ran, and no new impression was joined, in
+    silence. Now a fetch whose every record was left out is delivered (empty) for the restore to run, and an input
+    it finds made again is committed at its first offset and read from there. The old topic's state is written by a
+    pipeline outside any group: a member of the kafka driver's would leave the group a protocol faust cannot join,
+    and one of faust's a membership the stale commit from outside is refused under."""
+    producer = AckedProducer(kafka)
+
+    def write(ids: list[str]) -> None:
+        for i, imp_id in enumerate(ids):
+            r = imp(kafka, 0, i, imp_id, T0 + i)
+            producer.send(r.topic, r.value, r.key, partition=r.partition)
+            producer.flush()  # each its own record batch: the local broker's high watermark is the true end
+
+    first = make()  # creates the topics
+    old = [f"old-{i}" for i in range(6)]
+    write(old)
+    first.process([imp(kafka, 0, i, imp_id, T0 + i) for i, imp_id in enumerate(old)])  # state of the old topic's id
+    make_again(kafka, kafka.impressions_topic, partitions=4)
+    write([f"new-{i}" for i in range(3)])
+    committer = Consumer(consumer_config(kafka, first.js.app_id))  # (no member: the group never had one)
+    try:
+        committer.commit(offsets=[TopicPartition(kafka.impressions_topic, 0, 6)], asynchronous=False)
+    finally:
+        committer.close()
+    again = subprocess.run(join_cmd(first.js.app_id, "faust", idle_s=1.0), capture_output=True, text=True,
+                           env=join_env(kafka, stack.redis_url, prefix), timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1])["impressions"] == 3, again.stderr[-3000:]
+    assert again.stderr.count("was deleted and created again: reading it from its first record") == 1
 
 
 def test_a_new_impressions_topic_partly_joined_before_a_crash_is_read_on_from_its_state_not_the_old_committed_offset(

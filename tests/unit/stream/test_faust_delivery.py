@@ -246,13 +246,16 @@ def test_a_partition_sought_to_its_last_record_still_has_that_record_to_read() -
     from stream.joiner.faust_delivery import BatchConsumer
 
     imps = TP("impressions", 2)
-    fake = SimpleNamespace(highwater=lambda tp: 1224, _read_offset={imps: 1223}, _sought={imps: 1223}, _carried=set())
+    fake = SimpleNamespace(highwater=lambda tp: 1224, _read_offset={imps: 1223}, _sought={imps: 1223}, _carried=set(),
+                           _start_checked=lambda tp: True)
     more = BatchConsumer.fetched_more
     assert more(fake, imps) is True  # type: ignore[arg-type]  # 1223 sought, not read yet
     fake._sought = {}  # read: the read offset is the last offset read
     assert more(fake, imps) is False  # type: ignore[arg-type]
     fake._sought = {imps: 1224}  # _resume_safely's re-read of an applied record: owed from past the high water
     assert more(fake, imps) is False  # type: ignore[arg-type]
+    fake._start_checked = lambda tp: False  # a start at the high water _resume_safely has not checked yet: unknown
+    assert more(fake, imps) is None  # type: ignore[arg-type]
 
 
 def test_a_partition_whose_every_record_was_deleted_has_nothing_more_for_a_new_group() -> None:
@@ -318,7 +321,7 @@ def test_the_faust_driver_hands_the_pipeline_each_record_with_its_kafka_headers(
 
     headers = [("trace-id", b"t-1")]
     rec = ConsumerRecord("impressions", 0, 5, 1000, 0, b"k", b"{bad", None, 4, 1, headers)
-    fake = SimpleNamespace(_read_offset=defaultdict(lambda: None), _sought={}, _redone={}, _jumps=[],
+    fake = SimpleNamespace(_read_offset=defaultdict(lambda: None), _sought={}, _redone={}, _jumps=[], _left_out=False,
                            app=SimpleNamespace(monitor=None, topics=SimpleNamespace(acks_enabled_for=lambda t: False)))
     [out] = BatchConsumer._records(fake, {TP("impressions", 0): [rec]})  # type: ignore[arg-type]
     assert (out.offset, out.key, out.value, out.headers) == (5, b"k", b"{bad", headers)
