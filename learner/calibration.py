@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from learner.checkpoint import state_counts
-from learner.event_clock import EventClock, FirstTime, load_times
+from learner.event_clock import EventClock, FirstTime, integer_times, load_times
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 # The logits a fit reads: those of probabilities in [1e-7, 1 - 1e-7], the range learner/evaluation/calibration.py fits
@@ -310,11 +310,13 @@ class OnlineCalibration:
     def _pending_of(d: dict[str, Any], ids: np.ndarray) -> tuple[tuple[np.ndarray, ...], list[int]]:
         """The pending pairs' columns (ids, logits, ts, labels), each ``(n,)``, and the sizes of the batches they came
         in, else a ValueError naming the value: an empty batch matured on ``max()`` of no times and a column shorter
-        than the ids paired logits with other rows' labels, each raising at every batch (its messages struck), and a
-        label outside [0, 1] or NaN fitted ``(a, b)`` to NaN, served from then on."""
+        than the ids paired logits with other rows' labels, each raising at every batch (its messages struck), a label
+        outside [0, 1] or NaN fitted ``(a, b)`` to NaN, served from then on, and a time that is no integer (NaN was
+        INT64_MIN through ``astype``) matured its pair at once."""
         state = STATE
-        cols = (ids, *(_column(d, f"pending_{k}", t) for k, t in (("logits", np.float64), ("ts", np.int64),
-                                                                   ("labels", np.float64))))
+        logits = _column(d, "pending_logits", np.float64)
+        ts = integer_times(f"{state}: pending_ts", _column(d, "pending_ts", object))  # (read as Python numbers)
+        cols = (ids, logits, ts, _column(d, "pending_labels", np.float64))
         sizes = _listed(d, "pending_chunks", [len(ids)] if len(ids) else [])
         state_counts(state, {f"pending_chunks[{i}]": n for i, n in enumerate(sizes)})
         if any(n < 1 for n in sizes) or sum(sizes) != len(ids):

@@ -16,7 +16,7 @@ warm-up and the bias rule's span of delays are measured from.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,11 +55,7 @@ class _QuorumTime:
         that is no integer (a bool, a fraction, a text) is a ValueError naming it: ``int()`` read ``true`` as 1 ms
         and ``"17e11"`` raised a message naming no field, from a damaged or edited checkpoint."""
         times = list(state) if isinstance(state, list | tuple) else [] if one is None else [one]
-        if (bad := [x for x in times if isinstance(x, bool) or not isinstance(x, int | np.integer)
-                    or not -_MAX_MS <= x <= _MAX_MS]):  # (beyond int64: an OverflowError no restore took for damage)
-            raise ValueError(f"event clock state: {bad[0]!r:.80} is not a time in integer ms: the state is "
-                             "damaged; the restore uses the previous checkpoint")
-        self._kept = largest(self.sign * np.asarray(times, np.int64), self.quorum)
+        self._kept = largest(self.sign * integer_times("event clock state", times), self.quorum)
 
 
 class EventClock(_QuorumTime):
@@ -125,6 +121,18 @@ class FirstTime(_QuorumTime):
         observed impressions again, the bias rule measured its span of delays from the restart)."""
         old = isinstance(state, int | np.integer) and not isinstance(state, bool)
         self._load([state] * self.quorum if old else state, None if isinstance(state, list | tuple) else state)
+
+
+def integer_times(what: str, times: Iterable[Any]) -> np.ndarray:
+    """``times`` as int64 ``(n,)``, else a ValueError naming ``what`` and the first that is no time in integer ms (a
+    bool, a fraction, NaN, a text, beyond int64): read through ``astype(int64)`` or ``int()``, ``true`` was 1 ms, a
+    NaN INT64_MIN (its pair matured at once) and 2**70 an OverflowError that no restore took for damage."""
+    times = list(times)
+    if (bad := [x for x in times if isinstance(x, bool) or not isinstance(x, int | np.integer)
+                or not -_MAX_MS <= x <= _MAX_MS]):
+        raise ValueError(f"{what}: {bad[0]!r:.80} is not a time in integer ms: the state is damaged; the restore "
+                         "uses the previous checkpoint")
+    return np.asarray(times, np.int64)
 
 
 def load_times(state: str, clock: EventClock, first: FirstTime, d: Mapping[str, Any]) -> None:

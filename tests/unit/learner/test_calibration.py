@@ -290,6 +290,11 @@ CORRUPT_PENDING = {
     "nan_label": (_set("pending_labels", lambda t: t.index_fill(0, torch.tensor([0]), float("nan"))), "nan"),
     "label_of_two": (_set("pending_labels", lambda t: t.index_fill(0, torch.tensor([0]), 2.0)), "2.0"),
     "negative_rows": (_set("rows", -4), "rows"),
+    # a time that is no integer: through astype(int64) NaN was INT64_MIN, its pair matured at once
+    "nan_time": (_set("pending_ts", lambda t: t.double().index_fill(0, torch.tensor([0]), float("nan"))),
+                 "pending_ts: nan is not a time in integer ms"),
+    "fractional_time": (_set("pending_ts", lambda t: t.double().index_fill(0, torch.tensor([0]), 1.5)),
+                        "pending_ts: 1.5 is not a time in integer ms"),
     # a field missing or of another type: a bare KeyError, or read as something else
     "no_logits": (lambda d: d.pop("pending_logits"), "pending_logits is missing"),
     "ids_as_text": (_set("pending_ids", "i1"), "pending_ids is 'i1', not a list"),
