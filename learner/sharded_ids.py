@@ -169,6 +169,15 @@ def _parts_of_states(states: Sequence[Mapping[str, Any]], owner: str) -> tuple[l
     return parts, clock
 
 
+def _ids_now(rank: int, state: Mapping[str, Any]) -> float:
+    """Rank ``rank``'s ``ids_now`` (``-inf``, the default: no round with rows yet), else a ValueError naming it: a
+    bool, a text, NaN or +inf is no event time (``float()`` read ``true`` as 1.0 s and ``"5"`` as 5.0 s)."""
+    v = state.get("ids_now", float("-inf"))
+    if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating) or not v < float("inf"):
+        raise ValueError(f"rank {rank}'s ids_now is {v!r:.80}, not an event time in seconds: the state is damaged")
+    return float(v)
+
+
 def whole_maps(cfg: FeatureConfig, states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Every rank's map parts (per-rank checkpoint states) merged into ONE map per field, of the whole capacity:
     ``RowMapper.state_dict``, what the unshard writes and a delta carries to serving."""
@@ -500,7 +509,7 @@ class ShardedRowMapper:
 
                 f.map.load_entries(p.keys[m], rows - share.start, p.seen[m],
                                    p.candidates_of(keep, f.map.max_candidates), swept, own, stack)
-        self.now = max((float(s.get("ids_now", float("-inf"))) for s in states), default=float("-inf"))
+        self.now = max((_ids_now(r, s) for r, s in enumerate(states)), default=float("-inf"))
         self._clock.load([t for s in states for t in s.get("ids_clock", [])])  # every rank's is the same clock
         if not moves_src:
             return np.empty(0, np.int64), np.empty(0, np.int64)

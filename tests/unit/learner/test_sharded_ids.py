@@ -395,3 +395,17 @@ def test_a_restored_share_hands_out_its_free_rows_in_the_order_an_uninterrupted_
     assert again is not None
     want = share.lookup(np.repeat(new, 2), now=61.0).rows
     assert again.lookup(np.repeat(new, 2), now=61.0).rows.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("now", [True, "5", float("nan"), float("inf")])
+def test_a_checkpointed_ids_now_that_is_no_event_time_is_refused_at_load_naming_it(now: object) -> None:
+    """A rank state's ``ids_now`` (the maps' event time, s) of ``true`` was read through ``float()`` as 1.0 s, and
+    ``"5"`` as 5.0 s: a damaged or edited state, refused naming the rank and the field (the restore takes a
+    ValueError for damage and uses the checkpoint before it)."""
+    from learner.sharded_ids import ShardedRowMapper
+
+    ranges = [(0, 0, 344), (1, 344, 688)]
+    states = [ShardedRowMapper(ROOMY, ranges, r, ACC0).state_dict() for r in (0, 1)]
+    states[1]["ids_now"] = now
+    with pytest.raises(ValueError, match=r"rank 1's ids_now is .*, not an event time in seconds"):
+        ShardedRowMapper(ROOMY, ranges, 0, ACC0).load_shares(states)
