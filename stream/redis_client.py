@@ -648,8 +648,10 @@ def eviction_advice(client: Any, settings: RedisSettings, holds: str) -> str | N
 
 
 def failure(exc: BaseException, settings: RedisSettings) -> RedisFailure:
-    """``exc`` (a Redis or socket error) as a :class:`RedisFailure` carrying :func:`describe`'s line."""
-    cls = RedisAuthError if isinstance(exc, _AUTH_ERRORS) else RedisFailure
+    """``exc`` (a Redis or socket error) as a :class:`RedisFailure` carrying :func:`describe`'s line: a
+    :class:`RedisAuthError` when :func:`describe` says it is the credentials' or the ACL's to fix (by
+    :func:`acl_denied`, also a command denied inside a script, which Redis 6 says with no NOPERM code)."""
+    cls = RedisAuthError if isinstance(exc, _AUTH_ERRORS) or acl_denied(exc) else RedisFailure
     return cls(describe(exc, settings))
 
 

@@ -16,7 +16,7 @@ from cache_refresh import hot_set
 from stream import counts as counts_module
 from stream.config import RedisSettings
 from stream.counts import DailyCounts
-from stream.redis_client import connect, describe
+from stream.redis_client import RedisAuthError, connect, describe, failure
 from streamrec.stack import LocalStack
 from tests.integration.test_refresh import CFG
 from tests.trickle_proxy import TrickleProxy
@@ -339,3 +339,28 @@ def test_the_names_read_under_an_acl_denying_hstrlen_is_described_as_the_acls_to
         limited.close()
         redis_client.execute_command("ACL", "DELUSER", user)
     assert counts.names("item", ["456"], DAY) == {}
+
+
+def test_a_hstrlen_the_acl_denies_inside_the_names_script_is_a_redis_auth_error_as_outside_it(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str) -> None:
+    """``failure`` classed a command the ACL denies inside a script (Redis 6: no NOPERM code) as a plain
+    ``RedisFailure`` while ``describe`` said it was the ACL's to fix: a caller catching ``RedisAuthError`` (the
+    refresh, serving's start) took a configuration to fix for an outage. Inside the script and outside it, the same
+    denial is now the same ``RedisAuthError``."""
+    _items(redis_client, prefix, {"456": 3})
+    user, password = f"{prefix}-user", uuid.uuid4().hex
+    redis_client.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all", "-hstrlen")
+    settings = RedisSettings(url=stack.redis_url, username=user)
+    limited = redis.Redis.from_url(stack.redis_url, username=user, password=password)
+    try:
+        with pytest.raises(redis.ResponseError) as in_script:
+            DailyCounts(limited, prefix=prefix).names("item", ["456"], DAY)
+        with pytest.raises(redis.ResponseError) as outside:
+            limited.hstrlen(f"{prefix}:names", "456")
+    finally:
+        limited.close()
+        redis_client.execute_command("ACL", "DELUSER", user)
+    assert "NOPERM" not in str(in_script.value)  # (the codeless denial this is about)
+    for exc in (in_script.value, outside.value):
+        err = failure(exc, settings)
+        assert isinstance(err, RedisAuthError) and "grant it in the Redis ACL" in str(err), (type(err), str(err))
