@@ -51,6 +51,21 @@ def lookups(client: redis.Redis, prefix: str, kind: str) -> dict[int, int]:
     return {int(m): int(c) for m, c in client.zrange(key, 0, -1, withscores=True)}
 
 
+def out_of_memory_for(client: redis.Redis, counts: DailyCounts, monkeypatch: pytest.MonkeyPatch, *kinds: str) -> None:
+    """``counts``' writes of ``kinds`` refused by a full Redis (OOM: maxmemory 1 while each runs): an outage."""
+    real_add, maxmemory = counts.add_counts, str(client.config_get("maxmemory")["maxmemory"])
+
+    def add(kind: str, *args: Any, **kwargs: Any) -> None:
+        if kind in kinds:
+            client.config_set("maxmemory", "1")  # full: Redis refuses writes (OOM)
+        try:
+            real_add(kind, *args, **kwargs)
+        finally:
+            client.config_set("maxmemory", maxmemory)
+
+    monkeypatch.setattr(counts, "add_counts", add)
+
+
 def test_scored_requests_count_their_user_candidates_and_history_in_todays_lookup_keys(
         stack, redis_client: redis.Redis, learner: TinyLearner, tmp_path: Path, prefix: str) -> None:
     root = tmp_path / "serving"
@@ -221,17 +236,7 @@ def test_a_flush_that_fails_part_way_retries_only_the_lookups_it_did_not_write(
     lc = LookupCounts(counts, flush_s=60.0)
     lc.add("user", np.array(_members(["u1"]), np.int64))
     lc.add("item", np.array(_members(["i1", "i2", "i1"]), np.int64))
-    real_add, maxmemory = counts.add_counts, str(redis_client.config_get("maxmemory")["maxmemory"])
-
-    def add_refused_for_users(kind: str, *args: Any, **kwargs: Any) -> None:
-        if kind == "user":
-            redis_client.config_set("maxmemory", "1")  # full: Redis refuses writes (OOM)
-        try:
-            real_add(kind, *args, **kwargs)
-        finally:
-            redis_client.config_set("maxmemory", maxmemory)
-
-    monkeypatch.setattr(counts, "add_counts", add_refused_for_users)
+    out_of_memory_for(redis_client, counts, monkeypatch, "user")
     assert lc.flush() == 3  # sorted by (day, kind): the items, then the user
     assert (lc.flushed, lc.dropped) == (3, 0)
     assert lookups(redis_client, prefix, "item") == {_members(["i1"])[0]: 2, _members(["i2"])[0]: 1}
@@ -304,17 +309,7 @@ def test_a_refused_day_key_is_dropped_as_refused_said_once_and_hides_no_later_ou
             lc.flush()
         assert caplog.text.count("Redis refuses the writes to") == 1 and f"redis-cli DEL {key}" in caplog.text
         assert "a flush to Redis failed" not in caplog.text
-        maxmemory = str(redis_client.config_get("maxmemory")["maxmemory"])
-        real_add = counts.add_counts
-
-        def out_of_memory(*args: Any, **kwargs: Any) -> None:
-            redis_client.config_set("maxmemory", "1")  # full: Redis refuses writes (OOM): an outage
-            try:
-                real_add(*args, **kwargs)
-            finally:
-                redis_client.config_set("maxmemory", maxmemory)
-
-        monkeypatch.setattr(counts, "add_counts", out_of_memory)
+        out_of_memory_for(redis_client, counts, monkeypatch, "user", "item")  # an outage
         lc.add("user", np.array(_members(["u1"]), np.int64))
         lc.flush()
         assert "a flush to Redis failed" in caplog.text
@@ -379,17 +374,7 @@ def test_a_flush_with_a_refusal_and_an_outage_logs_the_outage_by_its_own_error(
     lc = LookupCounts(counts, flush_s=60.0)
     lc.add("user", np.array(_members(["u1"]), np.int64))
     lc.add("item", np.array(_members(["i1"]), np.int64))
-    real_add, maxmemory = counts.add_counts, str(redis_client.config_get("maxmemory")["maxmemory"])
-
-    def add_refused_for_users(kind: str, *args: Any, **kwargs: Any) -> None:
-        if kind == "user":
-            redis_client.config_set("maxmemory", "1")  # full: Redis refuses writes (OOM)
-        try:
-            real_add(kind, *args, **kwargs)
-        finally:
-            redis_client.config_set("maxmemory", maxmemory)
-
-    monkeypatch.setattr(counts, "add_counts", add_refused_for_users)
+    out_of_memory_for(redis_client, counts, monkeypatch, "user")
     with caplog.at_level("WARNING", logger="streamrec.serve"):
         assert lc.flush() == 0
     failed = [r.getMessage() for r in caplog.records if "a flush to Redis failed" in r.getMessage()]
@@ -407,17 +392,7 @@ def test_a_stop_just_after_an_outage_drops_the_refused_writes_it_kept_as_refused
     lc = LookupCounts(counts, metrics, flush_s=60.0)
     lc.add("user", np.array(_members(["u1"]), np.int64))
     lc.add("item", np.array(_members(["i1", "i2"]), np.int64))
-    real_add, maxmemory = counts.add_counts, str(redis_client.config_get("maxmemory")["maxmemory"])
-
-    def add_refused_for_users(kind: str, *args: Any, **kwargs: Any) -> None:
-        if kind == "user":
-            redis_client.config_set("maxmemory", "1")  # full: Redis refuses writes (OOM)
-        try:
-            real_add(kind, *args, **kwargs)
-        finally:
-            redis_client.config_set("maxmemory", maxmemory)
-
-    monkeypatch.setattr(counts, "add_counts", add_refused_for_users)
+    out_of_memory_for(redis_client, counts, monkeypatch, "user")
     assert lc.flush() == 0
     lc.stop()
     dropped = {s.labels["reason"]: s.value for s in metrics.registry.collect() for s in s.samples
