@@ -552,14 +552,18 @@ class BatchConsumer(faust_aiokafka.Consumer):
         joined: left at the old topic's offset until a later commit, a crash after the new topic's first state chunk
         restarted there, the state's topic id now the topic's (no start over), and the records in between were never
         joined. A broker that cannot answer fails the consumer, as faust's own commit does: the restart's restore
-        finds the topic made again anew."""
+        finds the topic made again anew. A partition revoked while the broker was asked is not sought (aiokafka
+        raised, out of the fetcher): faust's commit discarded its offset, and its next owner starts it over."""
         tps = [TP(topic, partition) for topic, partition in sorted(again)]
         for tp in tps:
             self._redone.pop(tp, None)
         lows = {tp: low for tp, low in (await self.earliest_offsets(*tps)).items() if low is not None}
         await self._commit_offsets(lows)
         for tp, low in lows.items():  # (aiokafka's seek to the committed offsets passes over an offset of 0)
-            await self.seek(tp, low)
+            try:
+                await self.seek(tp, low)
+            except Exception as exc:  # noqa: BLE001 - revoked meanwhile (its commit discarded): its next owner's
+                self.log.warning("could not seek %r to %d: %r", tp, low, exc)  # restore starts it over
 
     def forget_kept(self, partitions: set[TP]) -> None:
         """What ``process`` kept of ``partitions`` is dropped (revoked: their next owner reads it); it is told so."""

@@ -525,3 +525,44 @@ def test_a_partition_moved_back_within_one_record_batch_skips_what_it_reads_agai
     asyncio.run(BatchConsumer._resume_safely(fake, 1, {}))  # type: ignore[arg-type]
     assert seeks == [(lagging, 9), (remade, 39)]
     assert fake._redone == {lagging: 12}
+
+
+def test_an_input_made_again_that_is_revoked_while_its_first_offset_is_asked_is_neither_sought_nor_a_crash() -> None:
+    """``_start_over`` awaits the broker (the new topic's first offset, then the commit): a revocation may come in
+    between. aiokafka's seek of a partition no longer assigned raises IllegalStateError, which escaped ``_deliver`` and
+    failed faust's fetcher (the worker crashed on a rebalance); its next owner's restore finds the topic made again and
+    starts it over itself."""
+    import asyncio
+    import dataclasses
+
+    from aiokafka.errors import IllegalStateError
+    from faust.types import TP
+
+    from stream.joiner.faust_delivery import BatchConsumer
+    from stream.joiner.pipeline import Record
+
+    remade = TP("impressions", 0)
+    fake, done = _delivering(lambda records: {}, lambda: {})
+    fake.delivery = dataclasses.replace(fake.delivery, started_over=lambda: {("impressions", 0)})
+    owned = {remade}
+    fake.assignment = lambda: set(owned)
+    committed: list[dict] = []
+
+    async def earliest_offsets(*tps: TP) -> dict:
+        owned.clear()  # a rebalance revoked it while the broker was asked
+        return {tp: 0 for tp in tps}
+
+    async def commit_offsets(offsets: dict) -> bool:
+        committed.append({tp: o for tp, o in offsets.items() if tp in owned})  # faust's: revoked ones discarded
+        return True
+
+    async def seek(tp: TP, offset: int) -> None:  # aiokafka's: only an assigned partition
+        if tp not in owned:
+            raise IllegalStateError(f"No current assignment for partition {tp}")
+        done["seeks"].append((tp, offset))
+
+    fake.earliest_offsets, fake._commit_offsets, fake.seek = earliest_offsets, commit_offsets, seek
+    fake._start_over = lambda again: BatchConsumer._start_over(fake, again)  # type: ignore[arg-type]
+    asyncio.run(BatchConsumer._deliver(fake, [Record("impressions", 0, 6, None, b"")]))  # type: ignore[arg-type]
+    assert done["seeks"] == [] and committed in ([], [{}])
+    assert done["dropped"] == [None]  # the hand dropped all the same
