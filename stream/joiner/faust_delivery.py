@@ -536,24 +536,24 @@ class BatchConsumer(faust_aiokafka.Consumer):
                 if monitor is not None:
                     monitor.stream_inbound_time[tp] = now
         commit_every = self._commit_every
-        if again:
-            await self._start_over(again)
+        lows = await self._start_over(again) if again else {}
         if left or again:  # read again from what was processed (module docstring)
             await self.commit()
             unprocessed = sum(len(offs) - bisect_left(offs, left[tp]) for tp, offs in offsets.items() if tp in left)
-            await self._drop({**_first_offsets(self._carry), **left}, unprocessed + len(self._carry))
+            await self._drop({**_first_offsets(self._carry), **left, **lows}, unprocessed + len(self._carry))
         elif commit_every is not None and self._n_acked >= commit_every:
             self._n_acked = 0
             await self.commit()
 
-    async def _start_over(self, again: set[tuple[str, int]]) -> None:
+    async def _start_over(self, again: set[tuple[str, int]]) -> dict[TP, int]:
         """Inputs found deleted and made again (:attr:`BatchDelivery.started_over`) committed at their first offset and
         sought there, their floor (``_redone``) forgotten; the hand is dropped next. At once, before anything of them is
         joined: left at the old topic's offset until a later commit, a crash after the new topic's first state chunk
         restarted there, the state's topic id now the topic's (no start over), and the records in between were never
         joined. A broker that cannot answer fails the consumer, as faust's own commit does: the restart's restore
         finds the topic made again anew. A partition revoked while the broker was asked is not sought (aiokafka
-        raised, out of the fetcher): faust's commit discarded its offset, and its next owner starts it over."""
+        raised, out of the fetcher): faust's commit discarded its offset, and its next owner starts it over. Returns
+        the first offsets, where the drop that follows seeks them (a committed 0 is no committed offset to faust)."""
         tps = [TP(topic, partition) for topic, partition in sorted(again)]
         for tp in tps:
             self._redone.pop(tp, None)
@@ -564,6 +564,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
                 await self.seek(tp, low)
             except Exception as exc:  # noqa: BLE001 - revoked meanwhile (its commit discarded): its next owner's
                 self.log.warning("could not seek %r to %d: %r", tp, low, exc)  # restore starts it over
+        return lows
 
     def forget_kept(self, partitions: set[TP]) -> None:
         """What ``process`` kept of ``partitions`` is dropped (revoked: their next owner reads it); it is told so."""

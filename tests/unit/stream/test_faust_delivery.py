@@ -566,3 +566,34 @@ def test_an_input_made_again_that_is_revoked_while_its_first_offset_is_asked_is_
     asyncio.run(BatchConsumer._deliver(fake, [Record("impressions", 0, 6, None, b"")]))  # type: ignore[arg-type]
     assert done["seeks"] == [] and committed in ([], [{}])
     assert done["dropped"] == [None]  # the hand dropped all the same
+
+
+def test_an_input_made_again_with_records_past_the_old_committed_offset_is_read_again_from_its_first_record() -> None:
+    """The new topic holds more records than the group's committed offset (6, the old topic's): the batch brought 6-8,
+    ``_start_over`` committed 0 and sought there, and the drop then sought the partition to the batch's first offset
+    (6): faust's read offset after its seek to a committed 0 is None, which ``_drop`` takes for no committed offset.
+    The new topic's records 0-5 were never joined, under a WARNING that said it was read from its first record."""
+    import asyncio
+    import dataclasses
+
+    from faust.types import TP
+
+    from stream.joiner.faust_delivery import BatchConsumer
+    from stream.joiner.pipeline import Record
+
+    remade = TP("impressions", 0)
+    fake, done = _delivering(lambda records: {}, lambda: {})
+    fake.delivery = dataclasses.replace(fake.delivery, started_over=lambda: {("impressions", 0)})
+    fake.assignment = lambda: {remade}
+    fake._read_offset = {remade: None}  # faust's perform_seek after a committed offset of 0
+
+    async def earliest_offsets(*tps: TP) -> dict:
+        return {tp: 0 for tp in tps}
+
+    async def commit_offsets(offsets: dict) -> bool:
+        return True
+
+    fake.earliest_offsets, fake._commit_offsets = earliest_offsets, commit_offsets
+    fake._start_over = lambda again: BatchConsumer._start_over(fake, again)  # type: ignore[arg-type]
+    asyncio.run(BatchConsumer._deliver(fake, [Record("impressions", 0, o, None, b"") for o in (6, 7, 8)]))  # type: ignore[arg-type]
+    assert done["seeks"][-1] == (remade, 0)  # was (remade, 6)
