@@ -837,13 +837,23 @@ class DailyCounts:
         while True:
             live = [i for i, d in enumerate(done) if not d]
             fresh: dict[bytes, None] = {}
+            span = [depth, depth + page - 1, MEMBER_MAX_BYTES]
             with round_trip(self.client):  # the round's reads by one timeout, not one each (a trickling Redis: 7)
-                others = {i: [j for j in range(len(keys)) if j != i] for i in live}
-                replies = self._read(self._top_page(), [([keys[i], *(keys[j] for j in others[i])],
-                                                         [depth, depth + page - 1, MEMBER_MAX_BYTES]) for i in live])
+                replies = self._read(self._top_page(), [([keys[i]], span) for i in live])
+            # A page with a member too long to send is read again with the window's other keys, for its scores there
+            # (rare: another client's member). Not every page with every other key: a window of n days sent n keys
+            # with each of its n pages, and `--days 20000` held ~20 GB of key lists (the OOM killer ended it).
+            again = [n for n, got in enumerate(replies) if got[1] and len(keys) > 1]
+            others = {live[n]: [j for j in range(len(keys)) if j != live[n]] for n in again}
+            if again:
+                with round_trip(self.client):
+                    more = self._read(self._top_page(), [([keys[live[n]], *(keys[j] for j in others[live[n]])], span)
+                                                         for n in again])
+                for n, got in zip(again, more, strict=True):
+                    replies[n] = got
             pages = [_scored(got) for got in replies]
             for i, rows, got in zip(live, pages, replies, strict=True):
-                for j, m, score in _elsewhere(got, others[i]):  # a replaced member's score in the other days
+                for j, m, score in _elsewhere(got, others.get(i, [])):  # a replaced member's score in the other days
                     read[j][m] = score
                 done[i] = len(rows) < page
                 if rows:

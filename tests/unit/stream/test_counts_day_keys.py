@@ -97,3 +97,25 @@ def test_a_window_reaching_back_before_the_epoch_reads_the_days_from_1970_on_not
     assert counts.names("item", ["1"], day="20261205", days=1_000_000) == {}
     assert counts.names("item", ["1"], day="00010101", days=2) == {}
     assert counts.day_counts("item", "impression", ["1"], day="00010101", days=2) == {}
+
+
+def test_a_windows_page_reads_send_one_key_each_not_every_other_day_of_the_window() -> None:
+    """Each page read of a window's top sent the window's other days' keys too (for the scores of a member too long to
+    send, kept beside its bytes): n days sent n x n keys a round, and ``--days 1000000`` (20,000 days from 1970) held
+    ~20 GB of key lists until the OOM killer ended it. One key each; the others only with a page holding such a
+    member."""
+    redis, sizes = EmptyRedis(), []
+    register = redis.register_script
+
+    def counting(text: str) -> Any:
+        run = register(text)
+
+        def call(keys: list[str], args: list[Any], client: Any = None) -> Any:
+            if "ZREVRANGE" in text:
+                sizes.append(len(keys))
+            return run(keys, args, client)
+        return call
+
+    redis.register_script = counting  # type: ignore[method-assign]
+    assert DailyCounts(redis, prefix="p").top("item", "impression", day="20261205", days=1000, k=3) == []  # type: ignore[arg-type]
+    assert len(sizes) == 1000 and set(sizes) == {1}
