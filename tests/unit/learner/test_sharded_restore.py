@@ -278,8 +278,8 @@ def test_a_rank_state_only_rank_0_reads_refuses_the_sharded_checkpoint_on_every_
     from learner import checkpoint
     from tests.unit.learner.gloo_ranks import in_turn, run_gloo_ranks
 
-    run_gloo_ranks(2, str(tmp_path / "store-save"), in_turn,
-                   lambda r: ([(_two_ranks_admit_and_save, (str(tmp_path / "ckpt"),))],))
+    assert run_gloo_ranks(2, str(tmp_path / "store-save"), in_turn,
+                          lambda r: ([(_two_ranks_admit_and_save, (str(tmp_path / "ckpt"),))],)) == [0, 0]
     path = next((tmp_path / "ckpt").glob("dcp-*"))
     rank0 = path / "rank-0.pt"
     state = checkpoint.load(rank0)
@@ -304,8 +304,8 @@ def test_a_rank_0_state_of_another_type_refuses_the_sharded_checkpoint_on_every_
     from learner import checkpoint
     from tests.unit.learner.gloo_ranks import in_turn, run_gloo_ranks
 
-    run_gloo_ranks(2, str(tmp_path / "store-save"), in_turn,
-                   lambda r: ([(_two_ranks_admit_and_save, (str(tmp_path / "ckpt"),))],))
+    assert run_gloo_ranks(2, str(tmp_path / "store-save"), in_turn,
+                          lambda r: ([(_two_ranks_admit_and_save, (str(tmp_path / "ckpt"),))],)) == [0, 0]
     path = next((tmp_path / "ckpt").glob("dcp-*"))
     rank0 = path / "rank-0.pt"
     state = checkpoint.load(rank0)
@@ -330,8 +330,8 @@ def test_an_id_map_share_only_its_rank_reads_refuses_the_sharded_checkpoint_on_e
     from learner import checkpoint
     from tests.unit.learner.gloo_ranks import in_turn, run_gloo_ranks
 
-    run_gloo_ranks(2, str(tmp_path / "store-save"), in_turn,
-                   lambda r: ([(_two_ranks_admit_and_save, (str(tmp_path / "ckpt"), 32))],))
+    assert run_gloo_ranks(2, str(tmp_path / "store-save"), in_turn,
+                          lambda r: ([(_two_ranks_admit_and_save, (str(tmp_path / "ckpt"), 32))],)) == [0, 0]
     path = next((tmp_path / "ckpt").glob("dcp-*"))
     rank1 = path / "rank-1.pt"
     state = checkpoint.load(rank1)
