@@ -474,10 +474,10 @@ def state_loaded(path: Path) -> Generator[None, None, None]:
 def loaded_together(path: Path, load: Callable[[], T]) -> T:
     """Collective: ``load()`` (this rank's part of a restore, with no collective in it) under :func:`state_loaded` on
     every rank, then a CheckpointError on EVERY rank when it raised on any, naming that rank and its reason; else
-    what ``load()`` returned. Raised on
-    the refusing rank alone (a value only rank 0 reads: its calibration, quality metrics, clock; or one rank's own
-    metrics), that rank left while the others went on into the next collective and waited there for it until the
-    collective timeout (10 minutes), failing with a timeout that named neither the checkpoint nor the fix."""
+    what ``load()`` returned. Raised on the refusing rank alone (a value only rank 0 reads: its calibration, quality
+    metrics, clock; or one rank's own metrics), that rank left while the others went on into the next collective and
+    waited there for it until the collective timeout (10 minutes), failing with a timeout that named neither the
+    checkpoint nor the fix."""
     error: checkpoint.CheckpointError | None = None
     try:
         with state_loaded(path):
