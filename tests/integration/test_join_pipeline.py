@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import pytest
@@ -308,15 +309,16 @@ def test_a_sample_too_large_for_one_message_is_dead_lettered_not_a_producer_erro
 
 @pytest.fixture
 def boom_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The join fails on an impression whose context has ``boom``: a poison record."""
-    real = engine.hash_context
+    """The join fails on an impression whose context has ``boom``: a poison record. (At the engine's hashing of a
+    batch's contexts: ``hash_context`` itself no longer sees columns without None, ``context_block.hashed_rows``.)"""
+    real = engine.hashed_rows
 
-    def hash_context(context: dict) -> dict:
-        if "boom" in context:
+    def hashed_rows(contexts: list[dict], hash_context: Any) -> Any:
+        if any("boom" in c for c in contexts):
             raise ValueError("cannot hash this context")
-        return real(context)
+        return real(contexts, hash_context)
 
-    monkeypatch.setattr(engine, "hash_context", hash_context)
+    monkeypatch.setattr(engine, "hashed_rows", hashed_rows)
 
 
 def test_a_record_that_keeps_failing_gets_strikes_is_tried_alone_then_dead_lettered_as_poison(
