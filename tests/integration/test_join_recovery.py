@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -1017,6 +1018,20 @@ def test_a_held_impression_over_a_state_limit_lowered_since_it_came_leaves_the_c
     assert set(back.engines[0].pending) == {"big"} and back.engines[0].waiting == eng.waiting
 
 
+def batch_by_batch(kafka: KafkaSettings) -> Callable[[list[str]], None]:
+    """A writer of impressions (ids, times from T0) to partition 0, each its own record batch: the local broker's high
+    watermark is then the true end (the made-again tests' committed offsets sit within one batch of it)."""
+    producer = AckedProducer(kafka)
+
+    def write(ids: list[str]) -> None:
+        for i, imp_id in enumerate(ids):
+            r = imp(kafka, 0, i, imp_id, T0 + i)
+            producer.send(r.topic, r.value, r.key, partition=r.partition)
+            producer.flush()
+
+    return write
+
+
 def test_an_impressions_topic_made_again_with_fewer_records_than_the_groups_committed_offset_is_joined_from_its_first(
         kafka: KafkaSettings, make) -> None:
     """The group committed offset 6 of the impressions' partition 0; the topic deleted, made again and written 3
@@ -1025,13 +1040,7 @@ def test_an_impressions_topic_made_again_with_fewer_records_than_the_groups_comm
     in silence (the committed offset only 3 past the end: within one record batch, no warning). Now the assignment
     compares the topics' ids with those the partition's committed offsets are of and reads a new topic from its
     first record."""
-    producer = AckedProducer(kafka)
-
-    def write(ids: list[str]) -> None:
-        for i, imp_id in enumerate(ids):
-            r = imp(kafka, 0, i, imp_id, T0 + i)
-            producer.send(r.topic, r.value, r.key, partition=r.partition)
-            producer.flush()  # each its own record batch: the local broker's high watermark is the true end
+    write = batch_by_batch(kafka)
 
     make()  # creates the topics
     write([f"old-{i}" for i in range(6)])
@@ -1079,13 +1088,7 @@ def _faust_joins_an_impressions_topic_made_again(kafka: KafkaSettings, stack, ma
                                                  n_old: int, n_new: int) -> None:
     """The old topic's ``n_old`` impressions joined by a pipeline outside any group and committed, the topic made again
     with ``n_new``: a faust worker joins every new one, saying once that it reads the topic from its first record."""
-    producer = AckedProducer(kafka)
-
-    def write(ids: list[str]) -> None:
-        for i, imp_id in enumerate(ids):
-            r = imp(kafka, 0, i, imp_id, T0 + i)
-            producer.send(r.topic, r.value, r.key, partition=r.partition)
-            producer.flush()  # each its own record batch: the local broker's high watermark is the true end
+    write = batch_by_batch(kafka)
 
     first = make()  # creates the topics
     old = [f"old-{i}" for i in range(n_old)]
@@ -1112,13 +1115,7 @@ def test_a_new_impressions_topic_partly_joined_before_a_crash_is_read_on_from_it
     durable) and stopped before its commit (a crash, or an infrastructure failure rewinding it). The restart started
     at the old topic's offset 6, the state's topic id now the topic's: no start over, and record 5 was never joined,
     in silence. Now the start over commits the new topic's beginning for the group before its batch is joined."""
-    producer = AckedProducer(kafka)
-
-    def write(ids: list[str]) -> None:
-        for i, imp_id in enumerate(ids):
-            r = imp(kafka, 0, i, imp_id, T0 + i)
-            producer.send(r.topic, r.value, r.key, partition=r.partition)
-            producer.flush()  # each its own record batch: the local broker's high watermark is the true end
+    write = batch_by_batch(kafka)
 
     make()  # creates the topics
     write([f"old-{i}" for i in range(6)])
