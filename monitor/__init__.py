@@ -6,8 +6,9 @@ one total deadline (``http_deadline.py``), the rules file format (``rules.py``, 
 (``exposition.py``), the scraper (``scrape.py``),
 the rule state machines (``rule_engine.py``), the firing-state file kept over restarts (``state_file.py``), the
 run log of every scrape (``run_log.py``, with a ``[run_log]`` table in the rules file), the loop that ties them to
-the sinks (``engine.py``), and the operator report drawn from that log and the stages' summaries (``report.py``,
-``streamrec report``).
+the sinks (``engine.py``), and the operator report drawn from that log and the stages' summaries (``streamrec
+report``: what was recorded, read back in ``recording.py``, its curves in ``series.py``, drawn by ``plotter.py`` in
+the sections of ``sections.py``, the page in ``report.py``; progress lines while a stage runs in ``follow.py``).
 
 May import: ``stream/`` (Kafka client configs) and the standard library; no other stage. Entry point:
 ``monitor.engine.Monitor`` (``streamrec monitor`` builds it at the edge).

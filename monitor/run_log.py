@@ -38,7 +38,7 @@ _STATE_RANK = {State.INACTIVE: 0, State.RESOLVED: 1, State.PENDING: 2, State.FIR
 
 
 class RunLog:
-    """What the monitor saw, appended as JSON lines (``monitor/report.py`` reads them back)::
+    """What the monitor saw, appended as JSON lines (``monitor/recording.py`` reads them back)::
 
         {"kind": "start", "t": <unix s>, "sources": {name: url}, "interval_s", "rules": [name, ...],
          "rule_labels": {name: {label: value}}}

@@ -67,13 +67,13 @@ halt_on_signal() {
   fi
   digest "$stage" "$out"
 }
-# A stage's summary read once, as the report reads it (monitor.report.read_summaries), one line of it shown. None to
+# A stage's summary read once, as the report reads it (monitor.recording.read_summaries), one line of it shown. None to
 # read (missing, empty, not JSON: the stage killed while writing it, a full disk) stops the demo naming the stage and
 # the file, as a failed stage does; "reason": "signal" stops it too. The signal check had a json.load of its own: it
 # took an unreadable summary for a stage that ended well, and missed the reason after any other line.
 digest() {
   local stage=$1 out=$2 reason
-  reason=$("$PY" -c 'import sys; from monitor.report import ReportError, read_summaries, summary_line
+  reason=$("$PY" -c 'import sys; from monitor.recording import ReportError, read_summaries; from monitor.report import summary_line
 try: summaries = read_summaries(sys.argv[1:])
 except (OSError, ReportError) as e: sys.exit(f"{type(e).__name__}: {e}")
 for stage, d in summaries.items(): print(f"  {stage}: {summary_line(stage, d)}", file=sys.stderr); print(d.get("reason"))

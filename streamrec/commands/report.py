@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from monitor import report
+    from monitor import follow, recording, report, sections
     from streamrec.settings import SettingsError
 
     src = sources(args)  # the publish root and deltas directory the refresh and the learner use, unless flags say
@@ -50,20 +50,20 @@ def run(args: argparse.Namespace) -> int:
     if log is None:
         raise SettingsError("give --run-log FILE or --run-dir DIR")
     if args.follow:
-        report.follow_process(log, args.follow, args.pid, sys.stderr)
+        follow.follow_process(log, args.follow, args.pid, sys.stderr)
         return EXIT_OK
     summaries = args.summary or ([str(p) for p in sorted(d.glob("*.json"))] if d else [])
     root = args.publish_root or (d / "serving" if d else refresh.publish_root)
     try:
-        inp = report.Inputs(report.read_run_log(log), report.read_summaries(summaries),
-                            report.read_last_run(root),
-                            report.read_deltas(args.deltas_dir or (d / "deltas" if d else learner.deltas_dir)))
+        inp = sections.Inputs(report.read_run_log(log), recording.read_summaries(summaries),
+                            recording.read_last_run(root),
+                            recording.read_deltas(args.deltas_dir or (d / "deltas" if d else learner.deltas_dir)))
         out = Path(args.out or (d / "report.html" if d else "report.html"))
-        sections = report.write_report(inp, out)
-    except (report.ReportError, OSError) as exc:
+        made = report.write_report(inp, out)
+    except (recording.ReportError, OSError) as exc:
         raise SettingsError(str(exc)) from None
-    emit(args, {"report": str(out), "served": report.served_quality(inp.summaries),
-                "sections": {s.id: {"points": s.points, "missing": s.missing} for s in sections}},
+    emit(args, {"report": str(out), "served": sections.served_quality(inp.summaries),
+                "sections": {s.id: {"points": s.points, "missing": s.missing} for s in made}},
          lambda r: f"report: {r['report']}\n" + _served(r["served"]) + "\n".join(
              f"  {k}: {v['points']:,} points" + (f" ({'; '.join(v['missing'])})" if v["missing"] else "")
              for k, v in r["sections"].items()))
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 def _served(sv: dict[str, Any] | None) -> str:
     if not sv or not sv.get("impressions"):
         return "served quality: not in the train summary\n"
-    from monitor.report import fmt_num as f
+    from monitor.sections import fmt_num as f
 
     return (f"served quality ({sv['impressions']:,} impressions, first predictions vs final labels): "
             f"AUC {f(sv.get('auc'))}  NE {f(sv.get('ne'))}  logloss {f(sv.get('logloss'))}\n")

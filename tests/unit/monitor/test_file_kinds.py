@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from monitor import report
+from monitor import follow, recording, report
 from monitor.rules import RunLogSettings
 from monitor.run_log import RunLog
 from monitor.state_file import FiringStateFile
@@ -59,21 +59,21 @@ def test_a_run_log_that_is_a_fifo_is_refused_by_the_report(tmp_path: Path) -> No
 def test_a_summary_or_last_run_that_is_a_fifo_is_refused_by_the_report(tmp_path: Path) -> None:
     summary = json.dumps({"dataset": "ml-1m", "acked": {}}).encode()
     with fed_fifo(tmp_path / "replay.json", summary) as path, pytest.raises(NotRegularFile, match="replay.json"):
-        report.read_summaries([path])
+        recording.read_summaries([path])
     (tmp_path / "root").mkdir()
     with fed_fifo(tmp_path / "root" / "last_run.json", b'{"last_success": 1}'):
-        assert report.read_last_run(tmp_path / "root") == {}
+        assert recording.read_last_run(tmp_path / "root") == {}
 
 
 def test_a_summary_is_found_at_the_end_of_a_file_larger_than_the_tail_read(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(report, "SUMMARY_TAIL_BYTES", 100)
+    monkeypatch.setattr(recording, "SUMMARY_TAIL_BYTES", 100)
     path = tmp_path / "replay.json"
     path.write_text("x" * 500 + "\n" + json.dumps({"dataset": "ml-1m", "acked": {}}) + "\n")
-    assert report.read_summaries([path])["replay"]["dataset"] == "ml-1m"
+    assert recording.read_summaries([path])["replay"]["dataset"] == "ml-1m"
 
 
 def test_following_a_run_log_that_is_a_fifo_is_a_follow_error_naming_it(tmp_path: Path) -> None:
     data = run_monitor(tmp_path / "m", [learner_text(0, 0.7, (0, 0, 0), 0)]).read_bytes()
-    with fed_fifo(tmp_path / "run.jsonl", data) as path, pytest.raises(report.FollowError, match="not a run log"):
-        report.follow(path, "learner", lambda: False, io.StringIO(), print_every_s=0)
+    with fed_fifo(tmp_path / "run.jsonl", data) as path, pytest.raises(follow.FollowError, match="not a run log"):
+        follow.follow(path, "learner", lambda: False, io.StringIO(), print_every_s=0)

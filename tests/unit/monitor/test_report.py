@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from monitor import report
+from monitor import follow, plotter, recording, report, sections, series
 from monitor.alerts import Alert, AlertKind, SinkSettings, alert_fingerprint
 from monitor.delivery import QueuedSink
 from monitor.engine import Monitor
@@ -55,7 +55,7 @@ def learner_text(samples: int, auc: float, grad_counts: tuple[int, int, int], gr
 
 
 class Printed(list[str]):
-    """What :func:`report.follow` printed, a string per write: an output that is no terminal."""
+    """What :func:`follow.follow` printed, a string per write: an output that is no terminal."""
 
     def write(self, s: str) -> None:
         self.append(s)
@@ -105,22 +105,22 @@ def test_the_run_log_records_each_scrape_rule_state_and_alert(tmp_path: Path) ->
 
     rec = report.read_run_log(path)
     assert rec.t0 == 1000.0 and len(rec.scrapes["learner"]) == 4  # the start line, then a scrape a second
-    assert report.series(rec, "streamrec_learner_samples_total")[""] == ([1001.0, 1002.0, 1003.0, 1004.0],
+    assert series.series(rec, "streamrec_learner_samples_total")[""] == ([1001.0, 1002.0, 1003.0, 1004.0],
                                                                           [0.0, 100.0, 200.0, 300.0])
-    assert report.series(rec, "streamrec_learner_lag_samples")[""][1] == [7.0] * 4  # summed over partitions
-    assert set(report.series(rec, "streamrec_learner_lag_samples", by=("partition",))) == {"0", "1"}
-    assert math.isnan(report.series(rec, "streamrec_learner_served_ne")[""][1][0])
+    assert series.series(rec, "streamrec_learner_lag_samples")[""][1] == [7.0] * 4  # summed over partitions
+    assert set(series.series(rec, "streamrec_learner_lag_samples", by=("partition",))) == {"0", "1"}
+    assert math.isnan(series.series(rec, "streamrec_learner_served_ne")[""][1][0])
     assert [st["auc_low"] for _, st, _ in rec.rule_states] == ["firing", "firing", "resolved", "inactive"]
 
 
 def test_the_run_log_rotates_and_is_read_back_whole(tmp_path: Path) -> None:
     texts = [learner_text(i, 0.7, (0, 0, 0), 0) for i in range(40)]
     path = run_monitor(tmp_path, texts, max_bytes=4096)
-    files = report.run_log_files(path)
+    files = recording.run_log_files(path)
     assert [p.name for p in files] == ["run-log.jsonl.2", "run-log.jsonl.1", "run-log.jsonl"]  # keep = 2
     assert all(p.stat().st_size <= 4096 for p in files)
     rec = report.read_run_log(path)
-    ts, vs = report.series(rec, "streamrec_learner_samples_total")[""]
+    ts, vs = series.series(rec, "streamrec_learner_samples_total")[""]
     assert vs == sorted(vs) and vs[-1] == 39 and len(vs) < 40  # the oldest rotated away, the rest in order
     assert all(json.loads(line)["kind"] == "start" for line in path.read_text().splitlines()[:1])
 
@@ -148,19 +148,19 @@ def test_a_run_log_that_cannot_be_written_drops_records_and_says_so_once(tmp_pat
 
 
 def test_rates_skip_counter_resets_and_quantiles_interpolate() -> None:
-    assert report.rate(([0, 1, 2, 4], [0, 10, 5, 9])) == ([1, 4], [10.0, 2.0])
-    assert report.average_rate(([0, 1, 2, 3, 4], [0, 0, 10, 30, 30])) == 15.0
+    assert series.rate(([0, 1, 2, 4], [0, 10, 5, 9])) == ([1, 4], [10.0, 2.0])
+    assert series.average_rate(([0, 1, 2, 3, 4], [0, 0, 10, 30, 30])) == 15.0
     buckets = [(0.1, 5.0), (1.0, 10.0), (math.inf, 10.0)]
-    assert report.quantile(buckets, 0.5) == pytest.approx(0.1)
-    assert report.quantile(buckets, 0.75) == pytest.approx(0.55)
-    assert math.isnan(report.quantile([(1.0, 0.0), (math.inf, 0.0)], 0.5))
+    assert series.quantile(buckets, 0.5) == pytest.approx(0.1)
+    assert series.quantile(buckets, 0.75) == pytest.approx(0.55)
+    assert math.isnan(series.quantile([(1.0, 0.0), (math.inf, 0.0)], 0.5))
 
 
 def test_histograms_over_time_are_the_observations_between_scrapes(tmp_path: Path) -> None:
     texts = [learner_text(0, 0.7, (0, 0, 0), 0.0), learner_text(0, 0.7, (10, 10, 10), 0.5),
              learner_text(0, 0.7, (10, 20, 20), 6.0)]
     rec = report.read_run_log(run_monitor(tmp_path, texts))
-    h = report.histogram_over_time(rec, "streamrec_learner_grad_norm", "part")["dense"]
+    h = series.histogram_over_time(rec, "streamrec_learner_grad_norm", "part")["dense"]
     assert h["mean"][1] == pytest.approx([0.05, 0.55])
     assert h["p50"][1] == pytest.approx([0.05, 0.55])  # second interval: 10 observations in (0.1, 1]
 
@@ -172,14 +172,14 @@ def test_the_report_has_every_section_and_says_what_was_not_recorded(tmp_path: P
     train = {"samples_trained": 400, "served": {"all": {"impressions": 400, "auc": 0.71, "ne": 0.93,
                                                         "logloss": 0.6}}}
     (tmp_path / "train.json").write_text("progress noise\n" + json.dumps(train) + "\n")
-    inp = report.Inputs(report.read_run_log(path), report.read_summaries([tmp_path / "train.json"]))
+    inp = sections.Inputs(report.read_run_log(path), recording.read_summaries([tmp_path / "train.json"]))
     out = tmp_path / "r" / "report.html"
-    sections = report.write_report(inp, out)
+    made = report.write_report(inp, out)
     page = out.read_text()
-    assert [s.id for s in sections] == re.findall(r"<section id='([^']+)'", page)
-    assert len(sections) == len(report.SECTIONS) == 11
-    assert all(s.png and s.png.startswith(b"\x89PNG") for s in sections)
-    by_id = {s.id: s for s in sections}
+    assert [s.id for s in made] == re.findall(r"<section id='([^']+)'", page)
+    assert len(made) == len(sections.SECTIONS) == 11
+    assert all(s.png and s.png.startswith(b"\x89PNG") for s in made)
+    by_id = {s.id: s for s in made}
     assert by_id["served-quality"].points >= 5 and "AUC <b>0.7100</b>" in page
     assert by_id["hot-set"].points == 0 and "not recorded: streamrec_serving_hot_cache_hit_rate" in page
     assert by_id["alerts"].points == 5  # one rule state per evaluation
@@ -189,10 +189,10 @@ def test_the_report_has_every_section_and_says_what_was_not_recorded(tmp_path: P
 def test_summaries_are_told_apart_and_bad_ones_named(tmp_path: Path) -> None:
     (tmp_path / "a.json").write_text(json.dumps({"dataset": "ml-1m", "acked": {}}))
     (tmp_path / "b.json").write_text("not json")
-    assert list(report.read_summaries([tmp_path / "a.json"])) == ["replay"]
-    with pytest.raises(report.ReportError, match="b.json"):
-        report.read_summaries([tmp_path / "b.json"])
-    with pytest.raises(report.ReportError, match="no such file"):
+    assert list(recording.read_summaries([tmp_path / "a.json"])) == ["replay"]
+    with pytest.raises(recording.ReportError, match="b.json"):
+        recording.read_summaries([tmp_path / "b.json"])
+    with pytest.raises(recording.ReportError, match="no such file"):
         report.read_run_log(tmp_path / "missing.jsonl")
 
 
@@ -200,7 +200,7 @@ def test_progress_lines_follow_one_source(tmp_path: Path) -> None:
     path = run_monitor(tmp_path, [learner_text(0, 0.7, (0, 0, 0), 0), learner_text(500, 0.7, (0, 0, 0), 0)])
 
     out = Printed()
-    assert report.follow(path, "learner", lambda: False, out, print_every_s=0) == 2  # type: ignore[arg-type]
+    assert follow.follow(path, "learner", lambda: False, out, print_every_s=0) == 2  # type: ignore[arg-type]
     assert out[-1] == "learner: 500 samples trained (500/s), 7 messages behind, served AUC 0.7000\n"
 
 
@@ -209,18 +209,18 @@ def test_served_quality_is_drawn_over_the_learners_event_time_at_the_same_scrape
     texts = [learner_text(100 * i, 0.6 + 0.02 * i, (0, 0, 0), 0.0)
              + ("" if i == 0 else f"streamrec_learner_event_time_seconds {event_s + 3600 * i}\n") for i in range(5)]
     rec = report.read_run_log(run_monitor(tmp_path, texts))
-    plotter = report.Plotter(rec.t0, 10.0)
-    fig, (ax,) = plotter.figure(1, 1)
-    auc = report.series(rec, "streamrec_learner_served_auc")
-    assert report.event_time_plot(ax, rec, auc) == 4  # every scrape with an event time: the first had none
+    plot = plotter.Plotter(rec.t0, 10.0)
+    fig, (ax,) = plot.figure(1, 1)
+    auc = series.series(rec, "streamrec_learner_served_auc")
+    assert plotter.event_time_plot(ax, rec, auc) == 4  # every scrape with an event time: the first had none
     (line,) = ax.get_lines()
     import matplotlib.dates as mdates
 
     xs = [mdates.num2date(x).timestamp() for x in line.get_xdata(orig=False)]
     assert xs == [float(event_s + 3600 * i) for i in range(1, 5)]  # x is event time, not the scrape's wall time
     assert list(line.get_ydata()) == pytest.approx([0.62, 0.64, 0.66, 0.68])
-    fig2, (ax2,) = plotter.figure(1, 1)
-    assert report.event_time_plot(ax2, report.read_run_log(run_monitor(tmp_path / "none", texts[:1])), auc) == 0
+    fig2, (ax2,) = plot.figure(1, 1)
+    assert plotter.event_time_plot(ax2, report.read_run_log(run_monitor(tmp_path / "none", texts[:1])), auc) == 0
 
 
 def test_alerts_an_older_monitor_wrote_without_a_fingerprint_read_with_the_one_the_monitor_now_gives_them(
@@ -278,8 +278,8 @@ def test_the_reports_alert_lines_show_each_alerts_labels_kind_and_fingerprint_es
     lines = [{"kind": "start", "t": 1000.0, "sources": {}, "interval_s": 1, "rules": ["auc_low"]},
              *({"kind": "alert", "t": 1001.0, "alert": a.as_dict()} for a in sent)]
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
-    inp = report.Inputs(report.read_run_log(path))
-    section = report.s_alerts(report.Plotter(1000.0, 10.0), inp)
+    inp = sections.Inputs(report.read_run_log(path))
+    section = sections.s_alerts(plotter.Plotter(1000.0, 10.0), inp)
     page = report.render_html(inp, [section])
     # two series of one rule, and the absence alert, are told apart by their labels, kind and fingerprint
     assert 'auc_low{partition=&quot;0&quot;} series id=' + sent[0].fingerprint in page
@@ -318,7 +318,7 @@ def test_follow_starts_from_the_tail_of_a_large_run_log_then_follows_what_is_app
         return len(calls) < 2
 
     out = Printed()
-    seen = report.follow(path, "learner", alive, out, every_s=0, print_every_s=0,  # type: ignore[arg-type]
+    seen = follow.follow(path, "learner", alive, out, every_s=0, print_every_s=0,  # type: ignore[arg-type]
                          tail_bytes=tail_bytes)
     printed = [int(line.split()[1].replace(",", "")) // 1000 for line in out]
     assert printed == [*in_tail, 500] and seen == len(in_tail) + 1
@@ -336,29 +336,29 @@ def test_report_follow_help_says_the_first_pass_reads_the_tail() -> None:
 
 def test_average_rate_counts_a_counter_reset_as_a_restart_from_zero_not_a_loss() -> None:
     # the learner trains 100/s, is restarted at t=3 (its counter starts again from 0) and trains on
-    assert report.average_rate(([0, 1, 2, 3, 4], [0, 100, 200, 100, 200])) == pytest.approx(100.0)
+    assert series.average_rate(([0, 1, 2, 3, 4], [0, 100, 200, 100, 200])) == pytest.approx(100.0)
     # a restart whose first scrape still reads 0 moves nothing; the next rise does
-    assert report.average_rate(([0, 1, 2, 3, 4], [0, 100, 200, 0, 100])) == pytest.approx(75.0)
+    assert series.average_rate(([0, 1, 2, 3, 4], [0, 100, 200, 0, 100])) == pytest.approx(75.0)
 
 
 def test_a_series_two_sources_export_is_one_curve_per_source_not_their_scrapes_interleaved() -> None:
     # two learner ranks without a rank label: 1000/s and 10/s; interleaved, the rates read 2000, 3980, 5960/s
-    rec = report.Recording()
+    rec = recording.Recording()
     for i in range(4):
         rec.add({"kind": "scrape", "t": 1e9 + i, "source": "rank0",
                  "samples": [["streamrec_learner_samples_total", {}, 1000 * i]]})
         rec.add({"kind": "scrape", "t": 1e9 + i + 0.5, "source": "rank1",
                  "samples": [["streamrec_learner_samples_total", {}, 10 * i]]})
-    curves = report.series(rec, "streamrec_learner_samples_total")
-    assert {k: report.rate(s)[1] for k, s in curves.items()} == {"(rank0)": [1000.0] * 3, "(rank1)": [10.0] * 3}
-    assert list(report.series(rec, "streamrec_learner_samples_total", source="rank1")) == [""]  # one source: as was
+    curves = series.series(rec, "streamrec_learner_samples_total")
+    assert {k: series.rate(s)[1] for k, s in curves.items()} == {"(rank0)": [1000.0] * 3, "(rank1)": [10.0] * 3}
+    assert list(series.series(rec, "streamrec_learner_samples_total", source="rank1")) == [""]  # one source: as was
 
 
 def test_histogram_quantiles_of_two_sources_are_one_curve_per_source_not_their_buckets_interleaved() -> None:
     # two learner ranks without a rank label, scraped half a second apart: rank0 observes 10 steps of norm
     # in (0, 0.1] per second, rank1 10 steps in (1, 10]; merged, each "interval" differences one rank's
     # cumulative buckets against the other's and its p50/p90 describe neither
-    rec = report.Recording()
+    rec = recording.Recording()
     name = "streamrec_learner_grad_norm"
     for i in range(4):
         for src, dt_s, counts in (("rank0", 0.0, (10 * i, 10 * i, 10 * i)), ("rank1", 0.5, (0, 0, 10 * i))):
@@ -368,7 +368,7 @@ def test_histogram_quantiles_of_two_sources_are_one_curve_per_source_not_their_b
                         [f"{name}_sum", {"part": "dense"}, (0.05 if src == "rank0" else 5.5) * counts[-1]],
                         [f"{name}_count", {"part": "dense"}, counts[-1]]]
             rec.add({"kind": "scrape", "t": 1e9 + i + dt_s, "source": src, "samples": samples})
-    h = report.histogram_over_time(rec, name, "part")
+    h = series.histogram_over_time(rec, name, "part")
     assert set(h) == {"dense (rank0)", "dense (rank1)"}
     assert h["dense (rank0)"]["mean"][1] == pytest.approx([0.05] * 3)
     assert h["dense (rank0)"]["p50"][1] == pytest.approx([0.05] * 3)
@@ -381,18 +381,18 @@ def test_the_learners_average_throughput_counts_every_rank_when_two_sources_expo
     pytest.importorskip("matplotlib")
     # two learner ranks without a rank label, 1000/s and 10/s over the same 3 s: 3030 samples, 1010/s. Drawn as one
     # curve per source, the counter had no "" curve any more and the average bar was left out of the report.
-    rec = report.Recording()
+    rec = recording.Recording()
     for i in range(4):
         rec.add({"kind": "scrape", "t": 1e9 + i, "source": "rank0",
                  "samples": [["streamrec_learner_samples_total", {}, 1000 * i]]})
         rec.add({"kind": "scrape", "t": 1e9 + i, "source": "rank1",
                  "samples": [["streamrec_learner_samples_total", {}, 10 * i]]})
     drawn: dict[str, float] = {}
-    monkeypatch.setattr(report.Plotter, "bars", lambda self, ax, values, *a, **k: drawn.update(values) or len(values))
-    report.s_throughput(report.Plotter(1e9, 3.0), report.Inputs(rec))
+    monkeypatch.setattr(plotter.Plotter, "bars", lambda self, ax, values, *a, **k: drawn.update(values) or len(values))
+    sections.s_throughput(plotter.Plotter(1e9, 3.0), sections.Inputs(rec))
     assert drawn == {"train\n(samples/s, counter)": pytest.approx(1010.0)}
     # one source: its own average, as before
-    assert report.average_rate(([0, 1, 2, 3, 4], [0, 100, 200, 100, 200])) == pytest.approx(100.0)
+    assert series.average_rate(([0, 1, 2, 3, 4], [0, 100, 200, 100, 200])) == pytest.approx(100.0)
 
 
 def _histogram_scrape(name: str, part: str, counts: tuple[float, float, float], total: float,
@@ -408,13 +408,13 @@ def test_histogram_series_of_one_source_that_differ_in_another_label_are_summed_
     # one source exports the dense part per rank: rank 0 observes 10 steps in (0, 0.1] per second, rank 1 10 in
     # (1, 10]. Their _sum and _count were summed but each rank's buckets overwrote the other's in the same scrape: the
     # quantiles described rank 1 alone (p50 5.5) while the mean described both
-    rec = report.Recording()
+    rec = recording.Recording()
     name = "streamrec_learner_grad_norm"
     for i in range(4):
         samples = (_histogram_scrape(name, "dense", (10 * i, 10 * i, 10 * i), 0.05 * 10 * i, {"rank": "0"})
                    + _histogram_scrape(name, "dense", (0, 0, 10 * i), 5.5 * 10 * i, {"rank": "1"}))
         rec.add({"kind": "scrape", "t": 1e9 + i, "source": "learner", "samples": samples})
-    h = report.histogram_over_time(rec, name, "part")
+    h = series.histogram_over_time(rec, name, "part")
     assert h["dense"]["mean"][1] == pytest.approx([2.775] * 3)
     assert h["dense"]["p50"][1] == pytest.approx([0.1] * 3)  # half the 20 observations are at most 0.1
     assert h["dense"]["p90"][1] == pytest.approx([8.2] * 3)
@@ -423,12 +423,12 @@ def test_histogram_series_of_one_source_that_differ_in_another_label_are_summed_
 def test_a_histogram_reset_between_scrapes_counts_the_observations_since_the_restart() -> None:
     # a learner restarted between the second and third scrape: its buckets went from (20, 20, 20) to (10, 10, 10):
     # differenced, the interval had -10 observations in every bucket and no quantile; the mean skipped it
-    rec = report.Recording()
+    rec = recording.Recording()
     name = "streamrec_learner_grad_norm"
     for i, (c, total) in enumerate([(0, 0.0), (10, 0.5), (20, 1.0), (10, 0.5)]):
         rec.add({"kind": "scrape", "t": 1e9 + i, "source": "learner",
                  "samples": _histogram_scrape(name, "dense", (c, c, c), total)})
-    h = report.histogram_over_time(rec, name, "part")
+    h = series.histogram_over_time(rec, name, "part")
     assert h["dense"]["mean"] == ([1e9 + 1, 1e9 + 2, 1e9 + 3], pytest.approx([0.05] * 3))
     assert h["dense"]["p50"][0] == [1e9 + 1, 1e9 + 2, 1e9 + 3]
     assert h["dense"]["p50"][1] == pytest.approx([0.05] * 3)
@@ -438,13 +438,13 @@ def test_a_histogram_reset_of_one_series_counts_the_others_rise_and_its_observat
     # one source, two ranks: rank 0 observes 10 steps at 0.05 per scrape; rank 1 10 at 5.5, then restarts and has 5
     # since. Summed first, the drop of the sum (40 -> 35) read as a reset of both: 35 observations, rank 0's whole
     # history counted again (mean 29 / 35); a reset is per series, as Prometheus's sum(increase(...)) reads it
-    rec = report.Recording()
+    rec = recording.Recording()
     name = "streamrec_learner_grad_norm"
     for i, (c0, c1) in enumerate([(0, 0), (10, 10), (20, 20), (30, 5)]):
         samples = (_histogram_scrape(name, "dense", (c0, c0, c0), 0.05 * c0, {"rank": "0"})
                    + _histogram_scrape(name, "dense", (0, 0, c1), 5.5 * c1, {"rank": "1"}))
         rec.add({"kind": "scrape", "t": 1e9 + i, "source": "learner", "samples": samples})
-    h = report.histogram_over_time(rec, name, "part")
+    h = series.histogram_over_time(rec, name, "part")
     assert h["dense"]["mean"] == ([1e9 + 1, 1e9 + 2, 1e9 + 3], pytest.approx([2.775, 2.775, 28 / 15]))
     assert h["dense"]["p50"][1] == pytest.approx([0.1, 0.1, 0.075])  # 15 observations, 10 of them at most 0.1
     assert h["dense"]["p90"][1] == pytest.approx([8.2, 8.2, 7.3])
@@ -462,7 +462,7 @@ def test_a_monitor_restarted_after_being_killed_mid_line_starts_its_records_on_a
     log.close()
     rec = report.read_run_log(path)
     assert [s["t"] for s in rec.starts] == [999, 1000.0]  # the restart's start record was glued to the cut line
-    assert rec.bad_lines == 1 and report.series(rec, "streamrec_learner_samples_total")[""] == ([1001.0], [5.0])
+    assert rec.bad_lines == 1 and series.series(rec, "streamrec_learner_samples_total")[""] == ([1001.0], [5.0])
 
 
 @pytest.mark.parametrize("error", [FileNotFoundError(2, "renamed away by a rotation"), PermissionError(13, "no read")])
@@ -499,7 +499,7 @@ def test_a_run_log_is_read_with_one_copy_of_each_name_and_label_set_and_every_sa
     path = tmp_path / "run-log.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     rec = report.read_run_log(path, every_metric=True)
-    parsed = [[(str(n), dict(lb), report._value(v)) for n, lb, v in json.loads(json.dumps(line))["samples"]]
+    parsed = [[(str(n), dict(lb), recording.sample_value(v)) for n, lb, v in json.loads(json.dumps(line))["samples"]]
               for line in lines]
     assert [s for src in ("learner", "rank1") for _, s, _ in rec.scrapes[src]] == parsed[0::2] + parsed[1::2]
     assert [list(lb) for n, lb, _ in rec.scrapes["learner"][0][1] if n == "streamrec_x"] == [["a", "b"], ["b", "a"]]
@@ -511,16 +511,16 @@ def test_served_quality_over_event_time_reads_the_slowest_of_several_learner_sou
     # two ranks: rank0 trains ahead of rank1, and rank0 exports no event time at the second scrape; the plot read
     # rank0's event time alone (rank1 never counted, the second scrape not drawn)
     e0 = 978_300_000.0
-    rec = report.Recording()
+    rec = recording.Recording()
     for t, ev0, ev1 in ((100.0, e0 + 7200, e0 + 3600), (110.0, None, e0 + 5400), (120.0, e0 + 9000, e0 + 10800)):
         for src, ev in (("rank0", ev0), ("rank1", ev1)):
             samples = [["streamrec_learner_served_auc", {}, 0.7]]
             samples += [] if ev is None else [["streamrec_learner_event_time_seconds", {}, ev]]
             rec.add({"kind": "scrape", "t": t, "source": src, "samples": samples})
-    p = report.Plotter(90.0, 30.0)
+    p = plotter.Plotter(90.0, 30.0)
     fig, (ax,) = p.figure(1, 1)
-    curves = report.series_numbered(rec, "streamrec_learner_served_auc")
-    assert report.event_time_plot(ax, rec, curves) == 6
+    curves = series.series_numbered(rec, "streamrec_learner_served_auc")
+    assert plotter.event_time_plot(ax, rec, curves) == 6
     import matplotlib.dates as mdates
 
     for line in ax.get_lines():
@@ -533,14 +533,14 @@ def test_served_quality_over_event_time_reads_the_slowest_of_several_learner_sou
 def test_two_scrapes_of_a_source_at_one_time_are_both_drawn_in_the_order_written() -> None:
     # a clock that stood still for a cycle: the AUC 0.6 scraped first at t=110 was dropped for the 0.8 after it
     pytest.importorskip("matplotlib")
-    rec = report.Recording()
+    rec = recording.Recording()
     for t, auc in ((100.0, 0.7), (110.0, 0.6), (110.0, 0.8), (120.0, 0.75)):
         rec.add({"kind": "scrape", "t": t, "source": "learner", "samples": [["streamrec_learner_served_auc", {}, auc]]})
-    assert report.series(rec, "streamrec_learner_served_auc") == {"": ([100.0, 110.0, 110.0, 120.0],
+    assert series.series(rec, "streamrec_learner_served_auc") == {"": ([100.0, 110.0, 110.0, 120.0],
                                                                        [0.7, 0.6, 0.8, 0.75])}
-    p = report.Plotter(100.0, 20.0)
+    p = plotter.Plotter(100.0, 20.0)
     fig, (ax,) = p.figure(1, 1)
-    assert p.lines(ax, report.series_numbered(rec, "streamrec_learner_served_auc"), "AUC", "") == 4
+    assert p.lines(ax, series.series_numbered(rec, "streamrec_learner_served_auc"), "AUC", "") == 4
     assert list(ax.get_lines()[0].get_ydata()) == [0.7, 0.6, 0.8, 0.75]
     p.plt.close(fig)
 
@@ -548,7 +548,7 @@ def test_two_scrapes_of_a_source_at_one_time_are_both_drawn_in_the_order_written
 def test_a_plot_is_laid_out_and_drawn_once_for_its_png(monkeypatch: pytest.MonkeyPatch) -> None:
     """``tight_layout`` left a placeholder layout engine, so ``savefig`` drew the whole figure a second time before
     drawing it into the PNG: a third of a report's time spent on a draw whose result was thrown away."""
-    p = report.Plotter(1000.0, 10.0)
+    p = plotter.Plotter(1000.0, 10.0)
     fig, (ax,) = p.figure()
     p.lines(ax, {"a": ([1001.0, 1002.0], [1.0, 2.0])}, "y", "title")
     draws: list[object] = []
@@ -564,7 +564,7 @@ def test_rule_state_bars_are_one_collection_per_rule_and_draw_the_png_a_bar_per_
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
 
-    rec = report.Recording()
+    rec = recording.Recording()
     states = ("inactive", "pending", "firing", "resolved", "bogus")
     for i in range(40):  # the clock steps back 15 s after the 20th evaluation
         rec.add({"kind": "rules", "t": 100.0 + 10 * i - 15 * (i >= 20),
@@ -573,9 +573,9 @@ def test_rule_state_bars_are_one_collection_per_rule_and_draw_the_png_a_bar_per_
     figures: list[Any] = []
 
     def alerts_png() -> bytes:
-        p = report.Plotter(100.0, 400.0)
-        monkeypatch.setattr(p, "png", lambda fig: (figures.append(fig), report.Plotter.png(p, fig))[1])
-        return report.s_alerts(p, report.Inputs(rec)).png or b""
+        p = plotter.Plotter(100.0, 400.0)
+        monkeypatch.setattr(p, "png", lambda fig: (figures.append(fig), plotter.Plotter.png(p, fig))[1])
+        return sections.s_alerts(p, sections.Inputs(rec)).png or b""
 
     png = alerts_png()
     assert len(figures[0].axes[0].collections) == 3  # one per rule

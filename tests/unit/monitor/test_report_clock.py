@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from monitor import report
+from monitor import follow, plotter, recording, report, sections, series
 from tests.unit.monitor.test_report import Printed
 
 SAMPLES = "streamrec_learner_samples_total"
@@ -42,15 +42,15 @@ def test_a_clock_stepping_back_between_scrapes_gives_the_learners_true_rate_and_
     # 10 samples/s all along; sorted by t the scrapes read 0, 200, 100, 300 at t=100, 105, 110, 115: 40/s at t=105
     # and 115 (200 -> 100 read as a restart), and the average bar 33.3/s (500 counted over 15 s)
     rec = report.read_run_log(write(tmp_path / "run-log.jsonl", start(99.0), *counted((0, 100, 200, 300))))
-    assert report.counter_rates(rec, SAMPLES) == {"": ([110.0, 115.0], [10.0, 10.0])}
+    assert series.counter_rates(rec, SAMPLES) == {"": ([110.0, 115.0], [10.0, 10.0])}
     pytest.importorskip("matplotlib")
     drawn: dict[str, float] = {}
-    monkeypatch.setattr(report.Plotter, "bars", lambda self, ax, values, *a, **k: drawn.update(values) or len(values))
-    p = report.Plotter(99.0, 16.0)
-    report.s_throughput(p, report.Inputs(rec))
+    monkeypatch.setattr(plotter.Plotter, "bars", lambda self, ax, values, *a, **k: drawn.update(values) or len(values))
+    p = plotter.Plotter(99.0, 16.0)
+    sections.s_throughput(p, sections.Inputs(rec))
     assert drawn == {"train\n(samples/s, counter)": pytest.approx(10.0)}
     fig, (ax,) = p.figure()
-    p.lines(ax, report.series(rec, SAMPLES), "samples", "")  # over wall time: one segment per epoch
+    p.lines(ax, series.series(rec, SAMPLES), "samples", "")  # over wall time: one segment per epoch
     xs = list(ax.get_lines()[0].get_xdata())
     p.plt.close(fig)
     assert xs[:2] == [1.0, 11.0] and math.isnan(xs[2]) and xs[3:] == [6.0, 16.0]
@@ -63,8 +63,8 @@ def test_a_clock_step_is_an_epoch_boundary_even_where_the_counter_is_missing_fro
     lines = [scrape(100.0, [SAMPLES, {}, 0]), scrape(110.0, [SAMPLES, {}, 100]),
              scrape(105.0, ["streamrec_learner_lag_samples", {}, 1]), scrape(115.0, [SAMPLES, {}, 300])]
     rec = report.read_run_log(write(tmp_path / "run-log.jsonl", *lines))
-    assert report.counter_rates(rec, SAMPLES) == {"": ([110.0], [10.0])}
-    assert report.average_rate(*report.series_numbered(rec, SAMPLES).values()) == pytest.approx(10.0)
+    assert series.counter_rates(rec, SAMPLES) == {"": ([110.0], [10.0])}
+    assert series.average_rate(*series.series_numbered(rec, SAMPLES).values()) == pytest.approx(10.0)
 
 
 def test_a_clock_stepping_back_between_two_rotated_files_is_an_epoch_boundary(tmp_path: Path) -> None:
@@ -74,8 +74,8 @@ def test_a_clock_stepping_back_between_two_rotated_files_is_an_epoch_boundary(tm
     write(log, start(111.0), *old[2:])
     rec = report.read_run_log(log)
     assert rec.files == [str(log.with_name("run-log.jsonl.1")), str(log)]
-    assert report.counter_rates(rec, SAMPLES) == {"": ([110.0, 115.0], [10.0, 10.0])}
-    assert report.average_rate(*report.series_numbered(rec, SAMPLES).values()) == pytest.approx(10.0)
+    assert series.counter_rates(rec, SAMPLES) == {"": ([110.0, 115.0], [10.0, 10.0])}
+    assert series.average_rate(*series.series_numbered(rec, SAMPLES).values()) == pytest.approx(10.0)
 
 
 def test_a_clock_stepping_back_between_scrapes_gives_the_histogram_of_each_interval_it_recorded(
@@ -90,7 +90,7 @@ def test_a_clock_stepping_back_between_scrapes_gives_the_histogram_of_each_inter
 
     cumulative = ((0, 0, 0), 0.0), ((10, 10, 10), 0.5), ((10, 10, 20), 55.5), ((10, 10, 30), 110.5)
     lines = [scrape(t, *hist(c, s)) for t, (c, s) in zip(STEPPED, cumulative, strict=True)]
-    h = report.histogram_over_time(report.read_run_log(write(tmp_path / "run-log.jsonl", *lines)), GRAD, "part")
+    h = series.histogram_over_time(report.read_run_log(write(tmp_path / "run-log.jsonl", *lines)), GRAD, "part")
     assert h["dense"]["mean"] == ([110.0, 115.0], [pytest.approx(0.05), pytest.approx(5.5)])
     assert h["dense"]["p50"] == ([110.0, 115.0], [pytest.approx(0.05), pytest.approx(5.5)])
 
@@ -98,7 +98,7 @@ def test_a_clock_stepping_back_between_scrapes_gives_the_histogram_of_each_inter
 def test_the_progress_line_after_a_clock_step_back_reads_the_rate_since_the_step(tmp_path: Path) -> None:
     out = Printed()
     path = write(tmp_path / "run-log.jsonl", *counted((0, 100, 200, 300)))
-    assert report.follow(path, "learner", lambda: False, out, print_every_s=0) == 4  # type: ignore[arg-type]
+    assert follow.follow(path, "learner", lambda: False, out, print_every_s=0) == 4  # type: ignore[arg-type]
     # the line at t=115 read 40/s: its rate was taken from the scrape at t=110, before the step
     assert out == ["learner: 0 samples trained\n", "learner: 100 samples trained (10/s)\n",
                    "learner: 200 samples trained\n", "learner: 300 samples trained (10/s)\n"]
@@ -119,8 +119,8 @@ def test_a_clock_step_seen_only_in_the_monitors_other_records_is_an_epoch_bounda
     lines = [scrape(100.0, [SAMPLES, {}, 0]), scrape(110.0, [SAMPLES, {}, 100]), *between,
              scrape(115.0, [SAMPLES, {}, 450])]
     rec = report.read_run_log(write(tmp_path / "run-log.jsonl", *lines))
-    assert report.counter_rates(rec, SAMPLES) == {"": ([110.0], [10.0])}
-    assert report.average_rate(*report.series_numbered(rec, SAMPLES).values()) == pytest.approx(10.0)
+    assert series.counter_rates(rec, SAMPLES) == {"": ([110.0], [10.0])}
+    assert series.average_rate(*series.series_numbered(rec, SAMPLES).values()) == pytest.approx(10.0)
 
 
 def test_the_start_line_of_a_rotated_file_stamped_after_the_record_that_follows_it_is_no_epoch_boundary(
@@ -131,8 +131,8 @@ def test_the_start_line_of_a_rotated_file_stamped_after_the_record_that_follows_
     write(log.with_name("run-log.jsonl.1"), start(99.0), scrape(100.0, [SAMPLES, {}, 0]))
     write(log, start(110.2), scrape(110.0, [SAMPLES, {}, 100]), scrape(120.0, [SAMPLES, {}, 200]))
     rec = report.read_run_log(log)
-    assert report.counter_rates(rec, SAMPLES) == {"": ([110.0, 120.0], [10.0, 10.0])}
-    assert report.average_rate(*report.series_numbered(rec, SAMPLES).values()) == pytest.approx(10.0)
+    assert series.counter_rates(rec, SAMPLES) == {"": ([110.0, 120.0], [10.0, 10.0])}
+    assert series.average_rate(*series.series_numbered(rec, SAMPLES).values()) == pytest.approx(10.0)
 
 
 def test_the_joiner_watermark_keeps_every_scrape_of_each_epoch_in_the_order_written(tmp_path: Path) -> None:
@@ -142,7 +142,7 @@ def test_the_joiner_watermark_keeps_every_scrape_of_each_epoch_in_the_order_writ
     lines = [json.dumps({"kind": "scrape", "t": t, "source": "joiner", "samples": [[wm, {"partition": "0"}, v]]})
              for t, v in ((100.0, 5000), (110.0, 6000), (100.0, 7000))]
     rec = report.read_run_log(write(tmp_path / "run-log.jsonl", *lines))
-    assert report._min_over(rec, wm) == ([100.0, 110.0, 100.0], [5000.0, 6000.0, 7000.0])
+    assert series._min_over(rec, wm) == ([100.0, 110.0, 100.0], [5000.0, 6000.0, 7000.0])
 
 
 def test_the_joiner_watermark_is_the_slowest_partition_over_every_joiner_source(tmp_path: Path) -> None:
@@ -152,7 +152,7 @@ def test_the_joiner_watermark_is_the_slowest_partition_over_every_joiner_source(
     lines = [json.dumps({"kind": "scrape", "t": 100.0, "source": source, "samples": [[wm, {"partition": p}, v]]})
              for source, p, v in (("joiner-a", "0", 5000), ("joiner-b", "1", 9000))]
     rec = report.read_run_log(write(tmp_path / "run-log.jsonl", *lines))
-    assert report._min_over(rec, wm) == ([100.0], [5000.0])
+    assert series._min_over(rec, wm) == ([100.0], [5000.0])
 
 
 def test_served_quality_over_event_time_draws_each_value_at_the_event_time_of_its_own_scrape() -> None:
@@ -160,12 +160,12 @@ def test_served_quality_over_event_time_draws_each_value_at_the_event_time_of_it
     # t=100 after it
     pytest.importorskip("matplotlib")
     e1, e2, e3 = 978_300_000.0, 978_303_600.0, 978_307_200.0
-    rec = report.Recording()
+    rec = recording.Recording()
     for t, event_s, auc in ((100.0, e1, 0.7), (110.0, e2, None), (100.0, e3, 0.9)):
         samples = [["streamrec_learner_event_time_seconds", {}, event_s]]
         rec.add({"kind": "scrape", "t": t, "source": "learner",
                  "samples": samples + ([["streamrec_learner_served_auc", {}, auc]] if auc else [])})
-    p = report.Plotter(90.0, 30.0)
+    p = plotter.Plotter(90.0, 30.0)
     drawn: list[tuple[list[float], list[float]]] = []
 
     def png(fig: Any) -> bytes:
@@ -177,7 +177,7 @@ def test_served_quality_over_event_time_draws_each_value_at_the_event_time_of_it
         return b""
 
     p.png = png  # type: ignore[method-assign]
-    report.s_quality(p, report.Inputs(rec))
+    sections.s_quality(p, sections.Inputs(rec))
     assert drawn == [([e1, e3], [0.7, 0.9])]
 
 
@@ -187,7 +187,7 @@ def test_the_progress_line_after_a_clock_step_seen_only_in_failed_scrapes_reads_
     path = write(tmp_path / "run-log.jsonl", scrape(100.0, [SAMPLES, {}, 0]), scrape(110.0, [SAMPLES, {}, 100]),
                  *errors, scrape(115.0, [SAMPLES, {}, 450]))
     out = Printed()
-    assert report.follow(path, "learner", lambda: False, out, print_every_s=0) == 3  # type: ignore[arg-type]
+    assert follow.follow(path, "learner", lambda: False, out, print_every_s=0) == 3  # type: ignore[arg-type]
     # the line at t=115 read 70/s: 350 samples over 5 s, where 35 s had passed
     assert out == ["learner: 0 samples trained\n", "learner: 100 samples trained (10/s)\n",
                    "learner: 450 samples trained\n"]
@@ -204,8 +204,8 @@ def test_the_average_bar_over_two_ranks_on_either_side_of_a_clock_step_spans_no_
     rec = report.read_run_log(write(tmp_path / "run-log.jsonl", *lines))
     pytest.importorskip("matplotlib")
     drawn: dict[str, float] = {}
-    monkeypatch.setattr(report.Plotter, "bars", lambda self, ax, values, *a, **k: drawn.update(values) or len(values))
-    report.s_throughput(report.Plotter(500.0, 600.0), report.Inputs(rec))
+    monkeypatch.setattr(plotter.Plotter, "bars", lambda self, ax, values, *a, **k: drawn.update(values) or len(values))
+    sections.s_throughput(plotter.Plotter(500.0, 600.0), sections.Inputs(rec))
     assert drawn == {"train\n(samples/s, counter)": pytest.approx(10.0)}
 
 
@@ -219,10 +219,10 @@ def test_the_average_bar_of_ranks_side_by_side_before_a_clock_step_is_what_it_re
     lines = [json.dumps({"kind": "scrape", "t": t, "source": src, "samples": [[SAMPLES, {}, v]]}) for src, t, v in pts]
     pytest.importorskip("matplotlib")
     drawn: dict[str, float] = {}
-    monkeypatch.setattr(report.Plotter, "bars", lambda self, ax, values, *a, **k: drawn.update(values) or len(values))
+    monkeypatch.setattr(plotter.Plotter, "bars", lambda self, ax, values, *a, **k: drawn.update(values) or len(values))
     for n in (4, 8):  # before the step, and all of it
-        report.s_throughput(report.Plotter(500.0, 600.0),
-                            report.Inputs(report.read_run_log(write(tmp_path / "run-log.jsonl", *lines[:n]))))
+        sections.s_throughput(plotter.Plotter(500.0, 600.0),
+                            sections.Inputs(report.read_run_log(write(tmp_path / "run-log.jsonl", *lines[:n]))))
         assert drawn == {"train\n(samples/s, counter)": pytest.approx(20.0)}, n
 
 
@@ -230,12 +230,12 @@ def test_a_curve_over_wall_time_breaks_at_a_clock_step_seen_only_in_failed_scrap
     # the learner's count at t=100 and 110, then failed scrapes at t=90, 100, 110 (the clock stepped back 20 s), then
     # 450 at t=115: its own t never drops, and the freshness plot drew one line from t=110 to 115 across the step
     pytest.importorskip("matplotlib")
-    rec = report.Recording()
+    rec = recording.Recording()
     for line in (scrape(100.0, [SAMPLES, {}, 0]), scrape(110.0, [SAMPLES, {}, 100]),
                  *(record("scrape_error", t, source="learner", error="refused") for t in (90.0, 100.0, 110.0)),
                  scrape(115.0, [SAMPLES, {}, 450])):
         rec.add(json.loads(line))
-    p = report.Plotter(90.0, 30.0)
+    p = plotter.Plotter(90.0, 30.0)
     drawn: list[list[float]] = []
 
     def png(fig: Any) -> bytes:
@@ -244,7 +244,7 @@ def test_a_curve_over_wall_time_breaks_at_a_clock_step_seen_only_in_failed_scrap
         return b""
 
     p.png = png  # type: ignore[method-assign]
-    report.s_fresh(p, report.Inputs(rec))
+    sections.s_fresh(p, sections.Inputs(rec))
     (xs,) = drawn
     assert xs[:2] == [10.0, 20.0] and math.isnan(xs[2]) and xs[3:] == [25.0]
 
@@ -269,8 +269,8 @@ HIDDEN_STEP = {  # a clock step back after t=110 that no curve's own t shows: 11
 
 
 @pytest.mark.parametrize("between", HIDDEN_STEP.values(), ids=HIDDEN_STEP.keys())
-@pytest.mark.parametrize(("section", "axis"), [(report.s_throughput, 1), (report.s_hot, 1), (report.s_grad, 0),
-                                               (report.s_fresh, 2)],
+@pytest.mark.parametrize(("section", "axis"), [(sections.s_throughput, 1), (sections.s_hot, 1), (sections.s_grad, 0),
+                                               (sections.s_fresh, 2)],
                          ids=["learner-rate", "rows-read-per-tier", "gradient-quantiles", "joiner-watermark"])
 def test_every_curve_over_wall_time_breaks_at_a_clock_step_seen_only_in_another_source_or_record_kind(
         section: Any, axis: int, between: list[str]) -> None:
@@ -285,12 +285,12 @@ def test_every_curve_over_wall_time_breaks_at_a_clock_step_seen_only_in_another_
                 ["streamrec_serving_embedding_lookups_total", {"tier": "hot"}, 50 * i],
                 ["streamrec_join_watermark_ms", {"partition": "0"}, 978_300_000_000 + 1000 * i]]
 
-    rec = report.Recording()
+    rec = recording.Recording()
     before = [scrape(t, *samples(i)) for i, t in enumerate((100.0, 110.0))]
     after = [scrape(t, *samples(i)) for i, t in enumerate((115.0, 125.0, 135.0), start=2)]
     for line in (*before, *between, *after):
         rec.add(json.loads(line))
-    p = report.Plotter(90.0, 50.0)
+    p = plotter.Plotter(90.0, 50.0)
     drawn: list[list[float]] = []
 
     def png(fig: Any) -> bytes:
@@ -299,7 +299,7 @@ def test_every_curve_over_wall_time_breaks_at_a_clock_step_seen_only_in_another_
         return b""
 
     p.png = png  # type: ignore[method-assign]
-    section(p, report.Inputs(rec))
+    section(p, sections.Inputs(rec))
     assert drawn and any(min(seg) >= 25.0 for seg in drawn)  # something drawn after the step (x = t - 90)
     assert not any(min(seg) <= 20.0 and max(seg) >= 25.0 for seg in drawn), drawn
 
@@ -319,12 +319,12 @@ def test_a_rules_state_bar_ends_at_its_epochs_last_evaluation_across_a_clock_ste
     # the state at t=110 was drawn to the next evaluation's t=115, across the step back after it (20 s truly passed):
     # bars were cut only where the rules' own t drops (a negative width, clamped); like every other curve, they now
     # break at each epoch
-    rec = report.Recording()
+    rec = recording.Recording()
     evaluations = [record("rules", t, states={"auc_low": state})
                    for t, state in ((100.0, "pending"), (110.0, "firing"), (115.0, "firing"), (125.0, "inactive"))]
     for line in (*evaluations[:2], *between, *evaluations[2:]):
         rec.add(json.loads(line))
-    p = report.Plotter(90.0, 50.0)
+    p = plotter.Plotter(90.0, 50.0)
     drawn: list[tuple[float, float]] = []
 
     def png(fig: Any) -> bytes:
@@ -333,6 +333,6 @@ def test_a_rules_state_bar_ends_at_its_epochs_last_evaluation_across_a_clock_ste
         return b""
 
     monkeypatch.setattr(p, "png", png)
-    report.s_alerts(p, report.Inputs(rec))
+    sections.s_alerts(p, sections.Inputs(rec))
     # x = seconds since t0=90; an epoch's last evaluation draws as a bar of no width (as the run log's last one did)
     assert drawn == [pytest.approx(span) for span in [(10.0, 20.0), (20.0, 20.0), (25.0, 35.0), (35.0, 35.0)]]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from monitor import report
+from monitor import follow, plotter, recording, report, sections, series
 
 START = {"kind": "start", "t": 1000.0, "sources": {}, "interval_s": 1, "rules": []}
 
@@ -24,18 +24,18 @@ def scrape(t: float, *samples: list[object]) -> str:
     return json.dumps({"kind": "scrape", "t": t, "source": "learner", "samples": list(samples)})
 
 
-def drawing_only(monkeypatch: pytest.MonkeyPatch, *sections: str) -> None:
+def drawing_only(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
     """The report drawn with only the sections a test's hostile value reaches (drawing is the slow part: ~0.3 s a
     section); the page around them (head, summaries, footer) is written as ever."""
-    by_name = {f.__name__: f for f in report.SECTIONS}
-    monkeypatch.setattr(report, "SECTIONS", tuple(by_name[s] for s in sections))
+    by_name = {f.__name__: f for f in sections.SECTIONS}
+    monkeypatch.setattr(sections, "SECTIONS", tuple(by_name[s] for s in names))
 
 
 # the sections that read the stage summaries (Inputs.summaries)
 SUMMARY_SECTIONS = ("s_quality", "s_cold", "s_throughput", "s_hot", "s_dlq", "s_alerts")
 
 
-def page_of(tmp_path: Path, inp: report.Inputs) -> str:
+def page_of(tmp_path: Path, inp: sections.Inputs) -> str:
     out = tmp_path / "report.html"
     report.write_report(inp, out)
     return out.read_text()
@@ -45,13 +45,13 @@ def test_json_nested_too_deeply_is_an_unreadable_line_or_a_named_summary_never_a
         tmp_path: Path) -> None:
     deep = "[" * 100_000 + "]" * 100_000
     rec = report.read_run_log(write_log(tmp_path, deep, scrape(1001.0, ["streamrec_learner_samples_total", {}, 5])))
-    assert rec.bad_lines == 1 and report.series(rec, "streamrec_learner_samples_total")[""][1] == [5.0]
-    assert list(report._scrapes_of([deep], "learner")) == []  # --follow reads the same lines
+    assert rec.bad_lines == 1 and series.series(rec, "streamrec_learner_samples_total")[""][1] == [5.0]
+    assert list(follow._scrapes_of([deep], "learner")) == []  # --follow reads the same lines
     (tmp_path / "train.json").write_text(deep)
-    with pytest.raises(report.ReportError, match="train.json"):
-        report.read_summaries([tmp_path / "train.json"])
+    with pytest.raises(recording.ReportError, match="train.json"):
+        recording.read_summaries([tmp_path / "train.json"])
     (tmp_path / "last_run.json").write_text(deep)
-    assert report.read_last_run(tmp_path) == {}
+    assert recording.read_last_run(tmp_path) == {}
 
 
 def test_samples_with_labels_that_are_not_strings_are_left_out_and_huge_integers_read_as_infinite(
@@ -62,9 +62,9 @@ def test_samples_with_labels_that_are_not_strings_are_left_out_and_huge_integers
                                       [cov, {"field": "user"}, 0.25], [cov, {"field": "item"}, 10 ** 400],
                                       [cov, {"field": "ad"}, -(10 ** 400)]))
     rec = report.read_run_log(path)
-    assert report.series(rec, cov, by=("field",)) == {
+    assert series.series(rec, cov, by=("field",)) == {
         "ad": ([1001.0], [float("-inf")]), "item": ([1001.0], [float("inf")]), "user": ([1001.0], [0.25])}
-    assert "Feature coverage" in page_of(tmp_path, report.Inputs(rec))
+    assert "Feature coverage" in page_of(tmp_path, sections.Inputs(rec))
 
 
 BAD_TIMES = ["NaN", "Infinity", "-Infinity", "1e13", "-1e13", "-1"]
@@ -81,7 +81,7 @@ def test_a_record_whose_time_is_not_finite_negative_or_past_year_9999_is_an_unre
     path = write_log(tmp_path, *bad, scrape(1002.0, ["streamrec_learner_samples_total", {}, 5]))
     rec = report.read_run_log(path)
     assert rec.bad_lines == 2 * len(BAD_TIMES) and (rec.t0, rec.t_end) == (1000.0, 1002.0)
-    assert f"{2 * len(BAD_TIMES)} unreadable line(s) skipped" in page_of(tmp_path, report.Inputs(rec))
+    assert f"{2 * len(BAD_TIMES)} unreadable line(s) skipped" in page_of(tmp_path, sections.Inputs(rec))
     for t in BAD_TIMES:  # and each alone, read without drawing
         alone = write_log(tmp_path, scrape(1001.0, ["streamrec_learner_samples_total", {}, 9]).replace(
             '"t": 1001.0', f'"t": {t}'), scrape(1002.0, ["streamrec_learner_samples_total", {}, 5]))
@@ -96,8 +96,8 @@ def test_label_values_and_rule_names_holding_dollar_signs_are_drawn_as_text_not_
     states = json.dumps({"kind": "rules", "t": 1002.0, "states": {name: "firing"}})
     rec = report.read_run_log(write_log(tmp_path, scrape(1001.0, [cov, {"field": name}, 0.5]),
                                         scrape(1002.0, [cov, {"field": name}, 0.5]), states))
-    sections = {s.id: s for s in report.write_report(report.Inputs(rec), tmp_path / "report.html")}
-    assert sections["coverage"].points == 2 and sections["alerts"].points == 1
+    made = {s.id: s for s in report.write_report(sections.Inputs(rec), tmp_path / "report.html")}
+    assert made["coverage"].points == 2 and made["alerts"].points == 1
 
 
 def test_event_times_and_watermarks_beyond_any_date_are_left_out_of_the_plots_and_the_progress_line(
@@ -109,11 +109,11 @@ def test_event_times_and_watermarks_beyond_any_date_are_left_out_of_the_plots_an
              scrape(1002.0, [auc, {}, 0.7], [clock, {}, 1e300], [wm, {"partition": "0"}, 1e300]),
              scrape(1003.0, [auc, {}, 0.7], [clock, {}, 1.7e9], [wm, {"partition": "0"}, 1.7e12])]
     rec = report.read_run_log(write_log(tmp_path, *lines))
-    sections = {s.id: s for s in report.write_report(report.Inputs(rec), tmp_path / "report.html")}
-    assert sections["served-quality"].points == 3 + 1  # 3 over wall time, 1 over event time
-    assert sections["freshness"].points == 1
+    made = {s.id: s for s in report.write_report(sections.Inputs(rec), tmp_path / "report.html")}
+    assert made["served-quality"].points == 3 + 1  # 3 over wall time, 1 over event time
+    assert made["freshness"].points == 1
     samples = rec.scrapes["learner"][0][1] + [("streamrec_join_samples_total", {}, 5.0)]
-    assert "event time" not in report.progress_line(samples, None, 1001.0)
+    assert "event time" not in follow.progress_line(samples, None, 1001.0)
 
 
 @pytest.mark.parametrize("summary", [
@@ -132,9 +132,10 @@ def test_a_summary_with_a_key_of_the_wrong_type_is_written_not_a_traceback(
     drawing_only(monkeypatch, *SUMMARY_SECTIONS)
     stage = "train" if "samples_trained" in summary else "replay" if "dataset" in summary else "join"
     (tmp_path / f"{stage}.json").write_text(json.dumps(summary).replace("1e309", "Infinity"))
-    inp = report.Inputs(report.read_run_log(write_log(tmp_path)), report.read_summaries([tmp_path / f"{stage}.json"]))
+    inp = sections.Inputs(report.read_run_log(write_log(tmp_path)),
+                          recording.read_summaries([tmp_path / f"{stage}.json"]))
     page = page_of(tmp_path, inp)
-    assert report.served_quality(inp.summaries) is None and "Served quality (" not in page
+    assert sections.served_quality(inp.summaries) is None and "Served quality (" not in page
     if "dead_lettered" in summary:
         assert f"{stage} summary: dead_lettered is not a number" in page
 
@@ -143,7 +144,7 @@ def test_a_publish_time_far_past_the_run_log_is_not_drawn_and_the_page_is_writte
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     drawing_only(monkeypatch, "s_fresh")  # the one section reading last_run.json
     (tmp_path / "last_run.json").write_text(json.dumps({"last_success": 1e300, "version": "v1"}))
-    inp = report.Inputs(report.read_run_log(write_log(tmp_path)), {}, report.read_last_run(tmp_path))
+    inp = sections.Inputs(report.read_run_log(write_log(tmp_path)), {}, recording.read_last_run(tmp_path))
     assert "last_run.json: version v1" in page_of(tmp_path, inp)
 
 
@@ -156,36 +157,36 @@ def test_a_file_beside_the_run_log_with_a_non_ascii_digit_suffix_is_not_a_rotati
 def test_values_near_the_largest_float_are_left_out_of_the_plots_and_counted_not_a_traceback(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """matplotlib cannot lay out an axis near the float maximum (a constant 1e308 raised "arange: cannot compute
-    length"): a value beyond report.PLOT_MAX is not drawn, and its section says how many were left out."""
+    length"): a value beyond plotter.PLOT_MAX is not drawn, and its section says how many were left out."""
     drawing_only(monkeypatch, *SUMMARY_SECTIONS, "s_lag", "s_fresh")  # every section drawing these metrics or the
     # replay summary
     lag, ne, samples = "streamrec_learner_lag_samples", "streamrec_learner_served_ne", "streamrec_learner_samples_total"
     clock = "streamrec_learner_event_time_seconds"
     path = write_log(tmp_path, *(scrape(1001.0 + i, [lag, {}, v], [ne, {}, v], [samples, {}, s], [clock, {}, 1.7e9 + i])
-                                 for i, (v, s) in enumerate([(1e308, 1.7e308), (1e308, 5), (report.PLOT_MAX, 1e308)])))
+                                 for i, (v, s) in enumerate([(1e308, 1.7e308), (1e308, 5), (plotter.PLOT_MAX, 1e308)])))
     (tmp_path / "replay.json").write_text(json.dumps({"dataset": "x", "acked": 1, "events_per_s": 1.7e308}))
-    inp = report.Inputs(report.read_run_log(path), report.read_summaries([tmp_path / "replay.json"]))
-    sections = {s.id: s for s in report.write_report(inp, tmp_path / "report.html")}
-    assert sections["lag"].points == 1 and any("2 recorded value(s) beyond" in m for m in sections["lag"].missing)
-    assert sections["served-quality"].points == 1 + 1  # the 1e300 over wall time and over event time
+    inp = sections.Inputs(report.read_run_log(path), recording.read_summaries([tmp_path / "replay.json"]))
+    made = {s.id: s for s in report.write_report(inp, tmp_path / "report.html")}
+    assert made["lag"].points == 1 and any("2 recorded value(s) beyond" in m for m in made["lag"].missing)
+    assert made["served-quality"].points == 1 + 1  # the 1e300 over wall time and over event time
     # the rate 5 -> 1e308 per second, the replay's bar and the learner's average (1e308 over 2 s)
-    assert sections["throughput"].points == 0 and any("3 recorded value(s) beyond" in m
-                                                      for m in sections["throughput"].missing)
-    assert sections["freshness"].points == 1 and any("2 recorded value(s) beyond" in m  # samples trained
-                                                     for m in sections["freshness"].missing)
+    assert made["throughput"].points == 0 and any("3 recorded value(s) beyond" in m
+                                                      for m in made["throughput"].missing)
+    assert made["freshness"].points == 1 and any("2 recorded value(s) beyond" in m  # samples trained
+                                                     for m in made["freshness"].missing)
 
 
 def test_a_counters_rate_over_labels_gives_no_point_where_a_series_left_out_of_one_scrape_comes_back() -> None:
     """The clicks series missing from the middle scrape (a sample the monitor left out as stale) made the sum of the
     topics drop then rise by the whole clicks count: 520 events/s where the joiner read 15 (10 + 5)."""
     events = "streamrec_events_total"
-    rec = report.Recording()
+    rec = recording.Recording()
     for t, counts in ((100.0, {"impressions": 1000, "clicks": 500}), (101.0, {"impressions": 1010}),
                       (102.0, {"impressions": 1020, "clicks": 510}), (103.0, {"impressions": 1030, "clicks": 515})):
         rec.add({"kind": "scrape", "t": t, "source": "joiner",
                  "samples": [[events, {"stage": "join", "topic": k}, v] for k, v in counts.items()]})
-    assert report.counter_rates(rec, events, where={"stage": "join"}) == {"": ([103.0], [15.0])}
-    by_topic = report.counter_rates(rec, events, by=("topic",))
+    assert series.counter_rates(rec, events, where={"stage": "join"}) == {"": ([103.0], [15.0])}
+    by_topic = series.counter_rates(rec, events, by=("topic",))
     assert by_topic == {"clicks": ([102.0, 103.0], [5.0, 5.0]),  # 10 over the 2 s between its scrapes, then 5
                         "impressions": ([101.0, 102.0, 103.0], [10.0, 10.0, 10.0])}
 
@@ -193,16 +194,16 @@ def test_a_counters_rate_over_labels_gives_no_point_where_a_series_left_out_of_o
 def test_a_curve_whose_label_value_starts_with_an_underscore_is_named_in_the_legend() -> None:
     """matplotlib leaves an artist labelled "_..." out of a legend: a DLQ curve of topic "_schemas" or a field named
     "_hour" was drawn with nothing saying which it was."""
-    p = report.Plotter(1000.0, 10.0)
+    p = plotter.Plotter(1000.0, 10.0)
     fig, (ax, ev) = p.figure(2, 1)
     curves = {"_schemas/bad_json": ([1001.0, 1002.0], [1.0, 2.0]), "impressions/bad_json": ([1001.0], [3.0])}
     assert p.lines(ax, curves, "messages", "dead letters") == 3
     assert [t.get_text() for t in ax.get_legend().get_texts()] == list(curves)
-    rec = report.Recording()
+    rec = recording.Recording()
     for t in (1001.0, 1002.0):
         rec.add({"kind": "scrape", "t": t, "source": "learner",
                  "samples": [["streamrec_learner_event_time_seconds", {}, 1.7e9 + t]]})
-    assert report.event_time_plot(ev, rec, {"_auc": ([1001.0, 1002.0], [0.7, 0.8])}) == 2
+    assert plotter.event_time_plot(ev, rec, {"_auc": ([1001.0, 1002.0], [0.7, 0.8])}) == 2
     assert [t.get_text() for t in ev.get_legend().get_texts()] == ["_auc"]
     p.plt.close(fig)
 
@@ -216,7 +217,7 @@ def test_a_file_or_symlink_at_the_reports_temporary_name_is_neither_written_thro
     precious = tmp_path / "precious.txt"
     precious.write_text("keep me")
     (tmp_path / "report.html.tmp").symlink_to(precious)
-    page = page_of(tmp_path, report.Inputs(report.read_run_log(write_log(tmp_path))))
+    page = page_of(tmp_path, sections.Inputs(report.read_run_log(write_log(tmp_path))))
     assert precious.read_text() == "keep me" and "streamrec run report" in page
     assert not (tmp_path / "report.html").is_symlink()
 
@@ -234,11 +235,11 @@ def test_a_record_holding_a_lone_surrogate_escape_is_an_unreadable_line_not_a_tr
     rec = report.read_run_log(path)
     assert rec.bad_lines == 3 and not rec.scrapes and not rec.alerts
     assert rec.rule_states == [(1003.0, {"r": "\\ud800 firing"}, 0)]
-    assert "3 unreadable line(s) skipped" in page_of(tmp_path, report.Inputs(rec))
+    assert "3 unreadable line(s) skipped" in page_of(tmp_path, sections.Inputs(rec))
     (tmp_path / "replay.json").write_text('{"dataset": "x", "acked": 1}\n{"dataset": "\\udcff", "acked": 2}\n')
-    assert report.read_summaries([tmp_path / "replay.json"]) == {"replay": {"dataset": "x", "acked": 1}}
+    assert recording.read_summaries([tmp_path / "replay.json"]) == {"replay": {"dataset": "x", "acked": 1}}
     (tmp_path / "last_run.json").write_text('{"version": "v\\ud800"}')
-    assert report.read_last_run(tmp_path) == {}
+    assert recording.read_last_run(tmp_path) == {}
 
 
 def test_values_a_log_axis_cannot_tick_are_left_out_of_the_gradient_plots_and_counted_not_a_traceback(
@@ -249,7 +250,7 @@ def test_values_a_log_axis_cannot_tick_are_left_out_of_the_gradient_plots_and_co
     upd = "streamrec_learner_update_norm"
     path = write_log(tmp_path, *(scrape(1001.0 + i, [upd, {"part": "dense"}, v])
                                  for i, v in enumerate([1e280, 1.0, 1e100, 1e-100, 1e-101])))
-    sections = {s.id: s for s in report.write_report(report.Inputs(report.read_run_log(path)),
+    made = {s.id: s for s in report.write_report(sections.Inputs(report.read_run_log(path)),
                                                      tmp_path / "report.html")}
-    assert sections["gradient-norms"].points == 3
-    assert any("2 recorded value(s)" in m and "not drawn" in m for m in sections["gradient-norms"].missing)
+    assert made["gradient-norms"].points == 3
+    assert any("2 recorded value(s)" in m and "not drawn" in m for m in made["gradient-norms"].missing)

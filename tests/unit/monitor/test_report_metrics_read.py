@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from monitor import report
+from monitor import recording, report, sections, series
 
 UNDRAWN = ("streamrec_learner_field_grad_norm_bucket", "streamrec_learner_field_grad_norm_count",
            "streamrec_learner_id_time_to_admission_seconds_sum", "streamrec_never_drawn")
@@ -43,7 +43,7 @@ def write_log(path: Path, cycles: int = 12) -> Path:
         t = 1e9 + 10 * i - (50 if i >= cycles // 2 else 0)
         for source in ("learner", "joiner"):
             lines.append({"kind": "scrape", "t": t, "source": source,
-                          "samples": samples_at(i, report.metrics_read() | set(UNDRAWN))})
+                          "samples": samples_at(i, sections.metrics_read() | set(UNDRAWN))})
         lines.append({"kind": "rules", "t": t, "states": {"r": "firing" if i % 4 == 3 else "inactive"}})
     lines.append({"kind": "scrape", "t": 1e9 + 200, "source": "serving", "samples": samples_at(1, UNDRAWN)})
     lines.append({"kind": "alert", "t": 1e9 + 30, "alert": {"rule": "r", "state": "firing", "labels": {}}})
@@ -51,7 +51,7 @@ def write_log(path: Path, cycles: int = 12) -> Path:
     return path
 
 
-def names_in(rec: report.Recording) -> set[str]:
+def names_in(rec: recording.Recording) -> set[str]:
     return {n for scrapes in rec.scrapes.values() for _, samples, _ in scrapes for n, _, _ in samples}
 
 
@@ -60,8 +60,8 @@ def test_the_run_log_is_read_keeping_the_samples_of_the_metrics_the_sections_dec
     path = write_log(tmp_path / "run-log.jsonl")
     every, kept = report.read_run_log(path, every_metric=True), report.read_run_log(path)
     assert set(UNDRAWN) <= names_in(every)
-    assert names_in(kept) == report.metrics_read() and not set(UNDRAWN) & names_in(kept)
-    assert "streamrec_learner_grad_norm_bucket" in report.metrics_read()  # a histogram declared by its series
+    assert names_in(kept) == sections.metrics_read() and not set(UNDRAWN) & names_in(kept)
+    assert "streamrec_learner_grad_norm_bucket" in sections.metrics_read()  # a histogram declared by its series
     # every scrape kept, with its time and epoch: the page counts them and shades each source's running time
     assert {s: [(t, e) for t, _, e in sc] for s, sc in kept.scrapes.items()} == \
         {s: [(t, e) for t, _, e in sc] for s, sc in every.scrapes.items()}
@@ -71,10 +71,10 @@ def test_the_run_log_is_read_keeping_the_samples_of_the_metrics_the_sections_dec
 def test_a_series_read_of_a_metric_no_section_declares_raises_rather_than_draw_not_recorded(tmp_path: Path) -> None:
     rec = report.read_run_log(write_log(tmp_path / "run-log.jsonl"))
     with pytest.raises(LookupError, match="streamrec_learner_field_grad_norm_count.*@reads"):
-        report.series(rec, "streamrec_learner_field_grad_norm_count")
+        series.series(rec, "streamrec_learner_field_grad_norm_count")
     with pytest.raises(LookupError, match="streamrec_learner_field_grad_norm_bucket"):
-        report.histogram_numbered(rec, "streamrec_learner_field_grad_norm", "field")
-    assert report.series(report.read_run_log(tmp_path / "run-log.jsonl", every_metric=True),
+        series.histogram_numbered(rec, "streamrec_learner_field_grad_norm", "field")
+    assert series.series(report.read_run_log(tmp_path / "run-log.jsonl", every_metric=True),
                          "streamrec_learner_field_grad_norm_count")
 
 
@@ -88,10 +88,10 @@ def test_the_page_from_the_metrics_kept_is_byte_identical_to_the_page_from_every
     pages, points = [], []
     for every in (True, False):
         out = tmp_path / f"report-{every}.html"
-        sections = report.write_report(report.Inputs(report.read_run_log(path, every_metric=every)), out)
+        made = report.write_report(sections.Inputs(report.read_run_log(path, every_metric=every)), out)
         pages.append(out.read_text())
-        points.append({s.id: (s.points, s.missing) for s in sections})
+        points.append({s.id: (s.points, s.missing) for s in made})
     assert pages[0] == pages[1] and points[0] == points[1]
     drawn = {k for k, (n, _) in points[1].items() if n}
-    assert drawn == {s.id for s in sections}, points[1]  # every section drew something from this log
-    assert len(re.findall("data:image/png;base64,", pages[1])) == len(report.SECTIONS)
+    assert drawn == {s.id for s in made}, points[1]  # every section drew something from this log
+    assert len(re.findall("data:image/png;base64,", pages[1])) == len(sections.SECTIONS)

@@ -40,7 +40,7 @@ def test_a_stage_that_left_no_readable_summary_stops_the_demo_naming_the_stage_a
 
 
 def test_a_signal_reason_after_other_lines_in_the_summary_stops_the_demo(tmp_path: Path) -> None:
-    """The summary is the last JSON object of its file (monitor.report.read_summaries, which the summary line used):
+    """The summary is the last JSON object of its file (monitor.recording.read_summaries, which the summary line used):
     with a line before it, the signal check's ``json.load`` failed, missed ``"reason": "signal"``, and the demo went
     on to refresh and serve what the stopped learner had half trained."""
     summary = tmp_path / "train.json"
