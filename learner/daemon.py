@@ -52,7 +52,7 @@ from learner.batch import TensorBatch
 from learner.calibration import OnlineCalibration, identity
 from learner.config import Amp, CheckpointMismatch, LearnerSettings, check_topic, parse_mlp, shape_of
 from learner.delayed import BaseRateBias
-from learner.deltas import DeltaWriter
+from learner.delta_writer import DeltaWriter
 from learner.distributed import partitions_of
 from learner.event_clock import EventClock
 from learner.features import FeatureConfig, FieldKind, default_config

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from learner.calibration import identity
-from learner.deltas import DeltaWriter, dense_weights
+from learner.delta_writer import DeltaWriter, dense_weights
 from learner.distributed import all_gather_objects, gather_objects
 from learner.features import FeatureConfig
 from learner.sharded_ids import whole_maps

@@ -64,7 +64,8 @@ from typing import Any
 import redis
 
 from learner.artifact import CURRENT, PIN, VERSIONS, ArtifactError, current_version, read_pin, version_path
-from learner.deltas import DeltaReader, transient
+from learner.delta_reader import DeltaReader
+from learner.deltas import transient
 from learner.tensorpack import SigningKey
 from serving.embedding_store import VersionNotStored
 from serving.features import FeatureEncoder

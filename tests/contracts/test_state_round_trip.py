@@ -41,7 +41,8 @@ from learner.batch import to_tensors
 from learner.calibration import OnlineCalibration
 from learner.daemon import RecentIds
 from learner.delayed import BaseRateBias, DelayedFeedbackWeights
-from learner.deltas import DeltaWriter, load_delta
+from learner.delta_writer import DeltaWriter
+from learner.deltas import load_delta
 from learner.features import FeatureConfig, FieldSpec
 from learner.grad_clip import AdaptiveClip
 from learner.id_map import FieldIdMaps, IdMap

@@ -189,7 +189,7 @@ def test_a_service_on_a_cluster_hears_the_refreshs_and_the_learners_notification
         cluster_nodes: Any, prefix: str, tmp_path: Path, outage: str) -> None:
     from cache_refresh import job
     from cache_refresh.settings import RefreshSettings
-    from learner.deltas import DeltaWriter, redis_notifier
+    from learner.delta_writer import DeltaWriter, redis_notifier
     from serving.swap import artifact_channel
     from tests.integration.test_serving import CFG, TinyLearner
     from tests.integration.test_serving import publish_version as publish_learner_version

@@ -14,7 +14,9 @@ import torch
 
 from learner.config import LearnerSettings
 from learner.daemon import Learner
-from learner.deltas import DeltaReader, DeltaWriter, list_deltas, load_delta, redis_notifier
+from learner.delta_reader import DeltaReader
+from learner.delta_writer import DeltaWriter, redis_notifier
+from learner.deltas import list_deltas, load_delta
 from learner.model import DeepFM
 from stream.config import KafkaSettings
 from stream.redis_client import RedisFailure
@@ -73,24 +75,24 @@ def test_a_failed_delta_write_is_survived_and_retried_with_the_same_seq(tmp_path
     import errno
     import shutil
 
-    import learner.deltas as deltas_mod
+    import learner.delta_writer as writer_mod
 
     learner = TinyLearner()
     w = DeltaWriter(tmp_path / "d", CFG.num_rows, every_s=1.0)
     batches = learner.train(2)
     for tb in batches:
         w.mark(tb.values)
-    real = deltas_mod.write_atomic
+    real = writer_mod.write_atomic
 
     def full(path: Path, data: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(deltas_mod, "write_atomic", full)
-    failures = deltas_mod.DELTA_WRITE_FAILURES._value.get()
+    monkeypatch.setattr(writer_mod, "write_atomic", full)
+    failures = writer_mod.DELTA_WRITE_FAILURES._value.get()
     assert w.write(learner.model, learner.trainer.samples) is None  # no exception
     assert w.failed == 1 and w.seq == 0 and w.touched.any() and list_deltas(tmp_path / "d") == []
-    assert deltas_mod.DELTA_WRITE_FAILURES._value.get() == failures + 1
-    monkeypatch.setattr(deltas_mod, "write_atomic", real)
+    assert writer_mod.DELTA_WRITE_FAILURES._value.get() == failures + 1
+    monkeypatch.setattr(writer_mod, "write_atomic", real)
     shutil.rmtree(tmp_path / "d")  # and the directory is gone meanwhile: made again
     path = w.write(learner.model, learner.trainer.samples)
     assert path is not None and load_delta(path).seq == 1  # no gap for serving

@@ -50,7 +50,7 @@ from cache_refresh.settings import RefreshSettings
 from learner import artifact
 from learner import checkpoint as ckpt_io
 from learner.batch import to_tensors
-from learner.deltas import DeltaWriter
+from learner.delta_writer import DeltaWriter
 from serving.model import ScoringModel
 from serving.service import ScoringService
 from serving.settings import ServeSettings

@@ -440,7 +440,7 @@ def test_layered_scores_equal_in_process_scores_on_a_redis_cluster(redis_cluster
 
 def test_a_learner_delta_reaches_a_layered_service_and_redis_through_the_delta_directory(
         stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
-    from learner.deltas import DeltaWriter
+    from learner.delta_writer import DeltaWriter
 
     path = publish_version(tmp_path / "serving", redis_client, prefix)
     deltas = tmp_path / "deltas"
@@ -852,7 +852,7 @@ def test_a_server_that_fails_to_stop_still_stops_the_updater_and_the_lookup_coun
 def test_a_rollback_serves_the_published_versions_rows_not_the_rows_of_deltas_applied_to_it_before(
         stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
     from cache_refresh.publish import rollback
-    from learner.deltas import DeltaWriter
+    from learner.delta_writer import DeltaWriter
 
     root = tmp_path / "serving"
     path = publish_version(root, redis_client, prefix)

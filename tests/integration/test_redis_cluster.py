@@ -21,7 +21,7 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from cache_refresh import hot_set
-from learner.deltas import redis_notifier
+from learner.delta_writer import redis_notifier
 from learner.features import FeatureConfig, FieldSpec
 from stream import redis_client
 from stream.config import RedisSettings

@@ -36,7 +36,8 @@ from cache_refresh import job
 from cache_refresh.settings import RefreshSettings
 from learner.config import LearnerSettings
 from learner.daemon import Learner
-from learner.deltas import DeltaWriter, list_deltas, redis_notifier
+from learner.delta_writer import DeltaWriter, redis_notifier
+from learner.deltas import list_deltas
 from serving.service import ScoringService
 from serving.settings import ServeSettings
 from serving.swap import artifact_channel

@@ -26,7 +26,7 @@ import torch
 from cache_refresh.publish import publish
 from learner.artifact import build_artifact, eager_model
 from learner.batch import TensorBatch, to_tensors
-from learner.deltas import DeltaWriter
+from learner.delta_writer import DeltaWriter
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
 from learner.optim import make_optimizers

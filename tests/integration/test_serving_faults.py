@@ -36,7 +36,8 @@ from learner import checkpoint as ckpt_io
 from learner import tensorpack
 from learner.artifact import ArtifactError, build_artifact
 from learner.batch import to_tensors
-from learner.deltas import DeltaError, DeltaWriter, decode_delta, delta_path, load_delta
+from learner.delta_writer import DeltaWriter
+from learner.deltas import DeltaError, decode_delta, delta_path, load_delta
 from serving import model as serving_model
 from serving.model import ScoringModel
 from serving.service import ScoringService

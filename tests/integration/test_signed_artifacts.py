@@ -26,7 +26,8 @@ from cache_refresh.settings import RefreshSettings
 from learner import artifact as A
 from learner.artifact import ArtifactError, build_artifact
 from learner.config import ArtifactFormat
-from learner.deltas import DeltaWriter, delta_path
+from learner.delta_writer import DeltaWriter
+from learner.deltas import delta_path
 from learner.tensorpack import SigningKey, load_signing_key
 from serving import model as serving_model
 from serving.metrics import ServingMetrics

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.deltas import DeltaWriter, list_deltas, load_delta
+from learner.delta_writer import DeltaWriter
+from learner.deltas import list_deltas, load_delta
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
 
@@ -65,7 +66,7 @@ def test_a_failed_first_delta_after_a_restart_leaves_the_maps_due_so_no_restored
     before the restart): only the first delta, which carries the maps, may send them. That delta failed to write (a
     full disk) and still reset the maps' clock, so the retry went out without the maps and sent row 2, now another
     id's, to serving under the old maps (the evicted id served the new owner's vector until the next maps)."""
-    import learner.deltas as deltas_module
+    import learner.delta_writer as deltas_module
 
     now = [0.0]
     first = DeltaWriter(tmp_path, CFG.num_rows, every_s=1.0, clock=lambda: now[0], id_maps_every_s=60.0)

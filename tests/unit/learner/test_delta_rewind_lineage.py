@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from learner.deltas import DeltaReader, delta_path, encode_delta
+from learner.delta_reader import DeltaReader
+from learner.deltas import delta_path, encode_delta
 from stream.files import write_atomic
 
 OLD, NEW = "a" * 32, "b" * 32

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner import deltas
-from learner.deltas import SEQ_FILE, SUFFIX, DeltaReader, DeltaWriter, list_deltas
+from learner import delta_writer
+from learner.delta_reader import DeltaReader
+from learner.delta_writer import DeltaWriter
+from learner.deltas import SEQ_FILE, SUFFIX, list_deltas
 
 
 def _write(writer: DeltaWriter, rows: list[int], samples: int) -> Path | None:
@@ -85,7 +87,7 @@ def test_a_restart_after_a_restart_that_reserved_a_seq_it_never_wrote_does_not_r
     _dead_run(tmp_path)
     first_restart = _writer(tmp_path)
     first_restart.abandon_after(1, 16)
-    real = deltas.write_atomic
+    real = delta_writer.write_atomic
 
     def no_delta(path: Path, data: bytes) -> None:
         if path.name.endswith(SUFFIX):
@@ -93,7 +95,7 @@ def test_a_restart_after_a_restart_that_reserved_a_seq_it_never_wrote_does_not_r
         real(path, data)
 
     with monkeypatch.context() as m:
-        m.setattr(deltas, "write_atomic", no_delta)
+        m.setattr(delta_writer, "write_atomic", no_delta)
         assert _write(first_restart, [5], 20) is None
     assert (tmp_path / "ck" / SEQ_FILE).read_text() == "4"
     restart = _writer(tmp_path)

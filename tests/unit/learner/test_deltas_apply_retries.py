@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from learner.deltas import TRANSIENT_TRIES, DeltaReader, delta_path, encode_delta
+from learner.delta_reader import DeltaReader
+from learner.deltas import TRANSIENT_TRIES, delta_path, encode_delta
 from stream.files import write_atomic
 
 

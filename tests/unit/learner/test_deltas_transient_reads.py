@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner import deltas
-from learner.deltas import TRANSIENT_TRIES, DeltaReader, delta_path, encode_delta
+from learner import delta_reader, deltas
+from learner.delta_reader import DeltaReader
+from learner.deltas import TRANSIENT_TRIES, delta_path, encode_delta
 from stream.files import write_atomic
 
 DIM = 4
@@ -44,7 +45,7 @@ def _failing(monkeypatch: pytest.MonkeyPatch, path: Path, times: int,
             raise make()
         return real(p, key)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(deltas, "load_delta", load)
+    monkeypatch.setattr(delta_reader, "load_delta", load)
     return loads, left
 
 

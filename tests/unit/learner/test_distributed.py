@@ -195,7 +195,8 @@ def test_a_delta_round_is_decided_together_like_a_checkpoint() -> None:
 
 def test_a_sharded_delta_carries_the_touched_rows_first_d_plus_1_columns_and_the_dense_weights(
         one_rank_group: None, tmp_path: Path) -> None:
-    from learner.deltas import PENDING, DeltaWriter, list_deltas, load_delta
+    from learner.delta_writer import DeltaWriter
+    from learner.deltas import PENDING, list_deltas, load_delta
     from learner.sharded_deltas import ShardedDeltas
     from learner.sharded_model import ShardedDeepFM, feature_names, shard, table_weight
     from learner.sharded_trainer import ShardedTrainer
@@ -695,8 +696,8 @@ def test_a_failed_sharded_delta_with_the_id_maps_leaves_them_due_and_the_held_ro
     """Rank 0's writer reset the maps' clock before its write, so a delta with the maps that failed (a full disk)
     made the next round one without them: the rows a restarted writer restored from its pending list (which were
     held before the restart, unknown to it) went out under the old maps."""
-    import learner.deltas as deltas_module
-    from learner.deltas import DeltaWriter
+    import learner.delta_writer as deltas_module
+    from learner.delta_writer import DeltaWriter
     from learner.sharded_deltas import ShardedDeltas
 
     first = DeltaWriter(tmp_path, 32, every_s=1.0, id_maps_every_s=60.0)
@@ -720,7 +721,8 @@ def test_an_idle_sharded_learner_builds_no_id_maps_for_a_delta_it_does_not_write
     (``ShardedRowMapper.state_dict``) for it, and again at every due time while idle, since no delta with the maps
     reset their clock. (The table is a plain tensor here: the row-wise shard of one rank is the whole table.)"""
     import learner.sharded_deltas as sharded_deltas
-    from learner.deltas import DeltaWriter, list_deltas
+    from learner.delta_writer import DeltaWriter
+    from learner.deltas import list_deltas
     from learner.sharded_deltas import ShardedDeltas
 
     monkeypatch.setattr(sharded_deltas, "table_weight", lambda dmp: dmp)
@@ -815,7 +817,7 @@ def test_an_artifact_of_a_restarted_sharded_learners_checkpoint_applies_no_delta
     (The single process: tests/unit/learner/test_fallback_restart_deltas.py.)"""
     from learner import checkpoint, sharded_checkpoint
     from learner.config import LearnerSettings
-    from learner.deltas import DeltaReader
+    from learner.delta_reader import DeltaReader
     from learner.sharded_daemon import ShardedLearner
     from stream.config import KafkaSettings
     from stream.samples import SampleBatch

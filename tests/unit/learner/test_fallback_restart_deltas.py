@@ -16,7 +16,9 @@ from learner.artifact import build_artifact
 from learner.batch import to_tensors
 from learner.config import LearnerSettings
 from learner.daemon import Learner
-from learner.deltas import ABANDONED, DeltaReader, DeltaWriter, delta_path, list_deltas
+from learner.delta_reader import DeltaReader
+from learner.delta_writer import DeltaWriter
+from learner.deltas import ABANDONED, delta_path, list_deltas
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
 from serving.swap import ModelHolder, ModelUpdater

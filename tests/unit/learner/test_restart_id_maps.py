@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from learner import checkpoint as ck
+from learner import delta_writer
 from learner import deltas as deltas_mod
 from learner.artifact import build_artifact
 from learner.batch import to_tensors
 from learner.config import Amp, Device, LearnerSettings
 from learner.daemon import Learner
-from learner.deltas import dense_weights, encode_delta, list_deltas, load_delta
+from learner.delta_writer import dense_weights
+from learner.deltas import encode_delta, list_deltas, load_delta
 from learner.features import FeatureConfig, FieldSpec
 from serving.model import ScoringModel
 from stream.config import KafkaSettings
@@ -155,7 +157,8 @@ def test_a_resend_past_the_readers_byte_limit_goes_out_in_parts_that_serving_rea
     try:
         one_part = _encoded_size(tree)
         for too_many in range(1, len(resent)):  # rows (8 + 4 (D + 1) bytes each) over the limit: the first part
-            monkeypatch.setattr(deltas_mod, "MAX_BYTES", one_part - too_many * 28)  # one row (owned rows lowest)
+            for module in (deltas_mod, delta_writer):  # the reader's limit and the writer's
+                monkeypatch.setattr(module, "MAX_BYTES", one_part - too_many * 28)  # one row (owned rows lowest)
             if second.deltas._parts(*tree[:3], second.trainer.samples, tree[3])[0] == (0, 1):
                 break
         assert second.deltas.write(second.trainer.model, second.trainer.samples) is not None
@@ -182,16 +185,16 @@ def test_a_resend_past_the_readers_byte_limit_goes_out_in_parts_that_serving_rea
 def test_a_delta_under_the_byte_limit_is_encoded_once_its_size_bounded_without_encoding(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The split needs a delta's size; encoding every delta twice to learn it (the maps are ~41 MB per million ids)
-    doubled the writer's work. A cheap upper bound (``_rough_bytes``) spares it below the limit: the resend after a
+    doubled the writer's work. A cheap upper bound (``rough_bytes``) spares it below the limit: the resend after a
     restart, the largest delta there is, is encoded once, and the bound is above its real size."""
     ls = _settings(tmp_path)
     _first_run(tmp_path)
     second, _, _, tree = _restarted_resend(ls)
     try:
         size = _encoded_size(tree)
-        assert size <= deltas_mod._rough_bytes(tree) < 2 * size + 65536
+        assert size <= deltas_mod.rough_bytes(tree) < 2 * size + 65536
         encoded: list[int] = []
-        monkeypatch.setattr(deltas_mod, "encode_delta",
+        monkeypatch.setattr(delta_writer, "encode_delta",
                             lambda *a, **kw: encoded.append(1) or encode_delta(*a, **kw))
         assert second.deltas.write(second.trainer.model, second.trainer.samples) is not None
         assert len(encoded) == 1

@@ -175,7 +175,7 @@ def test_cold_start_evaluation_runs_every_variant_on_one_stream() -> None:
 
 def test_a_user_admitted_after_the_artifact_reaches_serving_through_a_delta(tmp_path: Path) -> None:
     from cache_refresh.publish import publish
-    from learner.deltas import DeltaWriter
+    from learner.delta_writer import DeltaWriter
     from serving.metrics import ServingMetrics
     from serving.swap import ModelHolder, ModelUpdater
 
@@ -242,7 +242,8 @@ def test_the_learner_shrinks_idle_user_buckets_when_a_new_user_lands_in_them() -
 def test_deltas_written_row_by_row_carry_the_id_maps_again_once_id_maps_every_s_passed(tmp_path: Path) -> None:
     """The distributed mode's rank 0 calls ``write_rows`` only (``learner/sharded_deltas.py``): the maps' cadence must
     follow the clock there too (it sent them with the first delta only)."""
-    from learner.deltas import DeltaWriter, dense_weights, list_deltas, load_delta
+    from learner.delta_writer import DeltaWriter, dense_weights
+    from learner.deltas import list_deltas, load_delta
 
     dense = dense_weights(DeepFM(CFG, mlp=(8,), seed=0, autocast_dtype=None))
     now = [0.0]
@@ -276,7 +277,7 @@ def test_an_id_evicted_after_the_artifact_is_not_served_the_vector_of_the_id_its
     """Between two deltas that carry the id maps, serving maps ids with the maps it has: a delta that sent the row of
     an evicted id, now another id's, without the maps that say so served the evicted id the other id's vector."""
     from cache_refresh.publish import publish
-    from learner.deltas import DeltaWriter
+    from learner.delta_writer import DeltaWriter
     from serving.metrics import ServingMetrics
     from serving.swap import ModelHolder, ModelUpdater
 

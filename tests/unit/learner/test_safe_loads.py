@@ -23,7 +23,9 @@ from learner import tensorpack
 from learner.batch import to_tensors
 from learner.config import ArtifactFormat, Device, LearnerSettings
 from learner.daemon import Learner
-from learner.deltas import DeltaError, DeltaReader, DeltaWriter, delta_path, load_delta
+from learner.delta_reader import DeltaReader
+from learner.delta_writer import DeltaWriter
+from learner.deltas import DeltaError, delta_path, load_delta
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
 from learner.optim import make_optimizers

@@ -128,7 +128,7 @@ def rank_work(rank: int, world: int, out: str, cfg_name: str, rounds: int, load:
         values.append(tb.values.clone())
     ids.decay_idle(dmp)  # a checkpoint's: the same on every rank
     if rounds:  # a serving delta: it carries the whole maps, merged on rank 0 from every rank's shares
-        from learner.deltas import DeltaWriter
+        from learner.delta_writer import DeltaWriter
         from learner.sharded_deltas import ShardedDeltas
 
         writer = DeltaWriter(Path(out).with_suffix(".deltas"), cfg.num_rows, 1.0, id_maps_every_s=0.0) \

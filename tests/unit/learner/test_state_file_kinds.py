@@ -78,7 +78,8 @@ def test_a_pending_rows_file_that_is_a_fifo_does_not_block_the_checkpoints_sync(
     import os
     import threading
 
-    from learner.deltas import PENDING, DeltaWriter
+    from learner.delta_writer import DeltaWriter
+    from learner.deltas import PENDING
 
     os.mkfifo(tmp_path / PENDING)
     writer = DeltaWriter(tmp_path, num_rows=8, every_s=60.0)

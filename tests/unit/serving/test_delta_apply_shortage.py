@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-import learner.deltas
+import learner.delta_reader
 from learner.deltas import TRANSIENT_TRIES, delta_path, encode_delta
 from serving.metrics import LookupTally, ServingMetrics
 from serving.swap import LiveModel, ModelHolder, ModelUpdater
@@ -91,7 +91,7 @@ def test_what_the_reader_counted_in_a_round_an_exception_ended_still_reaches_the
         raise RuntimeError("a bug reading delta 3")
 
     with monkeypatch.context() as m:
-        m.setattr(learner.deltas, "load_delta", unexpected)
+        m.setattr(learner.delta_reader, "load_delta", unexpected)
         with pytest.raises(RuntimeError, match="a bug reading"):
             u.check_now()
     assert u.deltas is not None and u.deltas.gaps == 1

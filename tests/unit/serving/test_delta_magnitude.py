@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.deltas import DeltaWriter
+from learner.delta_writer import DeltaWriter
 from serving.swap import ModelUpdater
 from tests.integration.test_serving import CFG, TinyLearner, publish_version
 from tests.unit.serving.test_app import call, make_app, sample

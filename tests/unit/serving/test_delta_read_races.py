@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.deltas import _REMEMBER, ABANDONED, DeltaReader, delta_path, encode_delta, list_deltas
+from learner.delta_reader import _REMEMBER, DeltaReader
+from learner.deltas import ABANDONED, delta_path, encode_delta, list_deltas
 from stream.files import write_atomic
 
 DIM = 4
@@ -80,7 +81,7 @@ def test_a_truncated_delta_at_its_final_name_is_rejected_and_the_next_still_appl
 
 def test_a_hole_seen_again_with_another_delta_after_it_counts_each_missing_seq_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from learner import deltas
+    from learner import delta_reader as deltas
 
     p4 = _write(tmp_path, 4)
     real = deltas.list_deltas
@@ -113,7 +114,7 @@ def test_a_rejected_delta_pruned_later_is_no_gap(tmp_path: Path) -> None:
 
 def test_a_rejected_delta_pruned_between_a_later_listing_and_its_read_is_no_gap(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from learner import deltas
+    from learner import delta_reader as deltas
 
     p2 = _write(tmp_path, 2)
     p2.write_bytes(p2.read_bytes()[:-7])

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from learner import deltas
-from learner.deltas import TRANSIENT_TRIES, DeltaReader, delta_path, encode_delta
+from learner import delta_reader, deltas
+from learner.delta_reader import DeltaReader
+from learner.deltas import TRANSIENT_TRIES, delta_path, encode_delta
 from serving.metrics import LookupTally, ServingMetrics
 from serving.swap import LiveModel, ModelHolder, ModelUpdater
 from stream.files import write_atomic
@@ -69,7 +70,7 @@ def _updater_with_v2_waiting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, li
         fail(p.name)
         return real(p, key)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(deltas, "load_delta", load_delta)
+    monkeypatch.setattr(delta_reader, "load_delta", load_delta)
     monkeypatch.setattr("serving.swap.current_version", lambda r: "v2")
     monkeypatch.setattr("serving.swap.version_path", lambda r, name: tmp_path / name)
     monkeypatch.setattr("serving.swap._live_model", lambda m: LiveModel(m, None, 0))
