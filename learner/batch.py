@@ -47,6 +47,9 @@ class TensorBatch:
     # reading ended): what the training process's bound on a hung worker goes by (learner/worker_stall.py)
     worker: int | None = None
     worker_done: bool = False
+    # the samples partitions that worker reads now, those added since it started included (a rebalance, partitions
+    # the topic gained): what the bound on a hung worker names for the operator (None: not said)
+    worker_partitions: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.labels)

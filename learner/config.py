@@ -257,7 +257,8 @@ class LearnerSettings:
     pin_memory: PinMemory = PinMemory.AUTO  # auto | on | off: page-locked batches for the copy to the GPU
     # With workers: a worker that hands over no batch for this long while the learner waits for it is hung (a live
     # one hands over its rows, or a heartbeat every second while idle) and stops the learner, naming it
-    # (learner/worker_stall.py); it was otherwise waited for in silence for good. Keep it well above 10 s (a start).
+    # (learner/worker_stall.py); it was otherwise waited for in silence for good. Keep it well above 10 s (one broker
+    # call of a start: a starting worker hands a heartbeat over between them).
     worker_stall_s: float = 300.0
     # Hand the samples partitions on in event-time order (learner/kafka_dataset.py, EventTimeMerge): a backlog is
     # otherwise read a partition chunk at a time. False: as fetched.

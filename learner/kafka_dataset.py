@@ -50,6 +50,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Generator, Iterator
 from functools import partial
+from typing import TypeVar
 
 import pyarrow.compute as pc
 import torch
@@ -67,11 +68,12 @@ from stream.errors import BadMessage, clip
 from stream.idle_clock import IdleClock
 from stream.kafka import Headers, has_more, headers_of, new_consumer
 from stream.limits import DEFAULT_LIMITS, EventLimits
-from stream.retention import Gaps, start_after_retention
+from stream.retention import Gaps, starting_after_retention
 from stream.samples import MAX_LIST_VALUES, SampleBatch, watermark_of
 from stream.strikes import is_infrastructure
 
 log = logging.getLogger("streamrec.train")
+_R = TypeVar("_R")
 
 # How torch reports a DataLoader worker that died (checked on torch 2.13): its SIGCHLD handler, run wherever the
 # training process is (inside a training step too), raises "DataLoader worker (pid 123) is killed by signal:
@@ -199,6 +201,7 @@ class KafkaSampleDataset(IterableDataset):
         # A batch also closes at this many embedding values (ids and list values): rows alone do not bound its
         # memory, each message may hold up to MAX_LIST_VALUES list values (stream/samples.py) in one row
         self.max_values = 2 * MAX_LIST_VALUES
+        self.reading: tuple[int, ...] = ()  # the partitions the iteration reads now (set by _read; added ones too)
 
     def _owns(self, p: int) -> bool:
         """Whether partition ``p`` is this reader's: its rank's, then, in a DataLoader worker, that worker's
@@ -226,8 +229,8 @@ class KafkaSampleDataset(IterableDataset):
     def __iter__(self) -> Iterator[TensorBatch]:
         """The batches of :meth:`_read`; in a DataLoader worker each carries what the worker counted since the one
         before (``learner/worker_counters.py``: the worker's registry is not the one the learner's /metrics serves)
-        and the worker's id, and a last heartbeat says that its reading ended (``learner/worker_stall.py``: a worker
-        that stopped reading is no hung one)."""
+        and the worker's id and the partitions it reads now (added ones too: what a stall names), and a last heartbeat
+        says that its reading ended (``learner/worker_stall.py``: a worker that stopped reading is no hung one)."""
         info = get_worker_info()
         if info is None:
             yield from self._read()
@@ -235,10 +238,10 @@ class KafkaSampleDataset(IterableDataset):
         tally = WorkerTally()
         with contextlib.closing(self._read()) as batches:  # closed with this iterator: its consumer too, at once
             for tb in batches:
-                tb.worker_counts, tb.worker = tally.take(), info.id
+                tb.worker_counts, tb.worker, tb.worker_partitions = tally.take(), info.id, self.reading
                 yield tb
         last = to_tensors_empty(self.cfg, None)
-        last.worker, last.worker_done = info.id, True
+        last.worker, last.worker_done, last.worker_partitions = info.id, True, self.reading
         yield last
 
     def _read(self) -> Generator[TensorBatch, None, None]:
@@ -246,6 +249,7 @@ class KafkaSampleDataset(IterableDataset):
             _outlive_one_sigterm()  # first: every thread made after it leaves SIGTERM to its watcher
             _exit_with_parent()
         parts = self._my_partitions()
+        self.reading = tuple(parts)
         if not parts and self.listed is None:
             return
         known = set(self.listed or ()) | set(self.start)  # partitions the topic had, and those added since
@@ -258,8 +262,12 @@ class KafkaSampleDataset(IterableDataset):
         saved = [TopicPartition(topic, p, self.start[p]) for p in parts if p not in self.unsaved]
         fresh = [TopicPartition(topic, p, self.start[p]) for p in parts if p in self.unsaved]
         was = saved + fresh
-        held, unknown = _first_held(consumer, fresh)
-        starts = start_after_retention(consumer, "learner", saved) + held
+        try:  # a heartbeat between the start's broker calls (_beating): the iteration may be closed at one
+            held, unknown = yield from _beating(_first_held(consumer, fresh), self.cfg)
+            starts = (yield from _beating(starting_after_retention(consumer, "learner", saved), self.cfg)) + held
+        except BaseException:
+            consumer.close()
+            raise
         consumer.assign(starts)
         # records deleted under the running learner (its lag grew past the topic's retention; librdkafka resets the
         # fetch to the earliest offset silently): a gap in a partition's offsets, checked against its first offset.
@@ -317,7 +325,9 @@ class KafkaSampleDataset(IterableDataset):
                     if added:  # started as a partition without a saved offset is (above), merged as the others
                         known.update(added)
                         parts = sorted(set(parts) | set(added))
-                        held, lost_unknown = _first_held(consumer, [TopicPartition(topic, p, 0) for p in added])
+                        self.reading = tuple(parts)
+                        held, lost_unknown = yield from _beating(
+                            _first_held(consumer, [TopicPartition(topic, p, 0) for p in added]), self.cfg)
                         consumer.incremental_assign(held)
                         gaps.expect(tp for tp in held if tp.partition not in lost_unknown)
                         pending += [to_tensors_empty(self.cfg, (tp.partition, tp.offset - 1, 0)) for tp in held
@@ -614,10 +624,12 @@ def _decode(m: Message, read: Callable[[bytes | None], SampleBatch]) -> SampleBa
         return None
 
 
-def _first_held(consumer: Consumer, starts: list[TopicPartition]) -> tuple[list[TopicPartition], set[int]]:
+def _first_held(consumer: Consumer, starts: list[TopicPartition],
+                ) -> Generator[None, None, tuple[list[TopicPartition], set[int]]]:
     """``starts`` moved up to their partitions' first record still held (the low watermark), without a word: for
     partitions with no saved offset, which retention cannot have taken anything from; and the partitions whose first
-    record the broker could not say (unmoved: librdkafka starts them at the earliest offset all the same)."""
+    record the broker could not say (unmoved: librdkafka starts them at the earliest offset all the same). Yields
+    after each partition's broker call (10 s at most each, not all of them: :func:`_beating`)."""
     out, unknown = [], set()
     for tp in starts:
         try:
@@ -626,7 +638,26 @@ def _first_held(consumer: Consumer, starts: list[TopicPartition]) -> tuple[list[
             low = -1
             unknown.add(tp.partition)
         out.append(TopicPartition(tp.topic, tp.partition, max(tp.offset, low)))
+        yield
     return out, unknown
+
+
+def _beating(steps: Generator[None, None, _R], cfg: FeatureConfig, every_s: float = 1.0,
+             ) -> Generator[TensorBatch, None, _R]:
+    """``steps`` (a reader's broker calls, one per partition: :func:`_first_held`,
+    ``stream.retention.starting_after_retention``) run to their result, an idle heartbeat handed over between two of
+    them at most every ``every_s``, as while the reader waits for samples. Without it a worker starting on a slow broker
+    (a watermark query per partition, each up to its 10 s timeout) handed nothing over for minutes and was named hung
+    (``learner/worker_stall.py``) and the learner stopped; a worker hung inside one call still hands nothing over."""
+    last = time.monotonic()
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        if time.monotonic() - last >= every_s:
+            yield to_tensors_empty(cfg, None)
+            last = time.monotonic()
 
 
 def _start_over_past_end(consumer: Consumer, topic: str, beyond: dict[int, int]) -> bool:

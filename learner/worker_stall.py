@@ -2,7 +2,9 @@
 
 A live samples reader (``learner/kafka_dataset.py``) hands over its rows, or an empty heartbeat every second while its
 partitions are idle (an empty topic is no hang); a trickle of messages is handed over at each poll that brings none
-(librdkafka's fetches leave one every second or two: measured on the test broker at 100 one-row messages a second). A
+(librdkafka's fetches leave one every second or two: measured on the test broker at 100 one-row messages a second);
+starting, it hands a heartbeat over between its broker calls, one per partition, each bounded by its timeout (10 s), so
+a start on a slow broker is no hang, and a worker hung inside one call still hands nothing over. A
 worker that does neither for ``[learner] worker_stall_s`` is hung: in a library call that never returns, on a lock,
 stopped (SIGSTOP). torch reports a worker that dies, never one that hangs, and the learner waited for it for good:
 
@@ -57,9 +59,13 @@ def watched(batches: Iterable[TensorBatch], num_workers: int, stall_s: float,
             partitions_of_worker: Callable[[int], list[int]],
             clock: Callable[[], float] = time.monotonic) -> Iterator[TensorBatch]:
     """``batches`` (a :func:`learner.kafka_dataset.sample_loader`'s) as they come, raising :class:`WorkerStalled` once
-    a worker's batches stop for ``stall_s`` of waiting (module docstring). ``num_workers`` 0: as they come."""
+    a worker's batches stop for ``stall_s`` of waiting (module docstring). ``num_workers`` 0: as they come. A hung
+    worker's partitions are those its last batch said it reads (``TensorBatch.worker_partitions``: partitions added
+    while it read, a rebalance's, are in it; the start's split, ``partitions_of_worker``, named only those it started
+    with, and the added ones went unnamed to the operator), or ``partitions_of_worker``'s where it said none."""
     it: Iterator[TensorBatch] | None = iter(batches)
     waited = dict.fromkeys(range(num_workers), 0.0)  # worker -> seconds waited for the loader since its last batch
+    reads: dict[int, tuple[int, ...]] = {}  # worker -> the partitions its last batch said it reads (added ones too)
     while it is not None:
         start, timed_out = clock(), False
         try:
@@ -77,12 +83,15 @@ def watched(batches: Iterable[TensorBatch], num_workers: int, stall_s: float,
             waited.pop(batch.worker, None)
         elif not timed_out and batch.worker is not None:
             waited[batch.worker] = 0.0
+            if batch.worker_partitions is not None:
+                reads[batch.worker] = batch.worker_partitions
         hung = [w for w, s in waited.items() if s >= stall_s]
         if hung:
             _end_workers(it)
             it = None  # the loader's workers shut down now (the hung one terminated), not at the learner's exit
             which = "every DataLoader worker" if len(hung) == num_workers else f"DataLoader worker(s) {hung}"
-            raise stalled(f"{which} (samples partitions {_listed(hung, partitions_of_worker)})", stall_s)
+            listed = sorted(p for w in hung for p in (reads[w] if w in reads else partitions_of_worker(w)))
+            raise stalled(f"{which} (samples partitions {listed})", stall_s)
         if not timed_out:
             yield batch
 
@@ -102,7 +111,3 @@ def _end_workers(it: Iterator[TensorBatch]) -> None:
         if w.is_alive():
             w.kill()
         w.join()
-
-
-def _listed(workers: Iterable[int], partitions_of_worker: Callable[[int], list[int]]) -> list[int]:
-    return sorted(p for w in workers for p in partitions_of_worker(w))

@@ -448,18 +448,27 @@ class GrowingConsumer(Consumer):
         return out[:n]
 
 
-def grow_run(monkeypatch: pytest.MonkeyPatch, parts: dict[int, list[bytes | None]],
-             later: dict[int, list[bytes | None]], low: dict[int, int] | None = None, **kw: Any,
-             ) -> tuple[list[tuple[int, int, int]], GrowingConsumer]:
-    """Every position a dataset reading ``parts`` (the whole topic when it was listed, ``listed``) hands on, until 60 s
-    idle on a fake clock, while ``later`` is added to the topic at 40 s; and its consumer."""
+def grow(monkeypatch: pytest.MonkeyPatch, parts: dict[int, list[bytes | None]],
+         later: dict[int, list[bytes | None]], low: dict[int, int] | None = None,
+         consumer_type: type[GrowingConsumer] = GrowingConsumer, **kw: Any,
+         ) -> tuple[kd.KafkaSampleDataset, GrowingConsumer]:
+    """A dataset reading ``parts`` (the whole topic when it was listed, ``listed``) until 60 s idle on a fake clock,
+    while ``later`` is added to the topic at 40 s; and its consumer."""
     clock = Clock()
     monkeypatch.setattr(kd.time, "monotonic", clock)
-    consumer = GrowingConsumer(clock, parts, later, at=40.0, low=low)
+    consumer = consumer_type(clock, parts, later, at=40.0, low=low)
     monkeypatch.setattr(kd, "new_consumer", lambda *a, **k: consumer)
     monkeypatch.setattr(kd, "has_more", lambda c, topic, p, unknown=False: c.pos[p] < len(c.parts[p]))
     ds = kd.KafkaSampleDataset(KafkaSettings(), CFG, kw.pop("start", {p: 0 for p in parts}), exit_when_idle_s=60.0,
                                listed=kw.pop("listed", list(parts)), unsaved=kw.pop("unsaved", list(parts)), **kw)
+    return ds, consumer
+
+
+def grow_run(monkeypatch: pytest.MonkeyPatch, parts: dict[int, list[bytes | None]],
+             later: dict[int, list[bytes | None]], low: dict[int, int] | None = None, **kw: Any,
+             ) -> tuple[list[tuple[int, int, int]], GrowingConsumer]:
+    """Every position the dataset of :func:`grow` hands on; and its consumer."""
+    ds, consumer = grow(monkeypatch, parts, later, low, **kw)
     positions = [pos for b in ds for pos in b.positions]
     return positions, consumer
 
@@ -502,6 +511,53 @@ def test_a_partition_added_while_the_learner_reads_goes_to_its_rank_then_its_dat
                                    shard=(1, 2))
     assert {p for p, _, _ in positions} == {3}
     assert consumer.assigned == [[], [(3, 0)]]
+
+
+def test_a_dataloader_workers_batches_say_the_partitions_it_reads_those_added_while_it_reads_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a hung worker is named with (learner/worker_stall.py): the training process knew only the start's split,
+    and a partition the worker took on later was missing from the stall's list the operator acts on."""
+    monkeypatch.setattr(kd, "get_worker_info", lambda: SimpleNamespace(num_workers=1, id=0))
+    ds, _ = grow(monkeypatch, {0: [sample(0)]}, {1: [sample(1)]})
+    said = [(b.positions, b.worker_partitions) for b in ds]
+    assert said[0] == ([(0, 0, 1)], (0,))
+    assert ([(1, 0, 1)], (0, 1)) in said and said[-1][1] == (0, 1)
+
+
+class SlowBroker(GrowingConsumer):
+    """A broker up but slow: each watermark query (one per partition at a start) takes ``SLOW_S`` of the fake clock,
+    and one for a partition without a saved offset runs out its timeout."""
+
+    SLOW_S = 9.0
+    fresh: frozenset[int] = frozenset()  # the partitions without a saved offset (set by the test)
+
+    def get_watermark_offsets(self, tp: Any, timeout: float | None = None) -> tuple[int, int]:
+        if tp.partition in self.fresh:
+            assert timeout is not None
+            self.clock.t += timeout
+            raise kd.KafkaException(kd.KafkaError(kd.KafkaError._TIMED_OUT))
+        self.clock.t += self.SLOW_S
+        return super().get_watermark_offsets(tp, timeout)
+
+
+@pytest.mark.parametrize("saved", [False, True],
+                         ids=["fresh-partitions-timing-out", "saved-partitions-answered-slowly"])
+def test_a_reader_starting_on_a_slow_broker_hands_over_a_heartbeat_between_its_broker_calls(
+        monkeypatch: pytest.MonkeyPatch, saved: bool) -> None:
+    """A DataLoader worker starting on a slow broker asks for each partition's first offset (up to 10 s each) before
+    its first batch: with 8 partitions it handed nothing over for 80 s, and a ``[learner] worker_stall_s`` below that
+    named a healthy worker hung and stopped the learner. Now no more than one broker call passes without a hand-over,
+    while a worker hung inside one call still hands nothing over (learner/worker_stall.py)."""
+    parts = {p: [sample(p)] for p in range(8)}
+    monkeypatch.setattr(SlowBroker, "fresh", frozenset() if saved else frozenset(parts))
+    ds, _ = grow(monkeypatch, parts, {}, consumer_type=SlowBroker, listed=None, unsaved=[] if saved else list(parts))
+    clock = kd.time.monotonic
+    handed, positions = [0.0], []
+    for b in ds:
+        handed.append(clock())
+        positions += b.positions
+    assert max(b - a for a, b in zip(handed[:-1], handed[1:], strict=True)) <= 10.0
+    assert sorted(positions) == [(p, 0, 1) for p in parts]  # and it reads them all
 
 
 @pytest.mark.parametrize(("shard", "partitions", "shares"), [((1, 2), [1, 3, 5, 7], [[1, 5], [3, 7]]),

@@ -26,9 +26,9 @@ CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "s
 STALL_S = 1.0  # short, so a hang is found within seconds; what a test asserts is the error, not a time
 
 
-def _beat(worker: int, done: bool = False) -> TensorBatch:
+def _beat(worker: int, done: bool = False, reads: tuple[int, ...] | None = None) -> TensorBatch:
     tb = to_tensors_empty(CFG, None)  # an idle heartbeat, as the samples reader sends one a second
-    tb.worker, tb.worker_done = worker, done
+    tb.worker, tb.worker_done, tb.worker_partitions = worker, done, reads
     return tb
 
 
@@ -149,6 +149,22 @@ def test_idle_heartbeats_a_worker_whose_reading_ended_and_time_spent_training_ar
     next(batches)
     clock.now += 100 * STALL_S  # training, not waiting for the loader
     assert next(batches).worker == 1
+
+
+def test_a_hung_worker_is_named_with_the_partitions_it_said_it_reads_those_added_after_its_start_too() -> None:
+    """The partitions named were the start's split (``partitions_of_worker``): a partition the worker took on later (a
+    topic grown while it read, a rebalance) was missing from the list the operator acts on."""
+    clock = _Clock()
+
+    def handed() -> Iterator[TensorBatch]:
+        yield _beat(1, reads=(1, 3, 5))  # partition 5 was added to the topic while worker 1 read
+        while True:
+            clock.now += 0.5  # worker 0's heartbeats go on; worker 1 hangs
+            yield _beat(0, reads=(0, 2))
+
+    with pytest.raises(WorkerStalled) as hung:
+        list(watched(handed(), 2, STALL_S, _partitions, clock=clock))
+    assert str(hung.value).startswith("DataLoader worker(s) [1] (samples partitions [1, 3, 5]) handed over no batch")
 
 
 def test_worker_stall_s_comes_from_the_settings_and_must_be_a_positive_number_of_seconds() -> None:
