@@ -393,6 +393,11 @@ class KafkaSampleDataset(IterableDataset):
                         dlq.flush()
                         tb = to_tensors_empty(self.cfg, (*pos, 0))
                         suspect = False
+                        if time.monotonic() - last_yield >= 1.0:
+                            # a run of dead letters on a slow broker (each flush up to its timeout) handed nothing
+                            # over until the fetch's last one, and the worker was named hung (learner/worker_stall.py)
+                            yield to_tensors_empty(self.cfg, None)
+                            last_yield = time.monotonic()
                     if suspect:  # alone: if training it fails again, only it is blamed
                         if pending:
                             yield self._emit(pending)

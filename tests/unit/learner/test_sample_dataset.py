@@ -560,6 +560,25 @@ def test_a_reader_starting_on_a_slow_broker_hands_over_a_heartbeat_between_its_b
     assert sorted(positions) == [(p, 0, 1) for p in parts]  # and it reads them all
 
 
+def test_a_run_of_dead_letters_written_on_a_slow_broker_hands_over_a_heartbeat_between_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each dead letter is flushed before the next message (up to its timeout): 20 undecodable messages in one fetch
+    on a slow broker handed nothing over for 100 s, and a DataLoader worker was named hung (learner/worker_stall.py)."""
+    ds, consumer = grow(monkeypatch, {0: [b"not samples"] * 20}, {}, listed=None)
+
+    class SlowDeadLetters(DeadLetters):
+        def flush(self) -> None:
+            consumer.clock.t += 5.0
+
+    monkeypatch.setattr(kd, "DeadLetters", SlowDeadLetters)
+    DeadLetters.sent = []
+    handed = [0.0]
+    for _ in ds:
+        handed.append(consumer.clock.t)
+    assert max(b - a for a, b in zip(handed[:-1], handed[1:], strict=True)) < 2 * 5.0  # never two flushes
+    assert [(p, o) for p, o, _, _ in DeadLetters.sent] == [(0, o) for o in range(20)]  # each dead-lettered once
+
+
 @pytest.mark.parametrize(("shard", "partitions", "shares"), [((1, 2), [1, 3, 5, 7], [[1, 5], [3, 7]]),
                                                             ((0, 1), [0, 1, 2, 3], [[0, 2], [1, 3]])])
 def test_every_dataloader_worker_of_a_rank_reads_its_share_of_the_ranks_partitions(
