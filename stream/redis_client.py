@@ -575,14 +575,17 @@ def verify(client: Any, settings: RedisSettings, *, reachable: bool = True) -> b
     return True
 
 
-def wait_until_up(client: Any, timeout_s: float, running: Callable[[], bool] = lambda: True) -> bool:
+def wait_until_up(client: Any, timeout_s: float, running: Callable[[], bool] = lambda: True,
+                  pid: int | None = None) -> bool:
     """Whether ``client``'s Redis answers PING within ``timeout_s``: a redis-server just started (by the local stack,
     a test, a benchmark) is polled every 50 ms until it listens, or until ``running`` says it has exited
-    (:func:`stream.startup.wait_ready`)."""
+    (:func:`stream.startup.wait_ready`). With ``pid`` (the process just started), only that process's answer counts
+    (``INFO server``'s ``process_id``): another server that took the port between "find a free port" and this one
+    binding it answers at once, while this one is still starting (and then exits, its port taken)."""
 
     def pings() -> bool:
         try:
-            return bool(client.ping())
+            return bool(client.ping()) and (pid is None or client.info("server").get("process_id") == pid)
         except redis.RedisError:  # not listening yet
             return False
 

@@ -202,7 +202,7 @@ class LocalStack:
         if info is not None:
             if process_matches(info["pid"], binary.name, info.get("started")):  # ours: never dropped while it runs
                 if info["port"] == port and ready(self.s.start_timeout_s, lambda: process_matches(
-                        info["pid"], binary.name, info.get("started"))):  # (still starting: a concurrent up)
+                        info["pid"], binary.name, info.get("started")), info["pid"]):  # (still starting: concurrent up)
                     return  # already running: up is idempotent
                 raise StackError(f"{name} of this stack (pid {info['pid']}, port {info['port']}) does not answer on "
                                  f"port {port}: `streamrec stack down` stops it, then `streamrec stack up` again")
@@ -232,7 +232,7 @@ class LocalStack:
         except BaseException:
             self._terminate(name, proc.pid, binary.name)
             raise
-        if not ready(self.s.start_timeout_s, lambda: proc.poll() is None):  # one that dies at start: at once
+        if not ready(self.s.start_timeout_s, lambda: proc.poll() is None, proc.pid):  # dies at start: known at once
             why = not_started(name, f"{self.s.host}:{port}", proc.poll(), self.s.start_timeout_s,
                               self._log_file(name), since, "run `streamrec stack up` again")
             self._terminate(name, proc.pid, binary.name)
@@ -259,7 +259,7 @@ class LocalStack:
             if proc.returncode is not None:
                 self._children.pop(name, None)
 
-    def _kafka_ready(self, timeout_s: float, running: Callable[[], bool]) -> bool:
+    def _kafka_ready(self, timeout_s: float, running: Callable[[], bool], pid: int) -> bool:  # pid: not asked
         from confluent_kafka.admin import AdminClient
 
         def probe() -> bool:  # within 2 s: the broker's process is looked at between probes
@@ -273,14 +273,14 @@ class LocalStack:
 
         return wait_ready(probe, timeout_s, running)
 
-    def _redis_ready(self, timeout_s: float, running: Callable[[], bool]) -> bool:
+    def _redis_ready(self, timeout_s: float, running: Callable[[], bool], pid: int) -> bool:  # pid's answer only
         import redis
 
         from stream.redis_client import wait_until_up
 
         client = redis.Redis.from_url(self.redis_url, socket_timeout=0.5)
         try:
-            return wait_until_up(client, timeout_s, running)
+            return wait_until_up(client, timeout_s, running, pid)
         finally:
             client.close()
 

@@ -11,32 +11,52 @@ import contextlib
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import redis
 from redis.crc import key_slot
 
 from stream.redis_client import wait_until_up
+from stream.startup import not_started
 from streamrec.stack import free_port, redis_binary
 
 PRIMARIES = 3
 SLOTS = 16384
 NODE_TIMEOUT_MS = 2000  # cluster-node-timeout: a stopped primary is marked failed (the cluster down) after this
+BUS_OFFSET = 10000  # a node's cluster bus port is its port + 10000 (Redis 6.2 has no cluster-port setting)
+SPAWN_TRIES = 5  # ports a node of a forming cluster is tried on, each taken by another process since it was found
 
 
-def cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000, Redis 6.2 has no cluster-port setting) is free too."""
+def cluster_port(taken: Collection[int] = ()) -> int:
+    """A free port whose cluster bus port is free too, neither of them ``taken`` nor the bus port of one ``taken``
+    (the other nodes' ports: ``free_port`` may hand out a port again once its probe socket is closed). Free when
+    found, not reserved: another process may bind it before the node does (:meth:`ClusterNodes.form` then tries
+    another)."""
+    busy = {*taken, *(t + BUS_OFFSET for t in taken)}
     while True:
         p = free_port()
-        if p + 10000 > 65535:
+        if p + BUS_OFFSET > 65535 or p in busy or p + BUS_OFFSET in busy:
             continue
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", p + 10000))
+                s.bind(("127.0.0.1", p + BUS_OFFSET))
             except OSError:
                 continue
         return p
+
+
+def cluster_ports(n: int) -> list[int]:
+    """``n`` distinct cluster ports (:func:`cluster_port`), no one's bus port another's port."""
+    ports: list[int] = []
+    for _ in range(n):
+        ports.append(cluster_port(ports))
+    return ports
+
+
+class NodeNotStarted(AssertionError):
+    """A cluster node's redis-server did not start on its port (taken by another process since it was found, or
+    another error its log names)."""
 
 
 class ClusterNodes:
@@ -50,26 +70,52 @@ class ClusterNodes:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.ports = [cluster_port() for _ in range(PRIMARIES)]
+        self.ports = cluster_ports(PRIMARIES)
         self.procs: list[subprocess.Popen | None] = [None] * PRIMARIES
         self.url = f"redis://127.0.0.1:{self.ports[0]}/0"  # one node's url: clients discover the others
 
     def _admin(self, k: int) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.ports[k], socket_timeout=2)
 
+    def log(self, k: int) -> Path:
+        """Node ``k``'s log (each start on its port appends to it)."""
+        return self.directory / f"redis-{self.ports[k]}.log"
+
     def _spawn(self, k: int) -> None:
-        p = self.ports[k]
-        self.procs[k] = subprocess.Popen(
-            [str(redis_binary()), "--bind", "127.0.0.1", "--port", str(p), "--save", "", "--appendonly", "no",
-             "--cluster-enabled", "yes", "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--dir", str(self.directory),
-             "--cluster-config-file", f"nodes-{p}.conf"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        """Start node ``k`` on its port; :class:`NodeNotStarted` (it stopped again) unless that very process answers
+        there: not another cluster's node that took the port since it was found (a test's commands would reach it)."""
+        p, log = self.ports[k], self.log(k)
+        since = log.stat().st_size if log.exists() else 0
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                [str(redis_binary()), "--bind", "127.0.0.1", "--port", str(p), "--save", "", "--appendonly", "no",
+                 "--cluster-enabled", "yes", "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--dir",
+                 str(self.directory), "--cluster-config-file", f"nodes-{p}.conf"], stdout=out, stderr=out)
         with contextlib.closing(self._admin(k)) as c:
-            assert wait_until_up(c, 10), "redis-server (cluster mode) did not start"
+            if wait_until_up(c, 10, lambda: proc.poll() is None, proc.pid):
+                self.procs[k] = proc
+                return
+        code = proc.poll()  # None: still running, another process answering its port (or none): stopped
+        proc.kill()
+        proc.wait()
+        raise NodeNotStarted(not_started(f"redis-server (cluster node {k})", f"127.0.0.1:{p}", code, 10, log, since,
+                                         "start it again"))
+
+    def _spawn_anew(self, k: int) -> None:
+        """Start node ``k`` of a forming cluster, on a fresh port each time its port was taken before it bound it."""
+        for attempt in range(SPAWN_TRIES):
+            try:
+                return self._spawn(k)
+            except NodeNotStarted:
+                if attempt == SPAWN_TRIES - 1:
+                    raise
+                self.ports[k] = cluster_port(self.ports[:k] + self.ports[k + 1:])
+                self.url = f"redis://127.0.0.1:{self.ports[0]}/0"
 
     def form(self) -> None:
         """Start every node, give each its third of the slots, join them and wait until the cluster is ok."""
         for k in range(PRIMARIES):
-            self._spawn(k)
+            self._spawn_anew(k)
         share = SLOTS // PRIMARIES + 1
         for k in range(PRIMARIES):
             with contextlib.closing(self._admin(k)) as c:

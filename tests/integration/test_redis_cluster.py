@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,9 +29,11 @@ from stream import redis_client
 from stream.config import RedisSettings
 from stream.counts import DAY_MS, DailyCounts, day_of
 from stream.history import ENTRY_MAX_BYTES, UserHistory
-from stream.redis_client import connect, is_cluster
+from stream.redis_client import connect, is_cluster, wait_until_up
 from stream.strikes import RedisStrikes, is_infrastructure
-from streamrec.stack import LocalStack
+from streamrec.stack import LocalStack, redis_binary
+from tests import redis_cluster as rc
+from tests.bounded_teardown import Reaper
 from tests.trickle_proxy import TrickleProxy
 
 CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "single", 40)), embedding_dim=4)
@@ -580,3 +584,60 @@ def test_a_users_history_is_written_and_read_by_a_client_made_while_a_node_holdi
         assert history.recent(user) == [7, 8, 9]
     finally:
         client.close()
+
+
+def test_a_clusters_ports_are_distinct_and_none_the_bus_port_of_another_when_free_port_hands_one_out_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # free_port closes its probe socket, so the kernel may hand the same port out again: two nodes were spawned on
+    # one port, the second's redis-server failed to bind and the first answered for it (its slots added twice)
+    a, b, c = rc.cluster_ports(3)
+    handed = iter([a, a, a + rc.BUS_OFFSET, b, a, b, c])
+    monkeypatch.setattr(rc, "free_port", lambda: next(handed))
+    assert rc.ClusterNodes(tmp_path).ports == [a, b, c]
+
+
+def test_a_cluster_forms_on_another_port_when_another_clusters_node_took_one_of_its_ports_and_leaves_that_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reaper: Reaper) -> None:
+    # the CI flake "I'm already the owner of hash slot 5474" (pytest -n 3): a port found free was bound by another
+    # worker's cluster node before this cluster's node bound it; that node answered in its place (it failed to bind
+    # and exited), so this cluster's CLUSTER ADDSLOTS and MEET reached the other cluster
+    found, taken = rc.cluster_port, []
+
+    def raced(busy: Any = ()) -> int:  # the other worker's node binds the first port found, before this node does
+        port = found(busy)
+        if not taken:
+            taken.append(port)
+            other = reaper.add(subprocess.Popen(
+                [str(redis_binary()), "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--cluster-enabled",
+                 "yes", "--dir", str(tmp_path), "--cluster-config-file", "other.conf"], stdout=subprocess.DEVNULL))
+            with contextlib.closing(redis.Redis(port=port, socket_timeout=2)) as c:
+                assert wait_until_up(c, 10, lambda: other.poll() is None)
+                c.execute_command("CLUSTER ADDSLOTS", *range(5462, 10924))  # its node 1's third of the slots
+        return port
+
+    monkeypatch.setattr(rc, "cluster_port", raced)
+    (tmp_path / "mine").mkdir()
+    with rc.redis_cluster(tmp_path / "mine") as nodes:
+        assert taken[0] not in nodes.ports
+        for k, port in enumerate(nodes.ports):
+            with contextlib.closing(redis.Redis(port=port, socket_timeout=2)) as c:
+                assert c.info("server")["process_id"] == nodes.procs[k].pid  # type: ignore[union-attr]
+                assert c.cluster("info")["cluster_known_nodes"] == "3"
+        assert "Address already in use" in (tmp_path / "mine" / f"redis-{taken[0]}.log").read_text()
+    with contextlib.closing(redis.Redis(port=taken[0], socket_timeout=2)) as c:  # the other cluster untouched
+        info = c.cluster("info")
+        assert (info["cluster_known_nodes"], info["cluster_slots_assigned"]) == ("1", "5462")
+
+
+def test_a_stopped_node_whose_port_was_taken_meanwhile_fails_to_start_naming_its_log(
+        cluster_nodes: Any, reaper: Reaper) -> None:
+    cluster_nodes.stop(2)
+    port = cluster_nodes.ports[2]
+    other = reaper.add(subprocess.Popen([str(redis_binary()), "--bind", "127.0.0.1", "--port", str(port), "--save",
+                                         ""], stdout=subprocess.DEVNULL))
+    with contextlib.closing(redis.Redis(port=port, socket_timeout=2)) as c:
+        assert wait_until_up(c, 10, lambda: other.poll() is None)
+    with pytest.raises(rc.NodeNotStarted, match=rf"(?s)cluster node 2.*127\.0\.0\.1:{port}.*redis-{port}\.log.*"
+                                                r"Address already in use"):
+        cluster_nodes.start(2)
+    assert not cluster_nodes.running(2) and other.poll() is None

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from stream.files import process_matches
+from stream.redis_client import wait_until_up
 from streamrec import stack as stack_module
 from streamrec.cli import main
 from streamrec.stack import (
@@ -110,6 +111,32 @@ def test_down_never_kills_another_run_of_the_same_program_given_a_stale_pid(tmp_
     assert st.down() == []
     assert other.poll() is None  # still alive
     assert not {s.name: s for s in st.status()}["redis"].running
+
+
+def test_up_fails_when_another_redis_takes_its_port_after_the_check_though_that_one_answers_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reaper: Reaper) -> None:
+    """Another process (an xdist worker's Redis) bound the port between ``up``'s check and redis-server binding it:
+    that one answered the readiness PING while this one was still starting (then it exited, its port taken), so
+    ``up`` reported a Redis it had not started, and the tests' stack shared another worker's keyspace."""
+    st = _stack(tmp_path)
+    other = reaper.add(subprocess.Popen([str(redis_binary()), *redis_server_args("127.0.0.1", st.s.redis_port)],
+                                        stdout=subprocess.DEVNULL))
+    with redis.Redis(port=st.s.redis_port, socket_timeout=2) as c:
+        assert wait_until_up(c, 10, lambda: other.poll() is None)
+    checked = stack_module._port_open
+    monkeypatch.setattr(stack_module, "_port_open", lambda h, p: p != st.s.redis_port and checked(h, p))  # the race
+    slow = tmp_path / "bin" / "redis-server"  # this redis-server starts after the other one answered
+    slow.parent.mkdir()
+    slow.write_text(f'#!/bin/sh\nsleep 0.5\nexec "{redis_binary()}" "$@"\n')
+    slow.chmod(0o755)
+    monkeypatch.setattr(stack_module, "redis_binary", lambda: slow)
+    try:
+        with pytest.raises(StackError, match=rf"(?s)redis exited at start .*127\.0\.0\.1:{st.s.redis_port}.*"
+                                             r"Address already in use"):
+            st.up()
+    finally:
+        st.down()
+    assert other.poll() is None  # the other one left alone
 
 
 def test_up_on_another_port_refuses_and_down_still_stops_the_running_one(tmp_path: Path) -> None:
