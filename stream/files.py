@@ -139,6 +139,32 @@ def process_matches(pid: int, exe_name: str, started: int | None = None) -> bool
     return ident is not None and ident[0] == exe_name and started in (None, ident[1])
 
 
+def listens_on(pid: int, port: int) -> bool:
+    """Whether the process ``pid`` holds a listening TCP socket on ``port`` (Linux /proc; True when that cannot be
+    told: no /proc/net/tcp, another user's process): a server just started on a port found free answers a probe only
+    once it listens, while another process that took the port first answers at once (and this one then exits)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except PermissionError:
+        return True
+    except FileNotFoundError:
+        return False
+    listening, tables = set(), 0
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            rows = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+            tables += 1
+            listening |= {f"socket:[{f[9]}]" for f in map(str.split, rows)
+                          if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port}  # 0A: LISTEN
+    if not tables:
+        return True
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed since listed
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in listening:
+                return True
+    return False
+
+
 def leftover_writer_alive(pid: int) -> bool:
     """Whether the writer ``pid`` named in a leftover (a temp file of :func:`write_atomic`, a staged artifact) may
     still be writing it, for a cleanup that has nothing of its own in flight (the learner's sequential saves, a

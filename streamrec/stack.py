@@ -28,7 +28,7 @@ from pathlib import Path
 
 from stream.config import check_counts, check_durations, check_ports
 from stream.errors import StreamrecError
-from stream.files import open_append_regular, process_identity, process_matches, read_regular, write_atomic
+from stream.files import listens_on, open_append_regular, process_identity, process_matches, read_regular, write_atomic
 from stream.startup import not_started, wait_ready
 
 
@@ -259,12 +259,12 @@ class LocalStack:
             if proc.returncode is not None:
                 self._children.pop(name, None)
 
-    def _kafka_ready(self, timeout_s: float, running: Callable[[], bool], pid: int) -> bool:  # pid: not asked
+    def _kafka_ready(self, timeout_s: float, running: Callable[[], bool], pid: int) -> bool:  # pid's port only
         from confluent_kafka.admin import AdminClient
 
         def probe() -> bool:  # within 2 s: the broker's process is looked at between probes
-            if not _port_open(self.s.host, self.s.kafka_port):
-                return False
+            if not _port_open(self.s.host, self.s.kafka_port) or not listens_on(pid, self.s.kafka_port):
+                return False  # (another process that took the port since the check in _ensure answers first)
             try:
                 AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0}).list_topics(timeout=2.0)
                 return True

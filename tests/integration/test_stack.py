@@ -25,6 +25,7 @@ from streamrec.stack import (
     free_port,
     redis_binary,
     redis_server_args,
+    tansu_binary,
 )
 from tests.bounded_teardown import Reaper
 
@@ -137,6 +138,35 @@ def test_up_fails_when_another_redis_takes_its_port_after_the_check_though_that_
     finally:
         st.down()
     assert other.poll() is None  # the other one left alone
+
+
+def test_up_fails_when_another_broker_takes_its_port_after_the_check_though_that_one_answers_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broker's port taken since ``up``'s check (another worker's stack): that broker answered the readiness
+    probe while this one was still starting, and ``up`` reported a broker it had not started."""
+    st = _stack(tmp_path)
+    other = LocalStack(StackSettings(state_dir=tmp_path / "other", kafka_port=st.s.kafka_port, redis_port=free_port()))
+    try:
+        other.up()
+        checked, asked = stack_module._port_open, []  # up's check finds the port free (then the race), probes don't
+
+        def port_open(host: str, port: int) -> bool:
+            asked.append(port)
+            return checked(host, port) and (port != st.s.kafka_port or asked.count(port) > 1)
+
+        monkeypatch.setattr(stack_module, "_port_open", port_open)
+        slow = tmp_path / "bin" / tansu_binary().name  # this broker starts after the other one answered
+        slow.parent.mkdir()
+        slow.write_text(f'#!/bin/sh\nsleep 0.5\nexec "{tansu_binary()}" "$@"\n')
+        slow.chmod(0o755)
+        monkeypatch.setattr(stack_module, "tansu_binary", lambda: slow)
+        with pytest.raises(StackError, match=rf"kafka exited at start .*127\.0\.0\.1:{st.s.kafka_port}"):
+            st.up()
+        monkeypatch.undo()
+        assert st.down() == [] and all(s.running for s in other.status())  # the other stack left alone
+    finally:
+        st.down()
+        other.down()
 
 
 def test_up_on_another_port_refuses_and_down_still_stops_the_running_one(tmp_path: Path) -> None:
