@@ -124,7 +124,8 @@ def clean_leftovers(root: Path) -> list[str]:
     """Remove what killed refreshes left under ``root``; returns the paths removed (relative to ``root``).
 
     That is: staged artifacts (``.staging/<version>-<pid>``) whose process is gone or that are older than an
-    hour, versions a killed prune had begun to remove (``versions/.trash-*``), and temp files of
+    hour (a ``.staging`` that is a symbolic link: the link, never its target), versions a killed prune had begun to
+    remove (``versions/.trash-*``), and temp files of
     ``stream.files.write_atomic`` whose process is gone ("gone" includes this process's own pid: an earlier
     process's, e.g. a container's pid 1). Call it holding :func:`refresh_lock`, so that no other refresh is
     building and this one has nothing in flight: a staged directory of another live process is never touched.
@@ -145,7 +146,11 @@ def clean_leftovers(root: Path) -> list[str]:
             log.warning("could not remove the leftover %s (%s)", path, exc)
 
     staging = root / STAGING
-    if staging.is_dir():
+    if staging.is_symlink():  # no refresh makes one: followed, the cleanup deleted old entries of any directory
+        log.warning("%s is a symbolic link (to %s), which no refresh makes: removing the link, not its target",
+                    staging, os.readlink(staging))
+        rm(staging)
+    elif staging.is_dir():
         for d in sorted(staging.iterdir()):
             try:
                 old = time.time() - d.stat().st_mtime > _STALE_STAGING_S
