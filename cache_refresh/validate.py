@@ -139,17 +139,22 @@ def read_holdout(kafka: KafkaSettings, messages: int, timeout_s: float,
     per = max(1, math.ceil(messages / max(1, len(filled))))
     start = {p: max(low, high - per) for p, (low, high) in filled.items()}
     got: dict[int, list[SampleBatch]] = {p: [] for p in start}
+    bad: list[str] = []  # the first message that is no sample and why, then one entry a message: said below
 
     def keep(m: Message) -> None:
         try:
             got[int(m.partition() or 0)].append(SampleBatch.decode(m.value() or b""))
-        except Exception:  # noqa: BLE001 - a malformed message is not a sample
-            pass
+        except Exception as exc:  # noqa: BLE001 - a malformed message is not a sample
+            bad.append("" if bad else f"partition {m.partition()} offset {m.offset()}: {str(exc)[:200]}")
 
     try:
         read_to_end(kafka, kafka.samples_topic, keep, start=start, timeout_s=timeout_s, between=between)
     except TimeoutError as exc:  # a holdout is a sample: validate on what arrived in time
         log.warning("holdout: %s; validating on the %d messages read", exc, sum(map(len, got.values())))
+    if bad:
+        log.warning("holdout: %d of the %d holdout messages read from %s are no samples batch and are left out of the "
+                    "quality check (first: %s)", len(bad), len(bad) + sum(map(len, got.values())),
+                    kafka.samples_topic, bad[0])
     return [b for p in sorted(got) for b in got[p][-per:]]
 
 
