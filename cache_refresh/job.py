@@ -1036,12 +1036,22 @@ def status(root: Path) -> dict[str, Any]:
     into place and writing ``CURRENT``; a rollback skips them), the one a publish running now has moved into place
     and not yet made current (``publishing``; ``publish.unfinished``); ``error`` says why there is no live version where
     something is wrong (a missing publish root, a CURRENT naming a version that is gone, a broken artifact), None for
-    a root where nothing is published yet."""
-    if not root.is_dir():
+    a root where nothing is published yet, or one it may not read (the reason: a traceback, before)."""
+    def failed(error: str) -> dict[str, Any]:
         return {"publish_root": str(root), "current": None, "versions": [], "last_success": None, "pinned": None,
-                "last_pin_held": None, "error": f"publish root {root} "
-                f"{'is not a directory' if root.exists() else 'does not exist'}: check --publish-root / [refresh] "
-                "publish_root (nothing was published there)"}
+                "last_pin_held": None, "error": error}
+
+    if not root.is_dir():
+        return failed(f"publish root {root} {'is not a directory' if root.exists() else 'does not exist'}: check "
+                      "--publish-root / [refresh] publish_root (nothing was published there)")
+    try:
+        return _status(root)
+    except OSError as exc:
+        return failed(f"cannot read the publish root {root}: {describe_os_error(exc)}; run the status as a user who "
+                      "may read it")
+
+
+def _status(root: Path) -> dict[str, Any]:
     last = read_last_success(root)
     pin = artifact.read_pin(root)
     held = read_last_run(root).get("pin_held")
