@@ -435,6 +435,11 @@ def new_version_name(now: float | None = None, root: Path | None = None) -> str:
             later = _time_name(dt.datetime.strptime(newest[:-1], "%Y%m%dT%H%M%S%f") + dt.timedelta(milliseconds=1))
         except (ValueError, OverflowError):  # of the form, but no time (month 13, year 9999's last ms): not ours
             continue
+        if later in names:  # newest + 1 ms is year 9999's last ms, there already: no name can follow it
+            log.warning("%s holds %s, the last name of its form: no version name can follow it, so the new version "
+                        "is named by the clock, %s; remove the versions named in year 9999 for names to keep the "
+                        "order of publishing", d, later, name)
+            return name
         break
     else:
         return name

@@ -51,3 +51,19 @@ def test_a_clock_after_the_newest_name_is_used_as_it_is(tmp_path: Path) -> None:
     (A.versions_dir(tmp_path) / "20260101T000000000Z").mkdir(parents=True)
     now = time.time()
     assert A.new_version_name(now, root=tmp_path) == A.new_version_name(now)
+
+
+def test_a_new_name_is_never_one_that_versions_already_holds(tmp_path: Path) -> None:
+    """After ``99991231T235959998Z`` (a stray, or a version of a clock set wildly ahead) the next name was
+    ``...999Z``, the last one of the form; from then on every name was that one again, and every refresh built and
+    validated an artifact its publish refused ("already exists"), each night for ever. A name no later one can follow
+    is no bound: the name is the clock's."""
+    versions = A.versions_dir(tmp_path)
+    versions.mkdir(parents=True)
+    now = time.time()
+    (versions / "99991231T235959998Z").mkdir()
+    first = A.new_version_name(now, root=tmp_path)
+    assert first == "99991231T235959999Z"
+    (versions / first).mkdir()  # published
+    second = A.new_version_name(now, root=tmp_path)
+    assert second == A.new_version_name(now) and not (versions / second).exists()
