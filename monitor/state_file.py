@@ -56,6 +56,7 @@ class FiringStateFile:
         self.path = path
         self.failures = 0
         self.failing = False  # the last write failed: write again at the next evaluation
+        self.oversized = False  # the last write left records out to stay readable (logged once while it does)
 
     def load(self) -> list[dict[str, Any]]:
         """The firing records (:meth:`read`'s first part)."""
@@ -154,8 +155,7 @@ class FiringStateFile:
 
     def save(self, firing: Sequence[Mapping[str, Any]], pending: Sequence[Mapping[str, Any]] = (),
              no_data: Sequence[Mapping[str, Any]] = ()) -> None:
-        data = json.dumps({"version": self.VERSION, "firing": list(firing), "pending": list(pending),
-                           "no_data": list(no_data)}, allow_nan=False).encode()
+        data = self._encode({"firing": list(firing), "pending": list(pending), "no_data": list(no_data)})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(self.path, data)
@@ -166,3 +166,31 @@ class FiringStateFile:
                 log.error("state file %s: cannot write it (%s); a restart now would forget what is firing",
                           self.path, exc)
             self.failing = True
+
+    def _encode(self, parts: dict[str, list[Mapping[str, Any]]]) -> bytes:
+        """The file's bytes, at most :data:`~stream.files.MAX_STATE_FILE_BYTES`, which :meth:`read` refuses beyond:
+        past it the largest records are left out, logged (once while it stays too large). A series with a scraped
+        label value of megabytes (JSON writes a 3-byte character as 6) made the monitor write a file its next
+        start refused whole: every alert firing before the restart, that one's and all the others', never
+        resolved."""
+        data = json.dumps({"version": self.VERSION, **parts}, allow_nan=False).encode()
+        if len(data) <= MAX_STATE_FILE_BYTES:
+            self.oversized = False
+            return data
+        sized = sorted(((len(json.dumps(r).encode()), kind, i) for kind, records in parts.items()
+                        for i, r in enumerate(records)), reverse=True)
+        over, left_out = len(data) - MAX_STATE_FILE_BYTES, set()
+        for size, kind, i in sized:  # leaving one out saves its size, and the ", " before it where there is one
+            if over <= 0:
+                break
+            left_out.add((kind, i))
+            over -= size
+        kept = {kind: [r for i, r in enumerate(records) if (kind, i) not in left_out]
+                for kind, records in parts.items()}
+        if not self.oversized:
+            rules = sorted({str(parts[kind][i].get("rule")) for kind, i in left_out})
+            log.error("state file %s: %d bytes, more than the %d a start reads; the %d largest record(s) (rules %s) "
+                      "are left out of it: after a restart their alerts may not resolve, nor their timers count on",
+                      self.path, len(data), MAX_STATE_FILE_BYTES, len(left_out), ", ".join(rules)[:500])
+        self.oversized = True
+        return json.dumps({"version": self.VERSION, **kept}, allow_nan=False).encode()

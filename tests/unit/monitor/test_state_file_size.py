@@ -1,0 +1,58 @@
+"""The firing-state file stays within the size its next start reads (MAX_STATE_FILE_BYTES, made small here): a series
+with a huge scraped label value made the monitor write a file its restart refused whole, so no alert firing before the
+restart ever resolved. Each test failed before the fix."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from monitor import state_file
+from monitor.scrape import Snapshot
+from monitor.state_file import FiringStateFile
+from tests.unit.monitor.test_engine_faults import Clocks, delivered, monitor, restart_rules
+
+LIMIT = 20_000  # bytes a start reads, in place of the 16 MiB of MAX_STATE_FILE_BYTES
+BIG = "\u4e2d" * 4_000  # 12 KB of UTF-8 in the scrape, 24 KB as JSON writes it (\\u4e2d)
+
+
+def record(rule: str, labels: dict[str, str]) -> dict[str, object]:
+    return {"rule": rule, "labels": labels, "since": 1.0, "value": 2.0}
+
+
+def test_a_state_file_too_large_to_read_back_is_written_without_its_largest_records_saying_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(state_file, "MAX_STATE_FILE_BYTES", LIMIT)
+    f = FiringStateFile(tmp_path / "state.json")
+    small = [record("a", {"i": str(i)}) for i in range(50)]
+    with caplog.at_level(logging.ERROR, logger="streamrec.monitor"):
+        f.save([*small, record("huge", {"user": BIG})], [{**record("b", {}), "held": 1.0, "condition": "> 1"}])
+        f.save([*small, record("huge", {"user": BIG})])
+    assert (tmp_path / "state.json").stat().st_size <= LIMIT
+    assert f.read()[0] == small  # was: nothing ("holds more than 20000 bytes"), the small records lost with it
+    [said] = [r.getMessage() for r in caplog.records]  # once while it stays too large
+    assert "1 largest record(s) (rules huge) are left out" in said and "may not resolve" in said
+
+
+def test_a_restart_resolves_what_cleared_meanwhile_though_a_series_with_a_huge_label_fired_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state_file, "MAX_STATE_FILE_BYTES", LIMIT)
+    state, clocks = tmp_path / "state.json", Clocks()
+    answers = iter([f'share{{user="{BIG}"}} 0.9\nshare 0.9\nlag 3\n'] * 21)
+    mon, sink = monitor(restart_rules(state), lambda: Snapshot.from_texts({"learner": next(answers)}), clocks)
+    for _ in range(21):
+        mon.step()
+        clocks.tick(15)
+    assert delivered(mon, sink) == [("cold_start_share", "firing")] * 2
+    mon.close(5)
+    assert [r["labels"] for r in json.loads(state.read_text())["firing"]] == [{}]
+    clocks.tick(60)
+    clocks.mono = 7.0  # a new process
+    mon, sink = monitor(restart_rules(state), lambda: Snapshot.from_texts({"learner": "share 0.1\nlag 3\n"}), clocks)
+    try:
+        assert [(a.rule, a.state.value, a.labels) for a in mon.step()] == [("cold_start_share", "resolved", {})]
+    finally:
+        mon.close(5)
