@@ -70,6 +70,10 @@ class ExpositionError(StreamrecError, ValueError):
 
 
 def _shown(line: str) -> str:
+    """``line`` (a line, a token, a series of a scraped answer) as an error message may quote it: at most 80 characters,
+    a control character escaped. The message goes to the log, the run log and alert texts, at every failed scrape: a
+    series given twice was quoted whole and unescaped, megabytes of a label value, and its ``\\n`` began a forged log
+    line."""
     return repr(line if len(line) <= 80 else line[:77] + "...")
 
 
@@ -129,14 +133,14 @@ def parse(text: str, declared: set[str] | None = None) -> list[Sample]:
             found = pairs(block)
             for k, v in found:
                 if invalid and _NOT_UTF8.search(v):
-                    raise _not_utf8(number, f"the value of label {k}", line)
+                    raise _not_utf8(number, f"the value of label {_shown(k)}", line)
                 labels[k] = _ESCAPE.sub(_unescaped, v) if "\\" in v else v
             if len(labels) < len(found):
                 raise ExpositionError(f"line {number}: a label name given twice: {_shown(line)}")
         key = tuple(sorted(labels.items())) if labels else ()
         if (name, key) in seen:
-            lbl = ",".join(f'{k}="{v}"' for k, v in key)
-            raise ExpositionError(f"line {number}: series {name}{{{lbl}}} given twice (first at line "
+            lbl = ",".join(f'{k}="{v}"' for k, v in key)  # the values unescaped: _shown escapes and cuts them
+            raise ExpositionError(f"line {number}: series {_shown(f'{name}{{{lbl}}}')} given twice (first at line "
                                   f"{seen[name, key]}): which value is current is undefined")
         seen[name, key] = number
         try:
@@ -198,11 +202,11 @@ def _comment(stripped: str, number: int, line: str) -> str | None:
         try:  # the server's text: the bytes after the one byte after the name
             rest.encode("utf-8", "surrogateescape")[1:].decode("utf-8")
         except UnicodeDecodeError:
-            raise _not_utf8(number, f"the HELP text of {name}", line) from None
+            raise _not_utf8(number, f"the HELP text of {_shown(name)}", line) from None
     if kind == "TYPE" and (rest[1:] if rest.strip(" \t") else "") not in _TYPES:
         if line.endswith("\r"):  # Prometheus: invalid metric type "gauge\r"
             raise _crlf(number)
-        raise ExpositionError(f"line {number}: # TYPE of {name} is not one of {', '.join(sorted(_TYPES))}: "
+        raise ExpositionError(f"line {number}: # TYPE of {_shown(name)} is not one of {', '.join(sorted(_TYPES))}: "
                               f"{_shown(line)}")
     return name
 

@@ -161,6 +161,24 @@ def test_a_series_given_twice_by_one_source_fails_the_scrape_naming_it(text: str
     assert snap.metrics == {} and snap.raw.get("learner", []) == []
 
 
+_HUGE = "x" * 1_000_000  # a scrape may answer 16 MiB
+
+
+@pytest.mark.parametrize("text", [
+    f'm{{a="{_HUGE}"}} 1\nm{{a="{_HUGE}"}} 2\n',  # was quoted whole: a megabyte at every failed scrape
+    'm{a="1\\nscrape of source learner failed: FORGED\x1b[2J"} 1\n' * 2,  # was quoted unescaped: a line
+    # break (the exposition's \\n) began a forged log line, and the terminal took the escape sequence
+    f"# TYPE m{_HUGE} gauges\n",
+    f"# HELP m{_HUGE} \udcff\n",
+    f'm{{a{_HUGE}="\udcff"}} 1\n',
+])
+def test_a_failed_scrapes_message_quotes_the_answer_cut_short_and_escaped(text: str) -> None:
+    with pytest.raises(ExpositionError) as failed:
+        parse(text)
+    said = str(failed.value)
+    assert len(said) < 600 and "\n" not in said and "\x1b" not in said, said[:300]
+
+
 def test_the_same_name_with_other_labels_is_another_series() -> None:
     assert values('streamrec_x{a="1"} 5\nstreamrec_x{a="2"} 7\nstreamrec_x 1\n') == {
         "streamrec_x": {(("a", "1"),): 5.0, (("a", "2"),): 7.0, (): 1.0}}
