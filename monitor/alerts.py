@@ -520,7 +520,8 @@ class WebhookSink:
                 if 200 <= status < 300:
                     self.delivered += 1
                     continue
-                error = f"HTTP {status} {reason}" + (f": {detail[:200].decode('utf-8', 'replace')}" if detail else "")
+                error = f"HTTP {status} {reason}" + (f": {_one_line(detail[:200].decode('utf-8', 'replace'))}" if detail
+                                                     else "")  # (the receiver's text: a line break forged a log line)
                 if not (status in (408, 429) or status >= 500):
                     rejected.append(a)
                     why.append(f"{a.rule} ({a.state.value}): {error}")

@@ -17,6 +17,8 @@ import urllib.parse
 from functools import partial
 from typing import Any
 
+from stream.errors import shown
+
 
 def time_left(deadline: float, what: str) -> float:
     """Seconds until ``deadline``; :class:`TimeoutError` once it has passed."""
@@ -138,6 +140,14 @@ def retry_after_s(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time()) if when.tzinfo is not None else None
 
 
+def reason_of(resp: http.client.HTTPResponse) -> str:
+    """The answer's reason phrase (``Not Found``) as a message may quote it: as sent where it is short and printable,
+    else a bounded, escaped ``repr``. It is the peer's text, up to 64 KiB that http.client reads: a scrape target's
+    ``500 \\x1b[2J...`` reached the log raw with every failed scrape (a terminal escape, a carriage return over the
+    line), and kilobytes of it went into each alert's text."""
+    return resp.reason if resp.reason.isprintable() and len(resp.reason) <= 80 else shown(resp.reason)
+
+
 def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes, float | None]:
     """``POST`` ``body`` to ``url``; returns (status, reason, the first bytes of an error answer's body, the seconds
     its ``Retry-After`` asks for or None).
@@ -160,7 +170,7 @@ def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes, 
                 detail = resp.read(300)
             except (OSError, http.client.HTTPException):
                 pass
-        return resp.status, resp.reason, detail, retry_after_s(resp.getheader("Retry-After"))
+        return resp.status, reason_of(resp), detail, retry_after_s(resp.getheader("Retry-After"))
     finally:
         conn.close()
 
@@ -184,7 +194,7 @@ def get_text(url: str, deadline: float, max_bytes: int) -> str:
                                            **_auth_headers(url)})
         resp = conn.getresponse()
         if not 200 <= resp.status < 300:
-            raise OSError(f"HTTP {resp.status} {resp.reason}" + (" (redirects are not followed: give the final "
+            raise OSError(f"HTTP {resp.status} {reason_of(resp)}" + (" (redirects are not followed: give the final "
                                                                   "URL)" if 300 <= resp.status < 400 else ""))
         body = resp.read(max_bytes + 1)
         if len(body) > max_bytes:
