@@ -145,7 +145,14 @@ def reason_of(resp: http.client.HTTPResponse) -> str:
     else a bounded, escaped ``repr``. It is the peer's text, up to 64 KiB that http.client reads: a scrape target's
     ``500 \\x1b[2J...`` reached the log raw with every failed scrape (a terminal escape, a carriage return over the
     line), and kilobytes of it went into each alert's text."""
-    return resp.reason if resp.reason.isprintable() and len(resp.reason) <= 80 else shown(resp.reason)
+    return as_said(resp.reason, 80)
+
+
+def as_said(text: str, limit: int) -> str:
+    """A peer's ``text`` (a reason phrase; an error quoting its answer, as http.client's BadStatusLine quotes the
+    status line whole) as a message may quote it: as it is where printable and at most ``limit`` characters, else a
+    short escaped ``repr`` (:func:`stream.errors.shown`)."""
+    return text if text.isprintable() and len(text) <= limit else shown(text, limit)
 
 
 def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes, float | None]:

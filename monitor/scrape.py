@@ -20,7 +20,7 @@ from prometheus_client import Counter as PCounter
 
 from monitor.exposition import parse as parse_exposition
 from monitor.expr import Labels, Point
-from monitor.http_deadline import get_text
+from monitor.http_deadline import as_said, get_text
 from monitor.rules import RulesConfig
 from stream.secrets import redact
 
@@ -169,7 +169,7 @@ class Scraper:
                 STALE_SAMPLES.labels(name).inc(snap.stale.get(name, (0, ""))[0])
             except Exception as exc:  # noqa: BLE001 - a dead source is "no data", never a crash
                 why = f"no answer within scrape_timeout_s={self.timeout_s:g}s" if isinstance(exc, TimeoutError) \
-                    else f"{exc}" or type(exc).__name__
+                    else as_said(redact(f"{exc}") or type(exc).__name__, 1000)  # a peer's text quoted: cut, escaped
                 snap.errors[name] = redact(f"{url}: {why}")  # (run log, status, log: a url's password as ***)
                 SCRAPE_ERRORS.labels(name).inc()
         return snap

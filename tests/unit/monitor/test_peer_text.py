@@ -5,6 +5,7 @@ failed before the fix."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
@@ -51,3 +52,31 @@ def test_a_webhook_receivers_reason_and_error_body_are_quoted_short_and_escaped_
     said = str(failed.value)
     assert "HTTP 503 'Oops" in said and "FORGED" in said and len(said) < 400, said[:300]
     assert said.isprintable()
+
+
+def test_a_status_line_that_is_not_http_is_quoted_short_and_escaped_in_the_scrape_error_and_the_webhooks() -> None:
+    def serve(srv: socket.socket) -> None:  # http.client's BadStatusLine quotes the line whole, up to 64 KiB
+        for _ in range(2):  # the scrape, the webhook's POST
+            try:
+                conn, _ = srv.accept()
+            except OSError:  # closed, or no request within its timeout: the test failed before it
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(FORGED.encode("latin-1") + b"\r\n\r\n")
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(10)
+    server = threading.Thread(target=serve, args=(srv,), daemon=True)
+    server.start()
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}/metrics"
+    alert = Alert("r", "learner", Severity.WARNING, AlertState.FIRING, 1.0, 0.5, "m", 0)
+    try:
+        scraped = Scraper({"learner": url}, timeout_s=10).scrape().errors["learner"]
+        with pytest.raises(SinkError) as failed:
+            WebhookSink(url, timeout_s=10).send([alert], time.monotonic() + 10)
+    finally:
+        server.join(10)
+        srv.close()
+    for said in (scraped, str(failed.value)):
+        assert "Oops" in said and len(said) < 400 and said.isprintable(), said[:300]
