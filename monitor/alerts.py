@@ -325,7 +325,8 @@ class AlertSink(Protocol):
 
 
 class LogSink:
-    """One line per alert: firing at WARNING (ERROR when critical), resolved at INFO."""
+    """One line per alert: firing at WARNING (ERROR when critical), resolved at INFO; :meth:`Alert.shortened`, as the
+    other sinks send an alert too large for them, its fingerprint kept."""
 
     name = "log"
     timeout_s = 5.0  # not enforced: a log record is written by the logging handlers
@@ -340,7 +341,7 @@ class LogSink:
                 level = logging.INFO
             else:
                 level = logging.ERROR if a.severity is Severity.CRITICAL else logging.WARNING
-            self.logger.log(level, "%s", a.describe())
+            self.logger.log(level, "%s", a.shortened().describe())  # a scraped value of megabytes: one line of them
 
     def close(self) -> None:
         pass

@@ -32,3 +32,15 @@ def test_a_scraped_label_with_a_line_break_or_a_terminal_escape_cannot_forge_a_l
     assert "\n" not in line and "\x1b" not in line
     assert 'topic="x\\nFIRING critical nan_losses{} value=1' in line and 'colour="\\u001b[31mred\\"q"' in line
     assert line.startswith("FIRING warning queue_depth{")
+
+
+def test_a_scraped_label_value_of_megabytes_is_logged_shortened_with_the_alerts_fingerprint(caplog) -> None:
+    """The Kafka and webhook sinks send such an alert shortened (:meth:`Alert.shortened`); the log sink wrote the whole
+    value, a line of megabytes at every firing and resolved alert."""
+    text = f'streamrec_queue_depth{{topic="{"t" * 2_000_000}"}} 9\n'
+    (alert,) = RuleEngine(loads_rules(RULE).rules).evaluate(Snapshot.from_texts({"learner": text}), 0.0)
+    logger = logging.getLogger("test.alert_log_line")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        LogSink(logger).send([alert])
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert len(line) < 4000 and "(2000000 characters)" in line and f"id={alert.fingerprint}" in line
