@@ -25,6 +25,7 @@ from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
 from monitor.delivery import FanOut, QueuedSink, drain
 from monitor.exposition import families_of
 from monitor.expr import Labels, labels_of, metrics_of
+from monitor.http_deadline import as_said
 from monitor.rule_engine import RuleEngine, State
 from monitor.rules import RulesConfig, check_interval
 from monitor.run_log import RunLog
@@ -173,9 +174,10 @@ class Monitor:
                 self._duplicates_seen[key] = None
                 if len(self._duplicates_seen) > self.DUPLICATES_REMEMBERED:
                     del self._duplicates_seen[next(iter(self._duplicates_seen))]
-                lbl = ",".join(f'{k}="{v}"' for k, v in lb)
-                log.warning("sources %s all export %s{%s}: rules read %s's only (give each process a label of "
-                            "its own, e.g. rank, to watch them all)", ", ".join(sources), metric, lbl, sources[0])
+                lbl = ",".join(f'{k}="{v}"' for k, v in lb)  # scraped values: a line break, megabytes (as_said)
+                log.warning("sources %s all export %s: rules read %s's only (give each process a label of its own, "
+                            "e.g. rank, to watch them all)", ", ".join(sources), as_said(f"{metric}{{{lbl}}}", 200),
+                            sources[0])
         now = self.clock()
         alerts = self.engine.evaluate(snap, self.monotonic(), now)
         # queue first: the state machines have moved, so an alert not queued now is never sent

@@ -5,6 +5,7 @@ failed before the fix."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -13,8 +14,8 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 from monitor.alerts import Alert, AlertState, Severity, SinkError, WebhookSink
-from monitor.scrape import Scraper
-from tests.unit.monitor.test_engine_faults import Target
+from monitor.scrape import Scraper, Snapshot
+from tests.unit.monitor.test_engine_faults import Clocks, Target, monitor
 
 FORGED = "Oops\x1b[2J\r2026-12-07 WARNING streamrec.monitor: FORGED\x85" + "y" * 60_000
 
@@ -80,3 +81,18 @@ def test_a_status_line_that_is_not_http_is_quoted_short_and_escaped_in_the_scrap
         srv.close()
     for said in (scraped, str(failed.value)):
         assert "Oops" in said and len(said) < 400 and said.isprintable(), said[:300]
+
+
+def test_a_series_two_sources_export_is_named_short_and_escaped_in_the_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    text = f'share{{user="1\\n{FORGED}"}} 0.1\n'  # the exposition's \\n: a line break in the value
+    mon, _ = monitor('[[rule]]\nname = "s"\nexpr = "share"\nop = ">"\nthreshold = 0.5\n',
+                     lambda: Snapshot.from_texts({"a": text, "b": text}), Clocks())
+    try:
+        with caplog.at_level(logging.WARNING, logger="streamrec.monitor"):
+            mon.step()
+    finally:
+        mon.close(5)
+    [said] = [r.getMessage() for r in caplog.records if "all export" in r.getMessage()]
+    assert said.startswith("sources a, b all export 'share{user=") and len(said) < 400, said[:300]
+    assert said.isprintable()
