@@ -82,7 +82,7 @@ class Snapshot:
                 lbl = ",".join(f'{k}="{v}"' for k, v in lb)
                 why = (f"{(now_ms - ts) / 1000:.0f}s ago, older than {stale_after_s:g}s" if ts < oldest_ms else
                        f"{(ts - now_ms) / 1000:.0f}s in the future, more than the {ahead_s:g}s of clock skew tolerated")
-                self.stale[source] = (count + 1, example or f"{name}{{{lbl}}} stamped {why}")
+                self.stale[source] = (count + 1, example or f"{as_said(f'{name}{{{lbl}}}', 200)} stamped {why}")
                 self.declared.add(name)  # exported, though no data: not a metric no source exports
                 continue
             if name.startswith("streamrec_") and not name.endswith("_created"):

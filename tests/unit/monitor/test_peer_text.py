@@ -96,3 +96,11 @@ def test_a_series_two_sources_export_is_named_short_and_escaped_in_the_warning(
     [said] = [r.getMessage() for r in caplog.records if "all export" in r.getMessage()]
     assert said.startswith("sources a, b all export 'share{user=") and len(said) < 400, said[:300]
     assert said.isprintable()
+
+
+def test_a_stale_series_is_named_short_and_escaped_in_the_stale_samples_warning() -> None:
+    snap = Snapshot()
+    snap.add_text("learner", f'share{{user="1\\n{FORGED}"}} 0.1 1000\n', now_s=1_800_000_000.0)  # stamped in 1970
+    count, example = snap.stale["learner"]
+    assert count == 1 and example.startswith("'share{user=") and len(example) < 400, example[:300]
+    assert example.isprintable()
