@@ -92,6 +92,10 @@ class JoinerSettings:
     # (stream/joiner/gc_pacing.py: the join state is acyclic, and automatic full collections cost a growing state
     # 45% of the worker's time); 0 leaves Python's automatic collector on.
     gc_every_s: float = 60.0
+    # How often a running worker asks the broker for its input topics' ids (one DescribeTopics, between batches): an
+    # input deleted and made again under the running consumer (its position of the old topic kept, or reset below what
+    # was applied) is then read from its first record (JoinPipeline.check_topics); a restore asks at every assignment.
+    topic_check_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "driver", Driver.of(self.driver, "[joiner] driver"))

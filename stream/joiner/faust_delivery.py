@@ -137,6 +137,14 @@ class BatchDelivery:
     # committed offset is the old topic's). ``process`` processed nothing then; they are committed at their first
     # offset before anything of them is joined, and read from there.
     started_over: Callable[[], set[tuple[str, int]]] = lambda: set()
+    # Told, before the batch that follows, the (topic, partition)s a fetch brought records of below the consumer's read
+    # offset (left out as read): the topic made again under the running consumer, its position reset to the new
+    # topic's first offset? ``process`` asks the topics' ids (``JoinPipeline.regressed``) and starts such an input over.
+    below: Callable[[set[tuple[str, int]]], None] = lambda _below: None
+    # Whether ``process`` is owed a batch though nothing came (``JoinPipeline.topics_due``: the periodic check of the
+    # input topics' ids, which an input made again under the consumer's position of the old topic needs, as nothing
+    # of it is fetched): an empty one is delivered.
+    due: Callable[[], bool] = lambda: False
 
 
 class _Dropped(Exception):
@@ -215,7 +223,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     self.diag.unset_flag(CONSUMER_FETCHING)
                 # nothing new: what is kept is offered again (the other input may have come), and a restore is
                 # owed to records left out (an input made again under the committed offset: module docstring)
-                if batch or self._kept or self._left_out:
+                if batch or self._kept or self._left_out or self.delivery.due():
                     self._left_out = False
                     await self._deliver(batch)
                     if (wait := self.delivery.wait_s()) > 0:
@@ -274,7 +282,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
                 d.in_hand(len(batch))
                 if deadline is None:
                     deadline = time.monotonic() + d.within_s
-            elif (batch and short) or (not batch and (self._kept or self._left_out)):
+            elif (batch and short) or (not batch and (self._kept or self._left_out or d.due())):
                 break
         if len(batch) > d.max_records:
             self._set_carry(batch[d.max_records:])
@@ -487,6 +495,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
                 continue
             read = self._read_offset[tp]
             if read is not None and recs[0].offset < read:
+                self.delivery.below({(tp.topic, tp.partition)})
                 recs = [r for r in recs if r.offset >= read]
                 if not recs:
                     self._left_out = True
@@ -536,7 +545,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
                 if monitor is not None:
                     monitor.stream_inbound_time[tp] = now
         commit_every = self._commit_every
-        lows = await self._start_over(again) if again else {}
+        lows = await self.start_over(again) if again else {}
         if left or again:  # read again from what was processed (module docstring)
             await self.commit()
             unprocessed = sum(len(offs) - bisect_left(offs, left[tp]) for tp, offs in offsets.items() if tp in left)
@@ -545,7 +554,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
             self._n_acked = 0
             await self.commit()
 
-    async def _start_over(self, again: set[tuple[str, int]]) -> dict[TP, int]:
+    async def start_over(self, again: set[tuple[str, int]]) -> dict[TP, int]:
         """Inputs found deleted and made again (:attr:`BatchDelivery.started_over`) committed at their first offset and
         sought there, their floor (``_redone``) forgotten; the hand is dropped next. At once, before anything of them is
         joined: left at the old topic's offset until a later commit, a crash after the new topic's first state chunk

@@ -284,7 +284,7 @@ class KafkaJoinWorker:
                 self.pipeline.awake.tick()  # a round ran: a quiet click input's time counts (a stall's does not)
                 fetched = _records(msgs, self.gaps)
                 idle = not fetched
-                if fetched or self._held:
+                if fetched or self._held or self.pipeline.topics_due():
                     if not self._process(fetched, self._holds_back if self._hold else None):
                         continue
                 resumed = self._apply_gate()
@@ -362,6 +362,11 @@ class KafkaJoinWorker:
             # and an end-of-partition wait), not one read per partition as each first appears in a batch.
             if missing := self._assigned - set(self.pipeline.engines):
                 self.pipeline.restore(missing)
+            # an input made again under the running consumer (its records below what its engine applied, or the
+            # periodic check of the topics' ids) is read from its first record (_started_over)
+            if below := self.pipeline.below_applied(records):
+                self.pipeline.regressed(below)
+            self.pipeline.check_topics()
             records = self._unprocessed(self._started_over(records))
             if not records and not self._held:
                 return True
@@ -471,7 +476,7 @@ class KafkaJoinWorker:
         new topic's first offset is committed for the group at once, before anything of it is joined: left the old
         topic's until the first commit, a crash or a rewind after a batch's state was durable started at it again, the
         state's topic id now the topic's (no start over), and the records between the state and it were never joined."""
-        again, self.pipeline.started_over = self.pipeline.started_over, set()
+        again = self.pipeline.take_started_over()
         if not again:
             return records
         for topic, partition in sorted(again):
@@ -482,8 +487,6 @@ class KafkaJoinWorker:
             start = TopicPartition(topic, partition, OFFSET_BEGINNING)
             self.consumer.seek(start)
             self.gaps.expect([start])
-            log.warning("%s partition %d was deleted and created again: reading it from its first record", topic,
-                        partition)
         return [r for r in records if (r.topic, r.partition) not in again]
 
     def _unprocessed(self, records: list[Record]) -> list[Record]:

@@ -455,6 +455,10 @@ class JoinPipeline:
         # (input topic, partition) a restore found made again and read from its first record: where the group's
         # committed offset is the old topic's, the driver must start that input there too (kafka_driver._started_over)
         self.started_over: set[tuple[str, int]] = set()
+        # (input topic, partition) -> its engine's offset when the topic's id was last asked (a restore, or a
+        # regression: ``regressed``): records below it coming again are that same replay, not asked about again
+        self._ids_asked: dict[tuple[str, int], int] = {}
+        self._topics_next = time.monotonic() + js.topic_check_s  # when check_topics asks the inputs' ids next
         self._counts_buffer: Counts = {}
         self._names_buffer: dict[str, set[int | str]] = {"item": set(), "user": set()}  # raw ids since the flush
         # The batch in progress's counts and raw ids: added to the buffers above once its state is durable, so a
@@ -582,6 +586,7 @@ class JoinPipeline:
                     "labelled wrong or lost. Run it with the policy it was written under, or change policy under a new "
                     "app_id (--app-id) and let the old one drain (`streamrec join --exit-when-idle N --drain`)")
             again = self._follow_topics(eng, now, plog.followed)
+            self._ids_asked.update(((inputs[kind], partition), eng.offsets[kind]) for kind in (0, 1))
             if start is None:  # a reload's input is read on from where the batch is: no start over of the reader
                 self.started_over.update((inputs[kind], partition) for kind in again)
             # This owner's claim, durable before its first chunk (the flush below): the seqs a stale owner would
@@ -630,6 +635,70 @@ class JoinPipeline:
             elif new:
                 eng.topic_ids[kind] = new
         return again
+
+    def take_started_over(self) -> set[tuple[str, int]]:
+        """``started_over``, emptied, each input said once (WARNING): the driver reads them from their first record."""
+        again, self.started_over = self.started_over, set()
+        for topic, partition in sorted(again):
+            log.warning("%s partition %d was deleted and created again: reading it from its first record", topic,
+                        partition)
+        return again
+
+    def below_applied(self, records: list[Record]) -> set[tuple[str, int]]:
+        """The input topic-partitions of ``records`` (runs of one topic-partition, offsets ascending) whose first record
+        is at or below what their engine in memory applied: read again, or of a topic made again under the running
+        consumer (its fetch position reset to the new topic's first offset), whose records the engine would skip as
+        redelivered, in silence. One comparison per run; for :meth:`regressed`."""
+        inputs = (self.kafka.impressions_topic, self.kafka.clicks_topic)
+        out = set()
+        for (topic, partition), run in groupby(records, _TOPIC_PARTITION):
+            eng = self.engines.get(partition)
+            if eng is not None and topic in inputs and next(run).offset <= eng.offsets[inputs.index(topic)]:
+                out.add((topic, partition))
+        return out
+
+    def regressed(self, topic_partitions: set[tuple[str, int]]) -> None:
+        """Input partitions read again below what their engine in memory applied, while the consumer ran (no restore,
+        whose topic-id check ran at the assignment): a topic deleted and made again under it. The inputs' topic ids are
+        asked (one admin client, once per regression: not again while the engine's offset stays where it was asked,
+        a restore's replay included), and an input whose id changed is started over as a restore does
+        (:meth:`_follow_running`). A partition not restored yet is left to its restore."""
+        inputs = (self.kafka.impressions_topic, self.kafka.clicks_topic)
+        asked = {tp for tp in topic_partitions if tp[0] in inputs and tp[1] in self.engines
+                 and self._ids_asked.get(tp) != self.engines[tp[1]].offsets[inputs.index(tp[0])]}
+        if asked:
+            self._follow_running({p for _, p in asked})
+
+    def topics_due(self) -> bool:
+        """Whether :meth:`check_topics` would ask the broker now: ``topic_check_s`` passed, and a partition is held."""
+        return bool(self.engines) and time.monotonic() >= self._topics_next
+
+    def check_topics(self) -> None:
+        """Every ``topic_check_s`` (a driver calls it before each batch; it asks nothing in between): the input
+        topics' ids asked once for every partition held, an input made again under the running consumer started over
+        as :meth:`regressed` does. Its records below the consumer's position of the old topic never come (a fetch past
+        a partition's end brings nothing on the local broker, and no out-of-range reset), and those past it were
+        joined with the new topic's first records missing, in silence; read again from the first record, what was
+        joined already is skipped as the duplicate it is (its impression id pending or finalized)."""
+        if not self.topics_due():
+            return
+        self._topics_next = time.monotonic() + self.js.topic_check_s
+        self._follow_running(set(self.engines))
+
+    def _follow_running(self, partitions: set[int]) -> None:
+        """The inputs' ids asked once (one admin client), each input of ``partitions`` whose id changed started over:
+        ``_follow_topics`` (said, counted, strikes and offset gone), its held records (the old topic's) dropped, and
+        put in ``started_over`` for the driver to commit its first offset and read it from there."""
+        inputs = (self.kafka.impressions_topic, self.kafka.clicks_topic)
+        ids = topic_identities(self.kafka, inputs)
+        now = [ids[t].get("topic_id") for t in inputs]
+        for partition in sorted(partitions):
+            eng = self.engines[partition]
+            again = {(inputs[kind], partition) for kind in self._follow_topics(eng, now, (None, None))}
+            self._ids_asked.update(((inputs[kind], partition), eng.offsets[kind]) for kind in (0, 1))
+            if again:
+                self.drop_held(again)
+                self.started_over |= again
 
     def _say_topic_changed(self, eng: PartitionJoin, kind: int, was: str, new: str) -> None:
         """The ERROR and the count of :meth:`_follow_topics` for input ``kind`` of ``eng``, remembered as said."""
@@ -696,6 +765,7 @@ class JoinPipeline:
         self._reached = {k: t for k, t in self._reached.items() if k[1] not in partitions}
         # a restore that failed after finding them made again: their next owner starts them over, not this member
         self.started_over = {tp for tp in self.started_over if tp[1] not in partitions}
+        self._ids_asked = {tp: o for tp, o in self._ids_asked.items() if tp[1] not in partitions}
         self.strikes.forget(partitions)
         for p in partitions:
             self.engines.pop(p, None)

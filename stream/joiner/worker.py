@@ -208,6 +208,7 @@ class FaustJoinWorker:
         self._backoff_s = RECOVERY_BACKOFF_S[0]  # the next recovery's wait
         self._wait = 0.0  # the wait owed before the next fetch
         self._again: set[tuple[str, int]] = set()  # inputs the last batch's restore found made again (_started_over)
+        self._below: set[tuple[str, int]] = set()  # inputs read again below faust's read offset (BatchDelivery.below)
         self._waited_until = 0.0  # (time.monotonic) when the wait the consumer took ends
         self.worker: faust.Worker | None = None
         # faust writes its table and app-id files under datadir (default: "<app-id>-data" in the working
@@ -241,7 +242,8 @@ class FaustJoinWorker:
         install(app, BatchDelivery(process=self._process, max_records=self.js.batch_max,
                                    within_s=self.js.batch_within_s, short_polls=lambda: bool(self.pauses.paused),
                                    in_hand=self._in_hand, held=lambda: self.pipeline.held_counts,
-                                   dropped=self._drop_held, wait_s=self._wait_s, started_over=self._take_started_over))
+                                   dropped=self._drop_held, wait_s=self._wait_s, started_over=self._take_started_over,
+                                   below=self._below.update, due=lambda: self.pipeline.topics_due()))
         # Subscribed through faust's Conductor as an agent's topic would be; delivered in batches by faust_delivery.
         app.topics.add(app.topic(k.impressions_topic, k.clicks_topic, key_serializer="raw", value_serializer="raw"))
         app.timer(_IDLE_TICK_S)(self._idle_check)
@@ -263,6 +265,11 @@ class FaustJoinWorker:
             # appears in a batch (each read costs a consumer's start-up and an end-of-partition wait)
             if missing := self._assigned - set(self.pipeline.engines):
                 self.pipeline.restore(missing)
+            below = set(self._below)  # (the set faust's consumer adds to: BatchDelivery.below)
+            self._below.clear()
+            if below:  # read again below what faust's consumer read, while it ran: the topic made again under it?
+                self.pipeline.regressed(below)
+            self.pipeline.check_topics()  # every topic_check_s: an input made again under the running consumer
             if self._started_over():
                 return {}  # read again once the consumer started them over: nothing of them joined before
             self.pipeline.process_new(records, behind)  # what it holds back it keeps, and faust does not acknowledge
@@ -287,12 +294,9 @@ class FaustJoinWorker:
     def _started_over(self) -> bool:
         """Whether the restore found inputs deleted and made again (``pipeline.started_over``), said once each and kept
         for faust's consumer (:meth:`_take_started_over`): it commits their first offset and reads the batch again
-        (``faust_delivery.BatchConsumer._start_over``). Their records below the group's committed offset, the old
+        (``faust_delivery.BatchConsumer.start_over``). Their records below the group's committed offset, the old
         topic's, were left out as processed (``_resume_safely``'s floor), none joined, in silence."""
-        again, self.pipeline.started_over = self.pipeline.started_over, set()
-        for topic, partition in sorted(again):
-            log.warning("%s partition %d was deleted and created again: reading it from its first record", topic,
-                        partition)
+        again = self.pipeline.take_started_over()
         self._again |= again
         if again:
             self._idle.reset()  # read again from their first record: no idleness before

@@ -2,7 +2,8 @@
 stopped, a batch of clicks whose state header is bigger than a message, an unreadable state record, a state topic
 deleted under kept offsets, Redis failing in the middle of a batch, a dead letter that cannot be written, an offset
 commit that fails, a write the broker denies by authorization, a samples topic created again with fewer partitions,
-an impressions topic made again under the group's committed offsets (both drivers).
+an impressions topic made again under the group's committed offsets (both drivers) and under a running
+worker.
 Each test failed before its fix (the docstrings say how), but the dead letter's.
 
 The pipeline fixtures (``make``, ``prefix``) are test_join_pipeline's, taken as parameters by name.
@@ -1189,3 +1190,80 @@ def test_an_input_made_again_whose_restore_failed_and_whose_partition_was_revoke
     worker._started_over([])
     assert p._committed([0])[(kafka.impressions_topic, 0)] == 2
     worker.consumer.close()
+
+
+
+
+@pytest.mark.parametrize(("n_old", "n_new"), [(6, 3), (2, 5)], ids=["fewer_new", "more_new"])
+def test_the_faust_driver_joins_an_impressions_topic_made_again_while_it_runs_from_its_first_record(
+        kafka: KafkaSettings, stack, make, prefix: str, n_old: int, n_new: int) -> None:
+    """The impressions topic deleted and made again under a running faust worker (its engines in memory: no restore,
+    no topic-id check), ``n_new`` records written to it: faust's consumer kept its position of the old topic
+    (``n_old``), and a fetch past a partition's end brings nothing on the local broker (no out-of-range reset), so the
+    new topic's records below it never came (3 of 3 lost) and those past it were joined without them (2 of 5 lost),
+    in silence: nothing logged, the worker exiting idle with status 0. Now the running worker asks the inputs' ids
+    every ``topic_check_s`` and reads an input made again from its first record, as a restore does. (The kafka
+    driver's consumer, librdkafka 2.16.0, dies of a segfault in its metadata cache when the topic comes back: its
+    restart's restore starts the topic over.)"""
+    write = batch_by_batch(kafka)
+    first = make()  # creates the topics
+    write([f"old-{i}" for i in range(n_old)])
+    env = {**join_env(kafka, stack.redis_url, prefix), "STREAMREC_JOINER_TOPIC_CHECK_S": "1"}
+    proc = subprocess.Popen(join_cmd(first.js.app_id, "faust", idle_s=8.0), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        tp = TopicPartition(kafka.impressions_topic, 0)
+        asker = Consumer(consumer_config(kafka, first.js.app_id))
+        try:
+            while asker.committed([tp], timeout=10)[0].offset < n_old:  # the old topic joined and committed
+                assert proc.poll() is None, proc.communicate()[1][-3000:]
+                time.sleep(0.2)
+        finally:
+            asker.close()
+        make_again(kafka, kafka.impressions_topic, partitions=4)  # as many as the clicks (the fixture's topics)
+        write([f"new-{i}" for i in range(n_new)])
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["impressions"] == n_old + n_new, err[-3000:]
+    # every partition of it was made again: each said once
+    assert err.count(f"{kafka.impressions_topic} partition 0 was deleted and created again") == 1, err[-3000:]
+
+
+def test_records_below_what_a_running_partition_applied_of_an_input_made_again_start_it_over(
+        kafka: KafkaSettings, make) -> None:
+    """A broker that resets a fetch past a partition's end to its first offset (Apache Kafka's out-of-range reset,
+    librdkafka's and aiokafka's ``auto.offset.reset``) hands a running worker the records of an input made again below
+    what its engine in memory applied: skipped as redelivered, in silence (no restore, no topic-id check). Now records
+    at or below an engine's applied offset (``below_applied``) have the topics' ids asked (``regressed``): an input
+    whose id changed is started over as a restore does, and the same replay is not asked about twice."""
+    write = batch_by_batch(kafka)
+    p = make()
+    write([f"old-{i}" for i in range(6)])
+    p.process([imp(kafka, 0, i, f"old-{i}", T0 + i) for i in range(6)])
+    assert p.engines[0].offsets[0] == 5
+    make_again(kafka, kafka.impressions_topic, partitions=4)
+    write([f"new-{i}" for i in range(3)])
+    new = [imp(kafka, 0, i, f"new-{i}", T0 + 10 + i) for i in range(3)]  # what the reset fetch hands on
+    below = p.below_applied(new)
+    assert below == {(kafka.impressions_topic, 0)}
+    p.regressed(below)
+    assert p.take_started_over() == {(kafka.impressions_topic, 0)}  # the driver commits its first offset, reads it
+    eng = p.engines[0]
+    assert eng.offsets[0] == -1 and eng.topic_ids[0] == topic_identity(kafka, kafka.impressions_topic)["topic_id"]
+    p.process(new)
+    assert p.totals.counts["impressions"] == 9  # every new one joined
+    asked = []
+    topic_identities = pipeline_module.topic_identities
+    pipeline_module.topic_identities = lambda *a: asked.append(a) or topic_identities(*a)  # type: ignore[assignment]
+    try:
+        p.regressed(p.below_applied(new))  # the new topic read again: asked once, not started over
+        p.regressed(p.below_applied(new))  # the same replay: not asked again
+    finally:
+        pipeline_module.topic_identities = topic_identities
+    assert len(asked) == 1 and p.take_started_over() == set()
+
+

@@ -528,7 +528,7 @@ def test_a_partition_moved_back_within_one_record_batch_skips_what_it_reads_agai
 
 
 def test_an_input_made_again_that_is_revoked_while_its_first_offset_is_asked_is_neither_sought_nor_a_crash() -> None:
-    """``_start_over`` awaits the broker (the new topic's first offset, then the commit): a revocation may come in
+    """``start_over`` awaits the broker (the new topic's first offset, then the commit): a revocation may come in
     between. aiokafka's seek of a partition no longer assigned raises IllegalStateError, which escaped ``_deliver`` and
     failed faust's fetcher (the worker crashed on a rebalance); its next owner's restore finds the topic made again and
     starts it over itself."""
@@ -562,7 +562,7 @@ def test_an_input_made_again_that_is_revoked_while_its_first_offset_is_asked_is_
         done["seeks"].append((tp, offset))
 
     fake.earliest_offsets, fake._commit_offsets, fake.seek = earliest_offsets, commit_offsets, seek
-    fake._start_over = lambda again: BatchConsumer._start_over(fake, again)  # type: ignore[arg-type]
+    fake.start_over = lambda again: BatchConsumer.start_over(fake, again)  # type: ignore[arg-type]
     asyncio.run(BatchConsumer._deliver(fake, [Record("impressions", 0, 6, None, b"")]))  # type: ignore[arg-type]
     assert done["seeks"] == [] and committed in ([], [{}])
     assert done["dropped"] == [None]  # the hand dropped all the same
@@ -570,7 +570,7 @@ def test_an_input_made_again_that_is_revoked_while_its_first_offset_is_asked_is_
 
 def test_an_input_made_again_with_records_past_the_old_committed_offset_is_read_again_from_its_first_record() -> None:
     """The new topic holds more records than the group's committed offset (6, the old topic's): the batch brought 6-8,
-    ``_start_over`` committed 0 and sought there, and the drop then sought the partition to the batch's first offset
+    ``start_over`` committed 0 and sought there, and the drop then sought the partition to the batch's first offset
     (6): faust's read offset after its seek to a committed 0 is None, which ``_drop`` takes for no committed offset.
     The new topic's records 0-5 were never joined, under a WARNING that said it was read from its first record."""
     import asyncio
@@ -594,6 +594,6 @@ def test_an_input_made_again_with_records_past_the_old_committed_offset_is_read_
         return True
 
     fake.earliest_offsets, fake._commit_offsets = earliest_offsets, commit_offsets
-    fake._start_over = lambda again: BatchConsumer._start_over(fake, again)  # type: ignore[arg-type]
+    fake.start_over = lambda again: BatchConsumer.start_over(fake, again)  # type: ignore[arg-type]
     asyncio.run(BatchConsumer._deliver(fake, [Record("impressions", 0, o, None, b"") for o in (6, 7, 8)]))  # type: ignore[arg-type]
     assert done["seeks"][-1] == (remade, 0)  # was (remade, 6)

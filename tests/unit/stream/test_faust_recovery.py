@@ -42,7 +42,8 @@ def _worker(monkeypatch: pytest.MonkeyPatch, fail: list[BaseException]) -> tuple
         held_counts={("clicks", 0): 3}, engines={0: object(), 1: object()}, processed={}, restore=lambda _p: None,
         process_new=process_new, waiting=lambda: {}, input_times=lambda: {}, held_per_input=lambda: {},
         forget=calls["forget"].append, drop_held=calls["drop_held"].append, awake=IdleClock(1.0, 0.0),
-        close=lambda: calls["close"].append(True), started_over=set())  # (no input made again)
+        close=lambda: calls["close"].append(True), take_started_over=set,  # (no input made again)
+        check_topics=lambda: None)
     w = FaustJoinWorker(pipeline, KafkaSettings(), JoinerSettings())  # type: ignore[arg-type]
     shutil.rmtree(w._datadir)
     w._assigned, w._settled = {0, 1}, True  # partitions 0 and 1 assigned, no rebalance since

@@ -44,7 +44,7 @@ def idle_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, drained: list[flo
         consumer=SimpleNamespace(commit=commit, fetched_more=lambda _tp: False),  # every input read to its end
         rebalancing=False))
     pipeline = SimpleNamespace(held_counts={}, restore=lambda _p: None, drain=lambda: drained.append(clock.t),
-                               awake=IdleClock(1.0, 0.0))
+                               awake=IdleClock(1.0, 0.0), take_started_over=set)  # (no input made again)
     w = FaustJoinWorker(pipeline, KafkaSettings(), JoinerSettings(exit_when_idle_s=limit,  # type: ignore[arg-type]
                                                                   drain_at_exit=True))
     shutil.rmtree(w._datadir)
@@ -129,7 +129,8 @@ def run_kafka_worker(monkeypatch: pytest.MonkeyPatch, clock: Clock, stall_s: flo
     w.consumer = StalledConsumer(clock, stall_s=stall_s, sigterm_at=SIGTERM_AT_S,  # type: ignore[assignment]
                                  on_sigterm=lambda: w._on_signal(signal.SIGTERM, None))
     w.pipeline = SimpleNamespace(totals=SimpleNamespace(stage_s={"fetch": 0.0}), awake=IdleClock(1.0, 0.0),  # type: ignore[assignment]
-                                 restore=lambda _p: None, drain=lambda: drained.append(clock.t))
+                                 restore=lambda _p: None, drain=lambda: drained.append(clock.t),
+                                 topics_due=lambda: False, take_started_over=set)  # (no input made again)
     monkeypatch.setattr(w, "_apply_gate", gate)
     if behind is not None:
         monkeypatch.setattr(w, "_behind", behind)

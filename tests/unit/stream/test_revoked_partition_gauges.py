@@ -47,7 +47,7 @@ def pipeline() -> JoinPipeline:
     for eng in p.engines.values():
         eng.max_ts = 1_700_000_000_000
     p._held_groups, p._held_list, p.held_counts, p._reached, p._last_click, p._parts = {}, [], {}, {}, {}, {}
-    p.started_over = set()
+    p.started_over, p._ids_asked = set(), {}
     p.strikes = SimpleNamespace(forget=lambda partitions: None)  # type: ignore[assignment]
     m.record(BatchResult(), 0, p.engines, Counter())
     return p
