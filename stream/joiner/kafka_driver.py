@@ -314,6 +314,9 @@ class KafkaJoinWorker:
             if self.js.drain_at_exit and not self._stop and not status:  # input complete, not a signal
                 # every assigned partition, those that brought no record since their assignment too (not restored)
                 self.pipeline.restore(self._assigned)
+                # an input that restore found made again gets its first offset committed before the drain's chunks
+                # record the new topic's id: left the old topic's, the next start read on from it, no start over
+                self._started_over([])
                 self.pipeline.drain()
             self._commit()
         except BaseException:  # a close that fails too (its revocation callback) must not replace the error

@@ -472,6 +472,11 @@ class FaustJoinWorker:
             if self.js.drain_at_exit and not self.exit_code:
                 # every assigned partition, those that brought no record since their assignment too (not restored)
                 self.pipeline.restore(self._assigned)
+                # an input that restore found made again gets its first offset committed before the drain's chunks
+                # record the new topic's id (as the kafka driver's run does): left the old topic's, the next start
+                # read on from it, no start over
+                if again := self.pipeline.take_started_over():
+                    await cast(BatchConsumer, self.app.consumer).start_over(again)
                 self.pipeline.drain()
             await self.app.consumer.commit()
         except Exception:

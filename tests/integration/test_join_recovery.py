@@ -2,8 +2,8 @@
 stopped, a batch of clicks whose state header is bigger than a message, an unreadable state record, a state topic
 deleted under kept offsets, Redis failing in the middle of a batch, a dead letter that cannot be written, an offset
 commit that fails, a write the broker denies by authorization, a samples topic created again with fewer partitions,
-an impressions topic made again under the group's committed offsets (both drivers) and under a running
-worker.
+an impressions topic made again under the group's committed offsets (both drivers), under a running worker, and
+under a drain at exit.
 Each test failed before its fix (the docstrings say how), but the dead letter's.
 
 The pipeline fixtures (``make``, ``prefix``) are test_join_pipeline's, taken as parameters by name.
@@ -1267,3 +1267,35 @@ def test_records_below_what_a_running_partition_applied_of_an_input_made_again_s
     assert len(asked) == 1 and p.take_started_over() == set()
 
 
+
+@pytest.mark.parametrize("driver", ["kafka", "faust"])
+def test_a_drain_at_exit_that_finds_an_input_made_again_commits_its_first_offset_before_the_new_id_is_written(
+        kafka: KafkaSettings, stack, make, prefix: str, driver: str) -> None:
+    """The impressions topic made again (empty) under the group's committed offset 6, the old topic's, and a run with
+    ``--drain`` that read nothing: its drain restored the partition, found the topic made again and started it over,
+    and its chunks recorded the new topic's id, but nothing committed the new topic's first offset (the start over
+    of a batch never came). The next run's restore found the state's id the topic's (no start over) and read on from
+    the old offset 6: the new topic's records 0-5 were never joined, in silence (2 of 8). Now the drain's restore
+    commits an input it finds made again at its first offset before anything is written, in both drivers."""
+    write = batch_by_batch(kafka)
+    first = make()  # creates the topics
+    old = [f"old-{i}" for i in range(6)]
+    write(old)
+    first.process([imp(kafka, 0, i, imp_id, T0 + i) for i, imp_id in enumerate(old)])  # pending, of the old id
+    make_again(kafka, kafka.impressions_topic, partitions=4)
+    committer = Consumer(consumer_config(kafka, first.js.app_id))  # a member still running commits its old position
+    try:
+        committer.commit(offsets=[TopicPartition(kafka.impressions_topic, 0, 6)], asynchronous=False)
+    finally:
+        committer.close()
+    env = join_env(kafka, stack.redis_url, prefix)
+
+    def run() -> dict[str, Any]:
+        done = subprocess.run(join_cmd(first.js.app_id, driver, idle_s=1.0), capture_output=True, text=True, env=env,
+                              timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert run()["samples"] == 6  # nothing read: the old impressions drained
+    write([f"new-{i}" for i in range(8)])
+    assert run()["impressions"] == 8  # every new one joined
