@@ -1233,6 +1233,41 @@ def test_the_faust_driver_joins_an_impressions_topic_made_again_while_it_runs_fr
     assert err.count(f"{kafka.impressions_topic} partition 0 was deleted and created again") == 1, err[-3000:]
 
 
+
+def test_the_kafka_driver_reads_an_input_its_periodic_check_finds_made_again_from_its_first_record(
+        kafka: KafkaSettings, make, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The kafka driver's side of the running check (``topic_check_s``): its consumer (librdkafka 2.16.0) dies of a
+    segfault in its metadata cache when a topic it reads is deleted and made again on the local broker, so the broker
+    is made to name another id for the impressions topic instead, once its records were joined: the check between
+    batches starts the partition over (its first offset committed, sought there), and the records read again are
+    skipped as the duplicates they are. Before, nothing asked the ids while the worker ran."""
+    write = batch_by_batch(kafka)
+    make()  # creates the topics
+    write([f"old-{i}" for i in range(6)])
+    p = make(exit_when_idle_s=2.0, topic_check_s=0.5)
+    worker = KafkaJoinWorker(p, kafka, p.js)
+    asked = pipeline_module.topic_identities
+    process_new = p.process_new
+
+    def then_another_id(records: list[Any], behind: Any = None) -> None:
+        process_new(records, behind)
+        if p.totals.counts["impressions"] == 6:  # joined: the broker names another id from now on
+            def another(*args: Any) -> dict[str, dict[str, str]]:
+                ids = asked(*args)
+                ids[kafka.impressions_topic]["topic_id"] = "made-again"
+                return ids
+
+            monkeypatch.setattr(pipeline_module, "topic_identities", another)
+
+    p.process_new = then_another_id  # type: ignore[method-assign]
+    assert worker.run() == 0
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "now has topic id made-again" in
+            r.getMessage()]
+    assert len(said) == 4 and said[0].startswith("partition 0:")  # every partition held, each said once
+    assert p.totals.counts["duplicate_impressions"] == 6  # read again from its first record, none joined twice
+    assert p._committed([0])[(kafka.impressions_topic, 0)] == 6
+
+
 def test_records_below_what_a_running_partition_applied_of_an_input_made_again_start_it_over(
         kafka: KafkaSettings, make) -> None:
     """A broker that resets a fetch past a partition's end to its first offset (Apache Kafka's out-of-range reset,
