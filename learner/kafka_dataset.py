@@ -266,7 +266,7 @@ class KafkaSampleDataset(IterableDataset):
             held, unknown = yield from _beating(_first_held(consumer, fresh), self.cfg)
             starts = (yield from _beating(starting_after_retention(consumer, "learner", saved), self.cfg)) + held
         except BaseException:
-            consumer.close()
+            _close_reading(consumer, parts)
             raise
         consumer.assign(starts)
         # records deleted under the running learner (its lag grew past the topic's retention; librdkafka resets the
@@ -425,14 +425,7 @@ class KafkaSampleDataset(IterableDataset):
                         and idle.idle_s >= self.exit_when_idle_s):
                     return
         finally:
-            failing = sys.exc_info()[1]  # what ends the reading, if an error does: a failing close must not hide it
-            try:
-                consumer.close()
-            except Exception as exc:
-                if failing is None:
-                    raise
-                log.warning("closing the consumer of partitions %s failed too (%s: %s) as %s ended the reading", parts,
-                            type(exc).__name__, exc, type(failing).__name__)
+            _close_reading(consumer, parts)
             dlq = None  # every dead letter was flushed when sent; the producer goes with this iteration
 
     def _emit(self, pending: list[TensorBatch]) -> TensorBatch:
@@ -627,6 +620,20 @@ def _decode(m: Message, read: Callable[[bytes | None], SampleBatch]) -> SampleBa
         return read(m.value())
     except Exception:  # noqa: BLE001 - whatever is wrong with it, the reader says so in its dead letter
         return None
+
+
+def _close_reading(consumer: Consumer, parts: list[int]) -> None:
+    """Close a reading's ``consumer`` (of ``parts``), where the reading ends (its start too: closed at a heartbeat of
+    :func:`_beating`). A close that fails is raised after a clean end; as an error ends the reading (a GeneratorExit
+    too) it is logged, and that error goes on: a failing close must not hide it."""
+    failing = sys.exc_info()[1]
+    try:
+        consumer.close()
+    except Exception as exc:
+        if failing is None:
+            raise
+        log.warning("closing the consumer of partitions %s failed too (%s: %s) as %s ended the reading", parts,
+                    type(exc).__name__, exc, type(failing).__name__)
 
 
 def _first_held(consumer: Consumer, starts: list[TopicPartition],

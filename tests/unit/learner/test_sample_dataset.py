@@ -560,6 +560,30 @@ def test_a_reader_starting_on_a_slow_broker_hands_over_a_heartbeat_between_its_b
     assert sorted(positions) == [(p, 0, 1) for p in parts]  # and it reads them all
 
 
+def test_a_reading_closed_at_a_start_heartbeat_closes_its_consumer_and_a_failing_close_is_logged_not_raised(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The iteration closed at a heartbeat between the start's broker calls (a learner stopped while a worker starts
+    on a slow broker): its consumer is closed, and a close that fails is logged as the main loop's is (the start's own
+    close raised it out of the generator's close in place of the GeneratorExit, a worker's end failing on it)."""
+    closed: list[bool] = []
+
+    class FailingClose(SlowBroker):
+        def close(self) -> None:
+            closed.append(True)
+            raise RuntimeError("Consumer closed")
+
+    parts = {p: [sample(p)] for p in range(4)}
+    monkeypatch.setattr(SlowBroker, "fresh", frozenset())
+    ds, consumer = grow(monkeypatch, parts, {}, consumer_type=FailingClose, listed=None, unsaved=[])
+    batches = iter(ds)
+    first = next(batches)
+    assert first.positions == [] and consumer.assigned == []  # a heartbeat of the start, nothing assigned yet
+    with caplog.at_level(logging.WARNING, logger=kd.log.name):
+        batches.close()  # type: ignore[attr-defined]
+    assert closed == [True]
+    assert "closing the consumer of partitions [0, 1, 2, 3] failed too" in caplog.text
+
+
 def test_a_run_of_dead_letters_written_on_a_slow_broker_hands_over_a_heartbeat_between_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each dead letter is flushed before the next message (up to its timeout): 20 undecodable messages in one fetch
