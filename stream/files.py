@@ -139,20 +139,21 @@ def process_matches(pid: int, exe_name: str, started: int | None = None) -> bool
     return ident is not None and ident[0] == exe_name and started in (None, ident[1])
 
 
-def listens_on(pid: int, port: int) -> bool:
+def listens_on(pid: int, port: int, proc: Path = Path("/proc")) -> bool:
     """Whether the process ``pid`` holds a listening TCP socket on ``port`` (Linux /proc; True when that cannot be
-    told: no /proc/net/tcp, another user's process): a server just started on a port found free answers a probe only
-    once it listens, while another process that took the port first answers at once (and this one then exits)."""
+    told: no /proc, no /proc/net/tcp, another user's process): a server just started on a port found free answers a
+    probe only once it listens, while another process that took the port first answers at once (and this one then
+    exits). ``proc``: where /proc is (a test's own layout)."""
     try:
-        fds = os.listdir(f"/proc/{pid}/fd")
+        fds = os.listdir(proc / str(pid) / "fd")
     except PermissionError:
         return True
-    except FileNotFoundError:
-        return False
+    except FileNotFoundError:  # the process is gone, unless there is no /proc to ask (the stack never started there)
+        return not (proc / "self" / "fd").is_dir()
     listening, tables = set(), 0
     for table in ("tcp", "tcp6"):
         with contextlib.suppress(OSError):
-            rows = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+            rows = (proc / "net" / table).read_text().splitlines()[1:]
             tables += 1
             listening |= {f"socket:[{f[9]}]" for f in map(str.split, rows)
                           if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port}  # 0A: LISTEN
@@ -160,7 +161,7 @@ def listens_on(pid: int, port: int) -> bool:
         return True
     for fd in fds:
         with contextlib.suppress(OSError):  # closed since listed
-            if os.readlink(f"/proc/{pid}/fd/{fd}") in listening:
+            if os.readlink(proc / str(pid) / "fd" / fd) in listening:
                 return True
     return False
 
