@@ -129,26 +129,16 @@ def _said(gone: Lost, how: str, cause: str, goes_on: int) -> int:
     return new
 
 
-def start_after_retention(consumer: Consumer, reader: str, starts: Sequence[TopicPartition], timeout_s: float = 10.0,
-                          ) -> list[TopicPartition]:
-    """:func:`account_for_retention` of ``starts`` with the low watermarks ``consumer`` asks the broker for, for a
-    reader that starts at offsets of its own (the learner's checkpoint) rather than through
-    ``stream.kafka.resume_offsets``. A broker that cannot say is logged as a WARNING naming what was not checked,
-    and ``starts`` are used as they are: the reader's own fetches report a broker that stays away."""
-    steps = starting_after_retention(consumer, reader, starts, timeout_s)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
-
-
 def starting_after_retention(consumer: Consumer, reader: str, starts: Sequence[TopicPartition],
                              timeout_s: float = 10.0) -> Generator[None, None, list[TopicPartition]]:
-    """:func:`start_after_retention`, yielding after each partition's answer: each broker call is bounded by
-    ``timeout_s``, all of them are not (one per partition), and a reader on a slow broker shows its progress between
-    them (``learner/kafka_dataset.py``: a DataLoader worker's heartbeat, so that ``learner/worker_stall.py`` does not
-    take a start on a slow broker for a hung worker)."""
+    """:func:`account_for_retention` of ``starts`` with the low watermarks ``consumer`` asks the broker for, for a
+    reader that starts at offsets of its own (the learner's checkpoint) rather than through
+    ``stream.kafka.resume_offsets``; returned when the generator ends. A broker that cannot say is logged as a WARNING
+    naming what was not checked, and ``starts`` are used as they are: the reader's own fetches report a broker that
+    stays away. It yields after each partition's answer: each broker call is bounded by ``timeout_s``, all of them are
+    not (one per partition), and a reader on a slow broker shows its progress between them
+    (``learner/kafka_dataset.py``: a DataLoader worker's heartbeat, so that ``learner/worker_stall.py`` does not take a
+    start on a slow broker for a hung worker)."""
     lows: dict[tuple[str, int], int] = {}
     try:
         for tp in starts:

@@ -18,7 +18,7 @@ from stream.idle_clock import IdleClock
 from stream.joiner.config import JoinerSettings
 from stream.joiner.kafka_driver import KafkaJoinWorker
 from stream.metrics import INPUT_LOST
-from stream.retention import Lost, account_for_retention, start_after_retention
+from stream.retention import Lost, account_for_retention, starting_after_retention
 from tests.joiner_stubs import assigning_pipeline
 
 
@@ -142,7 +142,11 @@ def test_a_reader_whose_broker_cannot_give_the_low_watermarks_says_it_did_not_ch
         caplog: pytest.LogCaptureFixture) -> None:
     starts = [TopicPartition("t-fail", 0, 4)]
     with caplog.at_level(logging.WARNING, logger="streamrec.retention"):
-        out = start_after_retention(Consumer({}, {}, fail=True), "learner", starts)  # type: ignore[arg-type]
+        steps = starting_after_retention(Consumer({}, {}, fail=True), "learner", starts)  # type: ignore[arg-type]
+        with pytest.raises(StopIteration) as done:
+            while True:
+                next(steps)
+        out = done.value.value
     assert [(tp.partition, tp.offset) for tp in out] == [(0, 4)]
     assert any("not checked" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
