@@ -1041,10 +1041,10 @@ def status(root: Path) -> dict[str, Any]:
         return {"publish_root": str(root), "current": None, "versions": [], "last_success": None, "pinned": None,
                 "last_pin_held": None, "error": error}
 
-    if not root.is_dir():
-        return failed(f"publish root {root} {'is not a directory' if root.exists() else 'does not exist'}: check "
-                      "--publish-root / [refresh] publish_root (nothing was published there)")
-    try:
+    try:  # (is_dir too: a root in a directory it may not search is a PermissionError, not False)
+        if not root.is_dir():
+            return failed(f"publish root {root} {'is not a directory' if root.exists() else 'does not exist'}: "
+                          "check --publish-root / [refresh] publish_root (nothing was published there)")
         return _status(root)
     except OSError as exc:
         return failed(f"cannot read the publish root {root}: {describe_os_error(exc)}; run the status as a user who "

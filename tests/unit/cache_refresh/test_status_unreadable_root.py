@@ -29,3 +29,22 @@ def test_status_of_a_root_whose_versions_cannot_be_listed_is_an_error_naming_it(
     st = json.loads(capsys.readouterr().out)
     assert rc == 1 and st["current"] is None
     assert f"cannot read the publish root {tmp_path}" in st["error"] and "permission denied" in st["error"]
+
+
+def test_status_of_a_root_in_a_directory_it_may_not_search_is_an_error_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The root's own stat failing (its parent of mode 0700, another user's): ``Path.is_dir`` raises PermissionError
+    (only a missing path is False), which escaped ``job.status`` as a traceback."""
+    root = tmp_path / "serving"
+    real_stat = Path.stat
+
+    def stat(self: Path, *args: object, **kwargs: object) -> object:
+        if self == root:  # as root (the tests), a parent of mode 0700 is searched all the same
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_stat(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "stat", stat)
+    rc = main(["refresh", "--status", "--json", "--publish-root", str(root)])
+    st = json.loads(capsys.readouterr().out)
+    assert rc == 1 and st["current"] is None
+    assert f"cannot read the publish root {root}" in st["error"] and "permission denied" in st["error"]
