@@ -233,13 +233,22 @@ class Alert:
 
     def shortened(self, limit: int = 1024) -> Alert:
         """This alert with its message and each label name and value cut to ``limit`` characters (saying how long
-        they were), its fingerprint kept: for a sink that cannot carry it whole (a scraped label value of megabytes
-        is over Kafka's message size)."""
+        they were), and its labels, in name order, to ``16 * limit`` characters in all (the rest one label ``...``
+        saying how many were left out), its fingerprint kept: for a sink that cannot carry it whole (a scraped label
+        value of megabytes is over Kafka's message size; so are a hundred thousand short labels of one series)."""
         def cut(text: str) -> str:
             return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
-        return dataclasses.replace(self, message=cut(self.message),
-                                   labels={cut(k): cut(v) for k, v in self.labels.items()})
+        labels: dict[str, str] = {}
+        room = 16 * limit
+        for i, (k, v) in enumerate(sorted(self.labels.items())):
+            k, v = cut(k), cut(v)
+            room -= len(k) + len(v)
+            if room < 0:  # ("..." is no label name a series can have)
+                labels["..."] = f"{len(self.labels) - i} more labels left out"
+                break
+            labels[k] = v
+        return dataclasses.replace(self, message=cut(self.message), labels=labels)
 
     def describe(self) -> str:
         """One log line: ``FIRING critical nan_losses{} value=3 source=learner id=<fingerprint>: message``; an

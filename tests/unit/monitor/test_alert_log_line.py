@@ -44,3 +44,19 @@ def test_a_scraped_label_value_of_megabytes_is_logged_shortened_with_the_alerts_
         LogSink(logger).send([alert])
     (line,) = [r.getMessage() for r in caplog.records]
     assert len(line) < 4000 and "(2000000 characters)" in line and f"id={alert.fingerprint}" in line
+
+
+def test_a_series_of_a_hundred_thousand_labels_is_logged_shortened_saying_how_many_were_left_out(caplog) -> None:
+    """Each label short, so cutting each one to 1024 characters left them all: the line was the whole series, a
+    megabyte (16 at the scrape's size limit) at every firing and resolved alert (over Kafka's message size, shortened
+    too)."""
+    many = ",".join(f'l{i:06d}="v"' for i in range(100_000))
+    text = f'streamrec_queue_depth{{topic="t",{many}}} 9\n'
+    (alert,) = RuleEngine(loads_rules(RULE).rules).evaluate(Snapshot.from_texts({"learner": text}), 0.0)
+    logger = logging.getLogger("test.alert_log_line")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        LogSink(logger).send([alert])
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert len(line) < 40_000 and f"id={alert.fingerprint}" in line, len(line)
+    left_out = 100_001 - line.count('="v"') - line.count('="t"')
+    assert f'...="{left_out} more labels left out"' in line and 'l000000="v"' in line
