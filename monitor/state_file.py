@@ -56,7 +56,8 @@ class FiringStateFile:
         self.path = path
         self.failures = 0
         self.failing = False  # the last write failed: write again at the next evaluation
-        self.oversized = False  # the last write left records out to stay readable (logged once while it does)
+        self.left_out: frozenset[tuple[str, int]] = frozenset()  # the records (kind, hash) the last write left out
+        # to stay readable: logged when one is not among them, so each record left out is said once
 
     def load(self) -> list[dict[str, Any]]:
         """The firing records (:meth:`read`'s first part)."""
@@ -169,13 +170,13 @@ class FiringStateFile:
 
     def _encode(self, parts: dict[str, list[Mapping[str, Any]]]) -> bytes:
         """The file's bytes, at most :data:`~stream.files.MAX_STATE_FILE_BYTES`, which :meth:`read` refuses beyond:
-        past it the largest records are left out, logged (once while it stays too large). A series with a scraped
-        label value of megabytes (JSON writes a 3-byte character as 6) made the monitor write a file its next
+        past it the largest records are left out, logged (each record once while it stays left out). A series with a
+        scraped label value of megabytes (JSON writes a 3-byte character as 6) made the monitor write a file its next
         start refused whole: every alert firing before the restart, that one's and all the others', never
         resolved."""
         data = json.dumps({"version": self.VERSION, **parts}, allow_nan=False).encode()
         if len(data) <= MAX_STATE_FILE_BYTES:
-            self.oversized = False
+            self.left_out = frozenset()
             return data
         sized = sorted(((len(json.dumps(r).encode()), kind, i) for kind, records in parts.items()
                         for i, r in enumerate(records)), reverse=True)
@@ -187,10 +188,14 @@ class FiringStateFile:
             over -= size
         kept = {kind: [r for i, r in enumerate(records) if (kind, i) not in left_out]
                 for kind, records in parts.items()}
-        if not self.oversized:
+        # a record's identity: its kind, rule and labels (its since and value change with each write)
+        ids = frozenset((kind, hash((str(parts[kind][i].get("rule")), json.dumps(parts[kind][i].get("labels"),
+                                                                                  sort_keys=True))))
+                        for kind, i in left_out)
+        if not ids <= self.left_out:  # (a record of another alert left out too: said, not only the first ones)
             rules = sorted({str(parts[kind][i].get("rule")) for kind, i in left_out})
             log.error("state file %s: %d bytes, more than the %d a start reads; the %d largest record(s) (rules %s) "
                       "are left out of it: after a restart their alerts may not resolve, nor their timers count on",
                       self.path, len(data), MAX_STATE_FILE_BYTES, len(left_out), ", ".join(rules)[:500])
-        self.oversized = True
+        self.left_out = ids
         return json.dumps({"version": self.VERSION, **kept}, allow_nan=False).encode()

@@ -56,3 +56,19 @@ def test_a_restart_resolves_what_cleared_meanwhile_though_a_series_with_a_huge_l
         assert [(a.rule, a.state.value, a.labels) for a in mon.step()] == [("cold_start_share", "resolved", {})]
     finally:
         mon.close(5)
+
+
+def test_a_record_of_another_alert_left_out_later_is_said_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Logged once while the file stayed too large: a second huge alert firing later was left out too, and nothing
+    named its rule (its alert may not resolve after a restart either)."""
+    monkeypatch.setattr(state_file, "MAX_STATE_FILE_BYTES", LIMIT)
+    f = FiringStateFile(tmp_path / "state.json")
+    small = [record("a", {"i": str(i)}) for i in range(50)]
+    with caplog.at_level(logging.ERROR, logger="streamrec.monitor"):
+        f.save([*small, record("huge", {"user": BIG})])
+        f.save([*small, {**record("huge", {"user": BIG}), "value": 3.0}])  # the same one left out: said once
+        f.save([*small, record("huge", {"user": BIG}), record("huge2", {"user": BIG})])
+    assert f.read()[0] == small
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "(rules huge)" in said[0] and "(rules huge, huge2)" in said[1], said
