@@ -46,6 +46,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,18 +147,40 @@ def clean_leftovers(root: Path) -> list[str]:
             log.warning("could not remove the leftover %s (%s)", path, exc)
 
     staging = root / STAGING
-    if staging.is_symlink():  # no refresh makes one: followed, the cleanup deleted old entries of any directory
+    fd = -1
+    if not staging.is_symlink():
+        try:  # by a descriptor opened without following: a symlink put there after the check is not followed
+            fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:  # none there; or a link put there after the check (ELOOP, ENOTDIR): below
+            pass
+    if fd < 0 and staging.is_symlink():  # no refresh makes one: followed, the cleanup deleted old entries of any dir
+        try:
+            target = os.readlink(staging)
+        except OSError as exc:  # removed meanwhile
+            target = describe_os_error(exc)
         log.warning("%s is a symbolic link (to %s), which no refresh makes: removing the link, not its target",
-                    staging, os.readlink(staging))
+                    staging, target)
         rm(staging)
-    elif staging.is_dir():
-        for d in sorted(staging.iterdir()):
-            try:
-                old = time.time() - d.stat().st_mtime > _STALE_STAGING_S
-            except OSError:
-                continue
-            if old or _owner_gone(d.name):
-                rm(d)
+    elif fd >= 0:
+        try:
+            for name in sorted(os.listdir(fd)):
+                try:
+                    old = time.time() - os.stat(name, dir_fd=fd).st_mtime > _STALE_STAGING_S
+                except OSError:
+                    continue
+                if old or _owner_gone(name):
+                    try:
+                        if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                            os.unlink(name, dir_fd=fd)
+                        elif sys.version_info >= (3, 11):
+                            shutil.rmtree(name, dir_fd=fd)
+                        else:  # no dir_fd before 3.11: by its path (a link swapped in at once is followed)
+                            shutil.rmtree(staging / name)
+                        removed.append(f"{STAGING}/{name}")
+                    except OSError as exc:
+                        log.warning("could not remove the leftover %s (%s)", staging / name, exc)
+        finally:
+            os.close(fd)
     versions = versions_dir(root)
     if versions.is_dir():
         for d in sorted(versions.iterdir()):

@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from cache_refresh.publish import clean_leftovers, refresh_lock
 from learner import artifact
@@ -29,3 +32,51 @@ def test_a_symlinked_staging_is_unlinked_and_nothing_in_its_target_is_deleted(tm
     assert old.read_text() == "precious" and (victim / "build-999999999").is_dir()
     assert cleaned == [artifact.STAGING]
     assert not (root / artifact.STAGING).is_symlink() and not (root / artifact.STAGING).exists()
+
+
+def _victim(tmp_path: Path) -> tuple[Path, Path]:
+    root, victim = tmp_path / "serving", tmp_path / "victim"
+    (root / artifact.STAGING).mkdir(parents=True)
+    victim.mkdir()
+    (victim / "build-999999999").mkdir()  # ends in the pid of a process that does not exist
+    return root, victim
+
+
+def test_a_staging_swapped_for_a_symlink_after_the_check_is_not_followed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``.staging`` replaced by a link between the cleanup's check (a directory, no link) and its listing: the
+    listing followed the link and deleted the dead-pid-named entries of the directory it points to."""
+    root, victim = _victim(tmp_path)
+    staging, real_is_symlink = root / artifact.STAGING, Path.is_symlink
+
+    def is_symlink_then_swapped(self: Path) -> bool:
+        answer = real_is_symlink(self)
+        if self == staging and not answer:  # the race: checked a directory, then made a link
+            staging.rmdir()
+            staging.symlink_to(victim)
+        return answer
+
+    monkeypatch.setattr(Path, "is_symlink", is_symlink_then_swapped)
+    with refresh_lock(root):
+        clean_leftovers(root)
+    assert (victim / "build-999999999").is_dir()
+
+
+def test_a_staging_link_removed_before_it_is_read_is_no_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The link gone between the check and reading where it points (``os.readlink``): the FileNotFoundError ended the
+    cleanup, and the refresh with it."""
+    root, victim = _victim(tmp_path)
+    staging = root / artifact.STAGING
+    staging.rmdir()
+    staging.symlink_to(victim)
+    real_readlink = os.readlink
+
+    def removed_first(path: Any) -> str:
+        os.unlink(path)
+        return real_readlink(path)
+
+    monkeypatch.setattr(os, "readlink", removed_first)
+    with refresh_lock(root):
+        clean_leftovers(root)
+    assert not staging.exists() and not staging.is_symlink() and (victim / "build-999999999").is_dir()
