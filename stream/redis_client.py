@@ -581,12 +581,22 @@ def wait_until_up(client: Any, timeout_s: float, running: Callable[[], bool] = l
     a test, a benchmark) is polled every 50 ms until it listens, or until ``running`` says it has exited
     (:func:`stream.startup.wait_ready`). With ``pid`` (the process just started), only that process's answer counts
     (``INFO server``'s ``process_id``): another server that took the port between "find a free port" and this one
-    binding it answers at once, while this one is still starting (and then exits, its port taken)."""
+    binding it answers at once, while this one is still starting (and then exits, its port taken). A server that
+    refuses ``INFO`` (renamed, or an ACL without it) cannot say its pid: its PING answer counts, as without ``pid``."""
 
     def pings() -> bool:
         try:
-            return bool(client.ping()) and (pid is None or client.info("server").get("process_id") == pid)
+            if not client.ping():
+                return False
         except redis.RedisError:  # not listening yet
+            return False
+        if pid is None:
+            return True
+        try:
+            return bool(client.info("server").get("process_id") == pid)
+        except redis.ResponseError:  # INFO refused: the pid cannot be told (else the start timed out "not started")
+            return True
+        except redis.RedisError:
             return False
 
     return wait_ready(pings, timeout_s, running)
