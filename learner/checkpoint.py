@@ -52,13 +52,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import io
 import json
 import logging
-import os
 import re
-import stat
 import tempfile
 import time
 import uuid
@@ -86,6 +83,7 @@ from stream.files import (
     temp_of,
     write_atomic,
 )
+from stream.lock_file import LockHeld, hold_lock, release_lock
 from stream.samples import CTX_PREFIX
 
 log = logging.getLogger("streamrec.checkpoint")
@@ -336,55 +334,18 @@ def hold_directory(directory: Path) -> int | None:
     directory = Path(directory)
     try:  # a directory or LOCK that cannot be opened (LOCK a directory or a link, no permission, a read-only mount):
         directory.mkdir(parents=True, exist_ok=True)  # the operator's to mend, exit 2 naming it (a traceback, exit 1)
-        fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO opens (O_NONBLOCK); its pid write failed, EINVAL
-            os.close(fd)
-            raise OSError("not a regular file")
+        return hold_lock(directory / LOCK)
+    except LockHeld as exc:
+        raise ConfigError(f"[learner] checkpoint_dir {directory} is in use by another learner (pid {exc.holder}, "
+                          f"holding {LOCK}): stop it first, or give this one its own checkpoint_dir") from None
     except OSError as exc:
         raise ConfigError(f"[learner] checkpoint_dir {directory}: cannot open its {LOCK} ({describe_os_error(exc)}); "
                           "the learner needs the directory writable, with LOCK a regular file or absent") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "not known"
-        os.close(fd)
-        raise ConfigError(f"[learner] checkpoint_dir {directory} is in use by another learner (pid {holder}, holding "
-                          f"{LOCK}): stop it first, or give this one its own checkpoint_dir") from None
-    except OSError as exc:
-        os.close(fd)
-        log.warning("cannot lock %s (%s): a second learner on this directory is not detected", directory,
-                    describe_os_error(exc))
-        return None
-    try:  # the pid, for the refusal's message; a failure (a full disk) must not leave the lock held
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except BaseException:
-        os.close(fd)
-        raise
-    _HELD.add(fd)
-    return fd
-
-
-# The lock descriptors this process holds. A forked child (a DataLoader worker) closes its copies: holding one, it
-# kept the lock for the seconds it outlives a SIGKILLed learner, and the learner's restart was refused meanwhile.
-_HELD: set[int] = set()
-
-
-def _drop_held_in_child() -> None:
-    for fd in _HELD:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _HELD.clear()
-
-
-os.register_at_fork(after_in_child=_drop_held_in_child)
 
 
 def release_directory(fd: int | None) -> None:
     """Give back what :func:`hold_directory` took (None: nothing)."""
-    if fd is not None:
-        _HELD.discard(fd)
-        os.close(fd)
+    release_lock(fd)
 
 
 def _read_lineage(path: Path) -> str:

@@ -135,6 +135,7 @@ class Monitor:
         self._resolving: list[tuple[Alert, dict[str, Any]]] = []
         if config.state_path is not None:
             self.state_file = FiringStateFile(config.state_path)
+            self.state_file.hold()  # one monitor a state file: a second is refused, naming the first's pid
             firing, pending, no_data = self.state_file.read()
             n = self.engine.restore(firing, self.monotonic(), self.clock())
             if n:
@@ -267,6 +268,7 @@ class Monitor:
             if self.state_file is not None:
                 self._forget_delivered()  # after close: the alerts it left undelivered
                 self._save_state()
+                self.state_file.release()
             if self.run_log is not None:
                 self.run_log.close()
 

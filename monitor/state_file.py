@@ -13,7 +13,9 @@ from typing import Any
 
 from monitor.alerts import Severity
 from monitor.rule_engine import ABSENT_LABELS
-from stream.files import MAX_STATE_FILE_BYTES, read_regular, write_atomic
+from stream.errors import ConfigError
+from stream.files import MAX_STATE_FILE_BYTES, describe_os_error, read_regular, write_atomic
+from stream.lock_file import LockHeld, hold_lock, release_lock
 
 log = logging.getLogger("streamrec.monitor")
 
@@ -58,6 +60,28 @@ class FiringStateFile:
         self.failing = False  # the last write failed: write again at the next evaluation
         self.left_out: frozenset[tuple[str, int]] = frozenset()  # the records (kind, hash) the last write left out
         # to stay readable: logged when one is not among them, so each record left out is said once
+        self.lock_path = path.with_name(path.name + ".lock")
+        self._lock: int | None = None
+
+    def hold(self) -> None:
+        """Take :attr:`lock_path` (``<state_path>.lock``, :func:`~stream.lock_file.hold_lock`) for this monitor until
+        :meth:`release`: a :class:`ConfigError` naming the other monitor's pid and the file when one holds it (two
+        monitors on one state file both sent every alert and each overwrote the other's records); a lock that cannot
+        be taken (its directory not writable) is logged, as a file that cannot be written is."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._lock = hold_lock(self.lock_path)
+        except LockHeld as exc:
+            raise ConfigError(f"state file {self.path} is in use by another monitor (pid {exc.holder}, holding "
+                              f"{self.lock_path}): stop it first, or give this one its own state_path") from None
+        except OSError as exc:  # as a file that cannot be written: logged, and monitoring goes on
+            log.error("state file %s: cannot take its lock %s (%s); a second monitor on it is not detected",
+                      self.path, self.lock_path, describe_os_error(exc))
+
+    def release(self) -> None:
+        """Give back what :meth:`hold` took (nothing where it took nothing)."""
+        release_lock(self._lock)
+        self._lock = None
 
     def load(self) -> list[dict[str, Any]]:
         """The firing records (:meth:`read`'s first part)."""

@@ -121,13 +121,14 @@ def test_a_lock_whose_pid_cannot_be_written_is_not_left_held(monkeypatch: pytest
     import errno
 
     from learner import checkpoint
+    from stream import lock_file
 
     def full(fd: int, data: bytes, offset: int) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(checkpoint.os, "pwrite", full)
-        with pytest.raises(OSError, match="No space left on device"):
+        m.setattr(lock_file.os, "pwrite", full)  # the one definition of a lock file the learner's LOCK is
+        with pytest.raises(ConfigError, match="cannot open its LOCK .*No space left on device"):
             checkpoint.hold_directory(tmp_path)
     checkpoint.release_directory(checkpoint.hold_directory(tmp_path))  # the next try takes the lock
 

@@ -1,0 +1,78 @@
+"""A lock file: one process at a time on a directory or file (``fcntl.flock``, exclusive, not waiting).
+
+The kernel releases the lock when its holder ends, however it ends (SIGKILL included), so a dead holder never blocks
+the next start. The holder's pid is written in the file, for the refusal's message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import stat
+from pathlib import Path
+
+log = logging.getLogger("streamrec")
+
+
+class LockHeld(OSError):
+    """Another process holds the lock: ``holder`` is the pid written in the file ("not known" where none is)."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(f"{path} is held by another process (pid {holder})")
+        self.path, self.holder = path, holder
+
+
+def hold_lock(path: Path) -> int | None:
+    """Take ``path`` (made if absent) for this process: the descriptor, the lock held while it is open (close it to
+    release). :class:`LockHeld` naming the holder's pid when another process holds it; an OSError when the file
+    cannot be opened (a directory, a symbolic link, a FIFO, no permission); None, with a WARNING, on a filesystem that
+    cannot lock (ENOLCK, EOPNOTSUPP): a second process is not detected there. A forked child closes its copy of the
+    descriptor, so a child outliving its parent does not keep the lock."""
+    path = Path(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO opens (O_NONBLOCK); its pid write failed, EINVAL
+        os.close(fd)
+        raise OSError("not a regular file")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "not known"
+        os.close(fd)
+        raise LockHeld(path, holder) from None
+    except OSError as exc:
+        os.close(fd)
+        log.warning("cannot lock %s (%s): a second process using it is not detected", path, exc)
+        return None
+    try:  # the pid, for the refusal's message; a failure (a full disk) must not leave the lock held
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    _HELD.add(fd)
+    return fd
+
+
+def release_lock(fd: int | None) -> None:
+    """Release a lock :func:`hold_lock` took (None: none was taken)."""
+    if fd is not None:
+        _HELD.discard(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+# The lock descriptors this process holds. A forked child (a DataLoader worker) closes its copies: holding one, it
+# kept the lock for the seconds it outlives a SIGKILLed parent, and the parent's restart was refused meanwhile.
+_HELD: set[int] = set()
+
+
+def _drop_held_in_child() -> None:
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_held_in_child)
