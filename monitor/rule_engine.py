@@ -302,6 +302,8 @@ class RuleEngine:
         # absence text says them, as what it counts is not how long the source has been silent
         self.no_data_down: dict[str, Outages] = {}
         self.evaluations = 0
+        # rule -> the error its expression evaluated to at the last evaluation (logged once until it changes or clears)
+        self.rule_errors: dict[str, str] = {}
         self.wall_offset = 0.0  # wall clock minus the engine's clock, at the last evaluation
         # the resolved alerts of the last evaluation, each with its series as firing() writes it
         self.resolved: list[tuple[Alert, dict[str, Any]]] = []
@@ -336,8 +338,14 @@ class RuleEngine:
         try:
             val = rule.tree.eval(self.history)
         except (ArithmeticError, ValueError) as exc:  # overflow and the like: no data this round
-            log.warning("rule %s: %s evaluates to an error: %s", rule.name, rule.expr, exc)
+            if self.rule_errors.get(rule.name) != (why := f"{type(exc).__name__}: {exc}"):
+                log.warning("rule %s: %s evaluates to an error: %s (said once until it changes or clears)",
+                            rule.name, rule.expr, why)
+            self.rule_errors[rule.name] = why
             val = {}
+        else:
+            if self.rule_errors.pop(rule.name, None) is not None:
+                log.info("rule %s: %s evaluates again", rule.name, rule.expr)
         series: dict[Labels, Point] = val if isinstance(val, dict) else {(): Point(float(val), frozenset())}
         states = self.states[rule.name]
         out: list[Alert] = []
