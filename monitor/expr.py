@@ -55,6 +55,11 @@ _ATOMIC = tuple(getattr(sre, name) for name in ("ATOMIC_GROUP", "POSSESSIVE_REPE
 
 Labels = tuple[tuple[str, str], ...]  # sorted (name, value) pairs: a hashable label set
 MAX_DEPTH = 64  # levels of nesting an expression may have; alert rules need a handful
+# the longest label value a regex matcher (=~, !~) runs on (``regex_value_max`` of the rules file): a longer one does
+# not match the regex (=~ leaves its series out, !~ keeps it), and the store counts and says it. _slow_regex refuses
+# the exponential shapes only: ``.*a.*b`` still takes time quadratic in the value's length (a 40k-character value,
+# two seconds; values may be as long as a scrape, 16 MiB), so one hostile label value stalled every evaluation
+REGEX_VALUE_MAX = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,14 @@ class MetricStore(Protocol):
     def window(self, metric: str, range_s: float) -> Mapping[Labels, Window]:
         """Per series: the (time, value) samples of the last ``range_s`` seconds, oldest first."""
         ...
+
+    @property
+    def regex_value_max(self) -> int:
+        """The longest label value a regex matcher runs on (:data:`REGEX_VALUE_MAX` by default)."""
+        ...
+
+    def regex_value_skipped(self, metric: str, label: str, length: int) -> None:
+        """A value of ``label`` longer than :attr:`regex_value_max` that a regex did not run on (count it, say it)."""
 
 
 def labels_of(d: Mapping[str, str]) -> Labels:
@@ -112,13 +125,17 @@ class Matcher:
     op: str  # = != =~ !~
     value: str
 
-    def matches(self, labels: Labels) -> bool:
+    def matches(self, labels: Labels, metric: str, store: MetricStore) -> bool:
         got = dict(labels).get(self.label, "")
         if self.op == "=":
             return got == self.value
         if self.op == "!=":
             return got != self.value
-        hit = re.fullmatch(self.value, got) is not None
+        if len(got) > store.regex_value_max:  # does not match: the regex never runs on it (REGEX_VALUE_MAX)
+            store.regex_value_skipped(metric, self.label, len(got))
+            hit = False
+        else:
+            hit = re.fullmatch(self.value, got) is not None
         return hit if self.op == "=~" else not hit
 
 
@@ -129,11 +146,11 @@ class Selector(Node):
     text: str
     range_s: float | None = None
 
-    def select(self, labels: Labels) -> bool:
-        return all(m.matches(labels) for m in self.matchers)
+    def select(self, labels: Labels, store: MetricStore) -> bool:
+        return all(m.matches(labels, self.metric, store) for m in self.matchers)
 
     def eval(self, store: MetricStore) -> Value:
-        return {lb: p for lb, p in store.instant(self.metric).items() if self.select(lb)}
+        return {lb: p for lb, p in store.instant(self.metric).items() if self.select(lb, store)}
 
 
 def counter_rise(prev: float, cur: float) -> float:
@@ -156,7 +173,7 @@ class RangeCall(Node):
         assert self.arg.range_s is not None
         out: Vector = {}
         for lb, (samples, sources) in store.window(self.arg.metric, self.arg.range_s).items():
-            if not self.arg.select(lb):
+            if not self.arg.select(lb, store):
                 continue
             pts = [(t, v) for t, v in samples if not math.isnan(v)]
             if len(pts) < 2 or pts[-1][0] <= pts[0][0]:

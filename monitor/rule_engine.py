@@ -51,7 +51,7 @@ from prometheus_client import Counter as PCounter
 
 from monitor.alerts import Alert, AlertKind, AlertState, Severity, alert_fingerprint, decode_value, encode_value
 from monitor.cli_text import utc_text
-from monitor.expr import Labels, Point, Window, labels_of, ranged_metrics
+from monitor.expr import REGEX_VALUE_MAX, Labels, Point, Window, labels_of, ranged_metrics
 from monitor.rules import HISTORY_MAX_SERIES, Rule, RulesConfig
 from monitor.scrape import Snapshot
 
@@ -63,6 +63,10 @@ EVALUATIONS = PCounter("streamrec_monitor_rule_evaluations_total", "Rule evaluat
 HISTORY_DROPPED = PCounter("streamrec_monitor_history_series_dropped_total",
                            "Scraped series kept out of the rates' history (the metric had history_max_series "
                            "already), by metric: rate()/increase()/delta() give them no data.", ["metric"])
+
+REGEX_VALUES_SKIPPED = PCounter("streamrec_monitor_regex_values_skipped_total",
+                                "Label values longer than regex_value_max that a regex matcher (=~, !~) did not "
+                                "run on (they do not match it), by metric and label.", ["metric", "label"])
 
 ABSENT_LABELS: Labels = (("absent", "true"),)  # what the sinks see of an absence alert (its identity is not these)
 
@@ -156,8 +160,10 @@ class MetricHistory:
     kept go on. Without that, every series of every scrape stayed for ``keep_s``, however many there were."""
 
     def __init__(self, keep_s: float, metrics: set[str] | None = None,
-                 max_series: int = HISTORY_MAX_SERIES) -> None:
+                 max_series: int = HISTORY_MAX_SERIES, regex_value_max: int = REGEX_VALUE_MAX) -> None:
         self.keep_s, self.metrics, self.max_series = keep_s, metrics, max_series
+        self.regex_value_max = regex_value_max
+        self.regex_skipped_said: set[tuple[str, str]] = set()  # (metric, label) whose long values were logged
         self.samples: dict[str, dict[Labels, deque[tuple[float, float]]]] = {}
         self.sources: dict[tuple[str, Labels], frozenset[str]] = {}
         # the history of another source's series of the same name and labels, set aside while this one's is read
@@ -244,6 +250,15 @@ class MetricHistory:
         return {lb: ([s for s in q if s[0] >= start], self.sources.get((metric, lb), frozenset()))
                 for lb, q in self.samples.get(metric, {}).items()}
 
+    def regex_value_skipped(self, metric: str, label: str, length: int) -> None:
+        REGEX_VALUES_SKIPPED.labels(metric, label).inc()
+        if (metric, label) not in self.regex_skipped_said:  # the pairs are the rules' matchers: a bounded set
+            self.regex_skipped_said.add((metric, label))
+            log.warning("metric %s: a value of label %s is %d characters, more than regex_value_max=%d: a regex "
+                        "matcher does not run on it and it does not match (counted in "
+                        "streamrec_monitor_regex_values_skipped_total; said once)", metric, label, length,
+                        self.regex_value_max)
+
 
 EXPORTED_PREFIX = "exported_"  # a series label named like one of its rule's labels, as Prometheus renames them
 
@@ -276,10 +291,11 @@ class RuleEngine:
     def of(cls, config: RulesConfig) -> RuleEngine:
         """The engine of a rules file's rules and settings (``streamrec monitor`` and ``--once`` alike)."""
         return cls(config.rules, config.history_s, config.scrape_error_hold_s, config.history_max_series,
-                   config.for_grace_period_s)
+                   config.for_grace_period_s, config.regex_value_max)
 
     def __init__(self, rules: Sequence[Rule], history_s: float = 0.0, hold_s: float = 0.0,
-                 history_max_series: int = HISTORY_MAX_SERIES, grace_s: float = 0.0) -> None:
+                 history_max_series: int = HISTORY_MAX_SERIES, grace_s: float = 0.0,
+                 regex_value_max: int = REGEX_VALUE_MAX) -> None:
         self.rules = list(rules)
         self.by_name = {r.name: r for r in self.rules}
         self.hold_s = hold_s  # how long a series whose source fails to scrape keeps its state
@@ -291,7 +307,8 @@ class RuleEngine:
         # a little more than the longest range, so a range of 60 s still sees a sample 60 s old; only the metrics
         # a range is read over (every other is read from the latest scrape alone)
         ranged = set().union(*(ranged_metrics(r.tree) for r in self.rules if r.tree is not None))
-        self.history = MetricHistory(history_s * 1.5 if history_s else 0.0, ranged, history_max_series)
+        self.history = MetricHistory(history_s * 1.5 if history_s else 0.0, ranged, history_max_series,
+                                     regex_value_max)
         self.states: dict[str, dict[Labels, SeriesState]] = {r.name: {} for r in self.rules}
         # the absence alert of each rule with absent_for_s: apart from the series, keyed by nothing a label set can
         # equal (under ABSENT_LABELS a series with the label absent="true" resolved or silenced that alert)

@@ -18,6 +18,8 @@ alerts go. Loaded once at the process edge into frozen dataclasses; every mistak
                                         # the start (default 60: four evaluations of fresh scrapes)
     history_max_series = 2000           # label sets one metric keeps for rate()/increase()/delta(); a new one
                                         # past it gets no history (counted, logged) (default 2000)
+    regex_value_max = 4096              # the longest label value a regex matcher (=~, !~) runs on; a longer one
+                                        # does not match it (counted, logged) (default 4096)
 
     [sources]                           # Prometheus text endpoints, by name
     learner = "http://127.0.0.1:9102/metrics"
@@ -77,7 +79,7 @@ from pathlib import Path
 from typing import Any
 
 from monitor.alerts import Severity, SinkSettings
-from monitor.expr import ExprError, Node, longest_range, parse
+from monitor.expr import REGEX_VALUE_MAX, ExprError, Node, longest_range, parse
 from monitor.http_deadline import check_http_url
 from stream.config import TOPIC_RULE, topic_problem
 from stream.errors import ConfigError
@@ -187,6 +189,7 @@ class RulesConfig:
     state_path: Path | None = None  # the firing series over a restart (monitor.state_file.FiringStateFile)
     for_grace_period_s: float = 60.0  # a restored pending series fires no sooner after a start (RuleEngine)
     history_max_series: int = HISTORY_MAX_SERIES  # label sets per metric in the rates' history (MetricHistory)
+    regex_value_max: int = REGEX_VALUE_MAX  # the longest label value a regex matcher runs on (monitor.expr)
     sample_max_age_s: float = 300.0  # a timestamped sample older than this is no data (monitor.scrape.Snapshot)
 
     def __post_init__(self) -> None:
@@ -202,7 +205,7 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]*")
 _RULE_KEYS = ("name", "expr", "op", "threshold", "for_s", "severity", "description", "labels", "absent_for_s",
               "keep_firing_for_s")
 _TOP_KEYS = ("interval_s", "scrape_timeout_s", "scrape_error_hold_s", "sample_max_age_s", "state_path",
-             "for_grace_period_s", "history_max_series", "sources", "sinks", "run_log", "rule")
+             "for_grace_period_s", "history_max_series", "regex_value_max", "sources", "sinks", "run_log", "rule")
 _RUN_LOG_KEYS = tuple(f.name for f in fields(RunLogSettings))
 _SINK_KEYS = tuple(f.name for f in fields(SinkSettings))
 # [sinks] keys of earlier versions: a file that still has one gets this hint instead of "unknown field"
@@ -449,10 +452,11 @@ def rules_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> RulesCon
                                    minimum=0),
         sample_max_age_s=_number(where, "", "sample_max_age_s", data.get("sample_max_age_s", 300.0), positive=True),
         history_max_series=_count(where, "history_max_series", data.get("history_max_series", HISTORY_MAX_SERIES)),
+        regex_value_max=_count(where, "regex_value_max", data.get("regex_value_max", REGEX_VALUE_MAX)),
     )
 
 
-_MAX_COUNT = 10_000_000  # history_max_series: label sets per metric kept in memory; past this a value is a typo
+_MAX_COUNT = 10_000_000  # history_max_series, regex_value_max: past this a value is a typo
 
 
 def _count(where: _Where, key: str, raw: Any) -> int:
