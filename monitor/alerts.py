@@ -231,6 +231,11 @@ class Alert:
                    ts=get("ts", lambda v: type(v) is int, "an integer (milliseconds)"), labels=labels, kind=kind,
                    fingerprint=fingerprint)
 
+    def weight(self) -> int:
+        """About the bytes this alert holds: the characters of its message and labels, and a little for the rest (what
+        a sink's queue counts against ``queue_max_bytes``)."""
+        return 256 + len(self.message) + sum(len(k) + len(v) for k, v in self.labels.items())
+
     def shortened(self, limit: int = 1024) -> Alert:
         """This alert with its message and each label name and value cut to ``limit`` characters (saying how long
         they were), and its labels, in name order, to ``16 * limit`` characters in all (the rest one label ``...``
@@ -289,6 +294,8 @@ class SinkSettings:
     webhook_url: str | None = None  # POST one JSON alert per request
     webhook_timeout_s: float = 5.0  # one POST (connect, send, the answer's status and headers), in total
     queue_size: int = 1000  # alerts waiting per sink; beyond it superseded, then oldest dropped (counted, logged)
+    # the bytes those alerts may hold (Alert.weight), beyond it the same; one over WebhookSink.MAX_BODY goes shortened
+    queue_max_bytes: int = 64 << 20
     retry_backoff_s: float = 0.5  # wait after a failed attempt; doubles with each failure in a row ...
     retry_backoff_max_s: float = 30.0  # ... up to this
     close_timeout_s: float = 10.0  # at shutdown, keep delivering queued alerts this long, then report the rest

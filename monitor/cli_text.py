@@ -38,6 +38,7 @@ rules file (TOML):
   webhook_url = "http://host/hook"      # optional; POST each alert as JSON
   webhook_timeout_s = 5                 # one POST, connect to answer, in total (kafka_timeout_s = 10)
   queue_size = 1000                     # alerts waiting per sink; beyond it superseded, then oldest dropped
+  queue_max_bytes = 67108864            # the bytes they may hold (default 64 MiB), the same
   retry_backoff_s = 0.5                 # after a failed attempt; doubles per failure in a row ...
   retry_backoff_max_s = 30              # ... up to this; undelivered alerts stay queued until delivered
   close_timeout_s = 10                  # at shutdown, keep delivering this long, then report the rest

@@ -4,10 +4,10 @@ The monitor never calls a sink itself: :class:`QueuedSink` puts each sink behind
 thread of its own, so a slow or dead sink never delays rule evaluation nor the other sinks; alerts an attempt did
 not deliver stay queued (in order) and are retried with exponential backoff. An alert leaves a queue only when
 delivered, or dropped for one of three reasons, each counted (``streamrec_monitor_sink_dropped_total``) and logged:
-``overflow`` (more than ``queue_size`` waiting: first the alerts a later one of the same fingerprint supersedes,
-then the oldest; :meth:`QueuedSink._trim`), ``rejected`` (the sink refused the alert itself, e.g. HTTP 400, or
-Kafka's MSG_SIZE_TOO_LARGE or TOPIC_AUTHORIZATION_FAILED, at produce() or at delivery:
-:data:`~monitor.alerts.REFUSED_FOR_GOOD`; retrying cannot help) and ``closed`` (still queued when
+``overflow`` (more than ``queue_size`` waiting, or more than ``queue_max_bytes`` in them: first the alerts a later
+one of the same fingerprint supersedes, then the oldest; :meth:`QueuedSink._trim`), ``rejected`` (the sink refused
+the alert itself, e.g. HTTP 400, or Kafka's MSG_SIZE_TOO_LARGE or TOPIC_AUTHORIZATION_FAILED, at produce() or at
+delivery: :data:`~monitor.alerts.REFUSED_FOR_GOOD`; retrying cannot help) and ``closed`` (still queued when
 :meth:`QueuedSink.close` ran out of time). Delivery is at least once: an attempt cut off at its deadline may have
 reached the receiver, and the alert is sent again. :class:`FanOut` hands every batch to several queued sinks.
 """
@@ -93,8 +93,10 @@ class QueuedSink:
       receiver asking for a day does not park the alerts that long). It was ignored: a throttled receiver got
       the next request 0.5 s later, and more 429s.
       Alerts are delivered in the order they were queued, at least once.
-    * At most ``queue_size`` alerts wait (plus the batch being sent); beyond that the superseded, then the oldest
-      are dropped (:meth:`_trim`).
+    * At most ``queue_size`` alerts wait (plus the batch being sent), holding at most ``queue_max_bytes``
+      (:meth:`Alert.weight`); beyond either the superseded, then the oldest are dropped (:meth:`_trim`). An alert
+      over :data:`WebhookSink.MAX_BODY` is queued :meth:`Alert.shortened` (every sink sends it shortened anyway):
+      counted by alerts alone, 1000 alerts with a scraped label of 10 MB held 10 GB while a sink was down.
       Every alert dropped (overflow, rejected by the sink, closed) is counted and logged.
     * :meth:`close` keeps delivering until the queue is empty or its deadline (trying at once, whatever
       the backoff, then backing off as before), then reports (log and return value) how many alerts
@@ -109,6 +111,7 @@ class QueuedSink:
         sink that never failed (the owner's setting, or why there is none)."""
         self.sink, self.name, self.close_advice = sink, sink.name, close_advice
         self.queue_size = max(1, settings.queue_size)
+        self.queue_max_bytes = max(1, settings.queue_max_bytes)
         self.close_timeout_s = settings.close_timeout_s
         self.backoff = Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s)
         self.stats = DeliveryStats()
@@ -134,13 +137,13 @@ class QueuedSink:
                 late, overflow = list(alerts), []
             else:
                 late = []
-                self._queue.extend(alerts)
+                self._queue.extend(a if a.weight() <= WebhookSink.MAX_BODY else a.shortened() for a in alerts)
                 overflow = self._trim()
                 self._cond.notify_all()
         if late:
             self._drop(late, "closed", "the sink is closed")
         if overflow:
-            self._drop(overflow, "overflow", f"more than queue_size={self.queue_size} alerts wait for delivery")
+            self._drop(overflow, "overflow", self._overflow_why())
 
     @property
     def depth(self) -> int:
@@ -291,7 +294,7 @@ class QueuedSink:
         if rejected:
             self._drop(rejected, "rejected", str(exc))
         if overflow:
-            self._drop(overflow, "overflow", f"more than queue_size={self.queue_size} alerts wait for delivery")
+            self._drop(overflow, "overflow", self._overflow_why())
         if recovered:
             log.info("alert sink %s delivers again after %d failed attempt(s)", self.name, recovered)
         if delivered and self._closed:  # an attempt close() stopped waiting for, counted "closed" there
@@ -300,13 +303,15 @@ class QueuedSink:
 
     # -- both
     def _trim(self) -> list[Alert]:
-        """Drop queued alerts beyond ``queue_size`` (hold the lock); returns them. Superseded ones go first, oldest
-        first: an alert with a later one of the same fingerprint queued behind it (a receiver's last word on that
-        alert is the later one either way); then the oldest. Dropping the oldest alone dropped, under a sink down for
-        hours and one flapping rule, a resolved whose firing was delivered before the outage: that alert stayed firing
-        at the receiver for ever (and out of the state file, which keeps only the resolves still queued)."""
+        """Drop queued alerts beyond ``queue_size`` or ``queue_max_bytes`` (hold the lock); returns them. Superseded
+        ones go first, oldest first: an alert with a later one of the same fingerprint queued behind it (a receiver's
+        last word on that alert is the later one either way); then the oldest. Dropping the oldest alone dropped,
+        under a sink down for hours and one flapping rule, a resolved whose firing was delivered before the outage:
+        that alert stayed firing at the receiver for ever (and out of the state file, which keeps only the resolves
+        still queued)."""
         excess = len(self._queue) - self.queue_size
-        if excess <= 0:
+        over = sum(a.weight() for a in self._queue) - self.queue_max_bytes
+        if excess <= 0 and over <= 0:
             self._set_depth()
             return []
         seen: set[str] = set()
@@ -316,13 +321,20 @@ class QueuedSink:
             if fp in seen:
                 superseded.add(i)
             seen.add(fp)
-        victims = sorted(superseded)[:excess]
-        victims += [i for i in range(len(self._queue)) if i not in superseded][:excess - len(victims)]
-        gone = set(victims)
+        gone: set[int] = set()
+        for i in [*sorted(superseded), *(i for i in range(len(self._queue)) if i not in superseded)]:
+            if len(gone) >= excess and over <= 0:
+                break
+            gone.add(i)
+            over -= self._queue[i].weight()
         dropped = [a for i, a in enumerate(self._queue) if i in gone]
         self._queue = deque(a for i, a in enumerate(self._queue) if i not in gone)
         self._set_depth()
         return dropped
+
+    def _overflow_why(self) -> str:
+        return (f"more than queue_size={self.queue_size} alerts, or queue_max_bytes={self.queue_max_bytes} bytes in "
+                "them, wait for delivery")
 
     def _set_depth(self) -> None:
         self.stats.queued = len(self._queue) + len(self._in_flight)

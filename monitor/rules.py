@@ -32,6 +32,7 @@ alerts go. Loaded once at the process edge into frozen dataclasses; every mistak
     kafka_timeout_s = 10                # one delivery attempt, in total (default 10)
     webhook_timeout_s = 5               # one POST, connect to answer, in total (default 5)
     queue_size = 1000                   # alerts waiting per sink; the oldest beyond it are dropped
+    queue_max_bytes = 67108864          # the bytes they may hold, the same (default 64 MiB)
     retry_backoff_s = 0.5               # wait after a failed attempt, doubling per failure in a row,
     retry_backoff_max_s = 30            # up to this (undelivered alerts stay queued)
     close_timeout_s = 10                # at shutdown, keep delivering this long, then report the rest
@@ -368,6 +369,12 @@ def _sinks(where: _Where, raw: Any) -> SinkSettings:
             raise where.error(ctx, f'field "queue_size": expected an integer from 1 to 10000000 (alerts waiting '
                               f"per sink), got {_shown(v)}")
         kw["queue_size"] = v
+    if "queue_max_bytes" in raw:
+        v = raw["queue_max_bytes"]
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 40:
+            raise where.error(ctx, f'field "queue_max_bytes": expected an integer from 1 to {1 << 40} (bytes the '
+                              f"alerts waiting per sink may hold), got {_shown(v)}")
+        kw["queue_max_bytes"] = v
     settings = SinkSettings(**kw)
     if settings.retry_backoff_max_s < settings.retry_backoff_s:
         raise where.error(ctx, f'field "retry_backoff_max_s": {settings.retry_backoff_max_s:g} is below '

@@ -378,12 +378,37 @@ def test_an_overflowing_queue_drops_the_oldest_counts_and_logs_them(caplog) -> N
     assert sink.stats.dropped == {"overflow": 6} and sink.depth == 4  # 7, 8, 9 queued + 0 in flight
     assert metric("streamrec_monitor_sink_dropped_total", sink=blocked.name, reason="overflow") == 6
     assert metric("streamrec_monitor_sink_queue_depth", sink=blocked.name) == 4
-    assert caplog.text.count("(overflow: more than queue_size=3 alerts wait for delivery)") == 6
+    assert caplog.text.count("(overflow: more than queue_size=3 alerts, or queue_max_bytes=67108864 bytes in them, "
+                             "wait for delivery)") == 6
     assert "ts=1700000000001)" in caplog.text.splitlines()[0]  # the log names what was dropped: the oldest first
     blocked.release.set()
     assert sink.wait_idle(5)
     assert [a.message for a in blocked.got] == ["alert 0", "alert 7", "alert 8", "alert 9"]
     assert sink.close(1) == 0
+
+
+def test_a_queue_holds_alerts_with_huge_labels_shortened_and_at_most_queue_max_bytes_of_them(caplog) -> None:
+    """Bounded by alert count alone, 1000 queued alerts with a scraped label of 10 MB held 10 GB while a sink was
+    down. An alert over the webhook's body limit is queued shortened (what every sink sends of it), its fingerprint
+    kept, and the queue holds at most queue_max_bytes: the oldest beyond it are dropped, counted and logged."""
+    blocked = ListSink(block=True)
+    sink = QueuedSink(blocked, SinkSettings(queue_size=1000, queue_max_bytes=20_000))
+    sink.send([alert(0)])
+    assert blocked.entered.wait(5)  # alert 0 is being sent; the attempt waits for the test
+    huge = [dataclasses.replace(alert(i), labels={"path": "x" * 10_000_000}) for i in range(1, 41)]
+    with caplog.at_level("ERROR", logger="streamrec.alerts"):
+        for a in huge:
+            sink.send([a])
+    queued = sink.waiting()[1:]
+    assert sum(a.weight() for a in queued) <= 20_000  # before: 40 alerts of 10 MB each, 400 MB
+    assert all(a.labels["path"].endswith("... (10000000 characters)") for a in queued)
+    assert [a.fingerprint for a in queued] == [a.fingerprint for a in huge[-len(queued):]]  # the newest kept
+    dropped = 40 - len(queued)
+    assert dropped > 0 and sink.stats.dropped == {"overflow": dropped}
+    assert metric("streamrec_monitor_sink_dropped_total", sink=blocked.name, reason="overflow") == dropped
+    assert caplog.text.count("queue_max_bytes=20000 bytes in them, wait for delivery)") == dropped
+    blocked.release.set()
+    assert sink.wait_idle(5) and sink.close(1) == 0
 
 
 def test_an_overflow_drops_a_flapping_rules_superseded_alerts_not_a_resolved_whose_firing_was_delivered() -> None:
