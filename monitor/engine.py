@@ -153,8 +153,13 @@ class Monitor:
         self._saved_pending = False
         self.run_log: RunLog | None = None
         if config.run_log.path is not None:
-            self.run_log = RunLog(config.run_log, clock)
-            self.run_log.start(config.sources, config.interval_s, config.rules)
+            try:
+                self.run_log = RunLog(config.run_log, clock)
+                self.run_log.start(config.sources, config.interval_s, config.rules)
+            except BaseException:  # a run log that cannot be opened: this monitor never runs, its state file is free
+                if self.state_file is not None:
+                    self.state_file.release()
+                raise
 
     def step(self) -> list[Alert]:
         snap = self.scrape()

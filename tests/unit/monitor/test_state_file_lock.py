@@ -42,3 +42,16 @@ def test_a_state_file_lock_that_cannot_be_taken_is_logged_and_the_monitor_starts
     mon, _ = monitor(rules(state), shares(["share 0.9\n"]), Clocks())
     mon.close(5)
     assert any("cannot take its lock" in r.getMessage() and "not detected" in r.getMessage() for r in caplog.records)
+
+
+def test_a_monitor_refused_for_its_run_log_leaves_the_state_file_free(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    config = loads_rules(rules(state) + f'\n[run_log]\npath = "{tmp_path}"\n')  # a directory: cannot be appended to
+    sink = QueuedSink(ListSink(), config.sinks)
+    try:
+        with pytest.raises(ConfigError, match="run_log"):
+            Monitor(config, sink, scrape=shares(["share 0.9\n"]))
+    finally:
+        sink.close(0)
+    mon, _ = monitor(rules(state), shares(["share 0.9\n"]), Clocks())  # before: refused, the lock still held
+    mon.close(5)
