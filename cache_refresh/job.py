@@ -639,6 +639,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     t_start = time.time()
     root = Path(rs.publish_root)
     unpinned: artifact.Pin | None = None
+    after_switch: list[str] = []  # what went wrong in publish() after CURRENT named the version (publish's warnings)
 
     def timed(name: str, t0: float) -> None:
         timings[name] = round(time.monotonic() - t0, 3)
@@ -761,7 +762,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         stop.check()
         stop.hold("during the refresh's publish: the run finishes")
         try:
-            path = publish(root, staged, rs.keep_versions, over_pin=not respect_pin, signing_key=key)
+            path = publish(root, staged, rs.keep_versions, over_pin=not respect_pin, signing_key=key,
+                           warnings=after_switch)
         except PinHeld as held:
             shutil.rmtree(staged, ignore_errors=True)
             staged = None
@@ -771,7 +773,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
                 "checkpoint": ckpt["path"], "samples_trained": ckpt["meta"].get("samples_trained"),
                 "probe": probe, "holdout": quality, "cleaned": cleaned,
                 "seconds": {**timings, "total": round(time.time() - t_start, 3)}})
-        staged = None
+        staged = stored = None  # published: the version and its rows are the live ones from here on
         unpinned = pin
         timed(stage, t0)
     except (Exception, RefreshTerminated) as exc:  # (a stop is no Exception: nothing on the way may swallow it)
@@ -791,7 +793,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         alerts.fire(err.stage, str(err), ALERT_RULE)
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
-        if stored is not None:
+        if stored is not None and not _may_be_live(root, stored):
             _discard_stored(rs, rds, stored, "not published")
         if err is exc:
             raise
@@ -834,11 +836,28 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
                      if unpinned is not None else None),
         "last_run_recorded": recorded, "cleaned": cleaned, "lineage_switched": switched,
     }
-    found = [*found, *after.problems]
+    found = [*found, *(("publish", w) for w in after_switch), *after.problems]
     summary["warnings"] = _warn_degraded(alerts, found)
     summary["seconds"] = {**timings, "total": round(time.time() - t_start, 3)}
     log.info("published %s (%s, %d hot rows) from %s", path.name, rs.format, len(hs.rows), ckpt["path"])
     return summary
+
+
+def _may_be_live(root: Path, version: str) -> bool:
+    """Whether ``CURRENT`` names ``version``, or cannot be read (not known): a failed run then keeps the version's
+    embedding-store rows. publish() raises nothing once ``CURRENT`` names its version, but a run's failure path must
+    never delete what the live version needs on the word of an exception alone: rows kept for a version that is not
+    live are deleted by the next publish (:func:`_prune_stored`: the version is not in the publish root)."""
+    try:
+        live = artifact.current_version(root) == version
+    except artifact.ArtifactError as exc:
+        log.warning("refresh: %s; the rows of %s are kept in the embedding store (the next publish deletes them if "
+                    "it is not live)", exc, version)
+        return True
+    if live:
+        log.error("refresh: the run failed, but CURRENT names %s: it is live, and its embedding store rows are "
+                  "kept", version)
+    return live
 
 
 def _record_success(root: Path, version: str, lineage_switched: dict[str, Any] | None = None) -> bool:

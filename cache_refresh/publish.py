@@ -70,6 +70,7 @@ from learner.tensorpack import SigningKey
 from stream.files import (
     MAX_STATE_FILE_BYTES,
     TMP_MARK,
+    NotDurable,
     describe_os_error,
     fsync_dir,
     leftover_writer_alive,
@@ -238,7 +239,27 @@ def refresh_lock(root: Path) -> Iterator[None]:
                 os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
-        os.close(fd)  # releases the flock
+        _close(fd, path, [])  # releases the flock
+
+
+def _close(fd: int, path: Path, said: list[str]) -> None:
+    """Close a lock file's descriptor (releasing its flock). An error of the close (EIO of an NFS root) is a warning
+    (:func:`_warn`), never raised: Linux has released the descriptor, and its flock, whatever close reports, and a
+    publish or a run closing it after ``CURRENT`` named its version has happened (before, the EIO escaped publish()
+    and the run reported a failed publish, deleting the embedding-store rows of the version it had made live)."""
+    try:
+        os.close(fd)
+    except OSError as exc:
+        _warn(said, "closing %s failed (%s); the descriptor and its lock are released all the same", path,
+              describe_os_error(exc))
+
+
+def _warn(said: list[str], message: str, *args: object) -> None:
+    """A problem after a publish's switch (or a lock's close): logged, and added to ``said`` (:func:`publish`'s
+    ``warnings``: the run reports them, published with warnings)."""
+    text = message % args
+    log.warning("%s", text)
+    said.append(text)
 
 
 def _why_not_opened(exc: OSError) -> str:
@@ -249,13 +270,14 @@ def _why_not_opened(exc: OSError) -> str:
 
 
 @contextlib.contextmanager
-def _publishing(root: Path, version: str) -> Iterator[None]:
+def _publishing(root: Path, version: str, said: list[str]) -> Iterator[None]:
     """Hold :data:`PUBLISHING` (``flock``, exclusive) while :func:`publish` moves ``version`` into place and makes it
     current, with ``version`` written in it. It waits: publishes are serialised by :func:`refresh_lock`, so what can
     hold it meanwhile is a status's shared probe (:func:`unfinished`), for as long as reading a few small files takes;
     for at most :data:`PUBLISHING_WAIT_S`, after which it publishes without it (a status probe stopped half-way).
     ArtifactError, with nothing changed, when it cannot be opened, locked or written (the publish root is read-only or
-    full, or a symlink or another file was put there)."""
+    full, or a symlink or another file was put there). Its close is :func:`_close`: a failure there comes after
+    ``CURRENT`` named the version, and is a warning in ``said``."""
     path = Path(root) / PUBLISHING
     try:
         Path(root).mkdir(parents=True, exist_ok=True)
@@ -293,7 +315,7 @@ def _publishing(root: Path, version: str) -> Iterator[None]:
         if named:  # never a file this refused to touch (a hard link to another file: it would be emptied)
             with contextlib.suppress(OSError):  # no name is left behind for a status to read in the next publish's
                 os.ftruncate(fd, 0)             # moment between its lock and its write (unfinished)
-        os.close(fd)  # releases the flock
+        _close(fd, path, said)  # releases the flock
 
 
 def unfinished(root: Path, _again: bool = True) -> tuple[list[str] | None, str | None]:
@@ -336,7 +358,7 @@ def unfinished(root: Path, _again: bool = True) -> tuple[list[str] | None, str |
                         "never current", path, describe_os_error(exc))
         return _snapshot(root)[2], None
     finally:
-        os.close(fd)  # releases the shared probe
+        _close(fd, path, [])  # releases the shared probe (an EIO of the close failed the prune and the status)
 
 
 def _snapshot(root: Path) -> tuple[list[str], str | None, list[str] | None]:
@@ -397,13 +419,13 @@ def read_history(root: Path) -> History | None:
     return History([e["version"] for e in entries], began, frozenset(v for v in rejected if v is not None))
 
 
-def _record_current(root: Path, version: str, previous: str | None, how: str) -> None:
+def _record_current(root: Path, version: str, previous: str | None, how: str) -> str | None:
     """Add to :data:`HISTORY` that ``version`` is current now (called after ``CURRENT`` was written, never before:
     a crash in between leaves the version out, never in without having been current). ``previous``, what ``CURRENT``
     named before, is added first when the history does not end with it (a crash between an earlier ``CURRENT`` write
     and its record): it was current. A rollback's record names ``previous`` as ``from``. A new history (a root written
     before it was kept) begins at ``previous``. The last :data:`_HISTORY_MAX` records are kept. Best effort: a failure
-    is logged (the publish or rollback has happened)."""
+    is logged (the publish or rollback has happened) and returned (None: recorded)."""
     path = Path(root) / HISTORY
     try:
         try:
@@ -420,9 +442,12 @@ def _record_current(root: Path, version: str, previous: str | None, how: str) ->
         entries.append({"version": version, "at": time.time(), "how": how}
                        | ({"from": previous} if how == "rollback" else {}))
         write_atomic(path, json.dumps({"began": history.began, "versions": entries[-_HISTORY_MAX:]}).encode())
-    except (OSError, ValueError) as exc:
-        log.warning("%s is current; recording that in %s failed (%s): the next publish records it as the previous "
-                    "version", version, path, describe_os_error(exc) if isinstance(exc, OSError) else exc)
+    except Exception as exc:  # noqa: BLE001 - CURRENT names it already: nothing here may undo that
+        said: list[str] = []
+        _warn(said, "%s is current; recording that in %s failed (%s): the next publish records it as the previous "
+              "version", version, path, _describe(exc))
+        return said[0]
+    return None
 
 
 def _clear_pin(root: Path) -> None:
@@ -480,7 +505,7 @@ def _prune(root: Path, keep: int) -> list[str]:
 
 
 def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
-            signing_key: SigningKey | None = None) -> Path:
+            signing_key: SigningKey | None = None, warnings: list[str] | None = None) -> Path:
     """Verify a staged artifact, move it into ``versions/`` and make it current (clearing a rollback pin);
     keep the last ``keep`` versions.
 
@@ -492,7 +517,9 @@ def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
     left behind names an older version and is stale, a version left behind is pruned next time. With
     ``signing_key`` the staged manifest must carry its signature (what serving with the key will check). The move
     and the ``CURRENT`` write hold :data:`PUBLISHING` (:func:`_publishing`; ArtifactError, nothing changed, when it
-    cannot be held).
+    cannot be held). Every step after the switch (the durability of ``CURRENT``, the history, the close of
+    :data:`PUBLISHING`, the pin, the prune) is contained: its error is logged and added to ``warnings`` (the run
+    reports the publish with them), never raised, and never takes the live version back out.
     """
     if keep < 1:  # [refresh] keep_versions >= 1; complete[:-0] would prune nothing
         raise ValueError(f"publish keep must be >= 1, got {keep}")
@@ -507,14 +534,20 @@ def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
                           + (f" [{pin.problem}]" if pin.problem else "")
                           + f": {version} was not published; an operator ends the pin with `streamrec refresh "
                           "--now`", pin)
-    with _publishing(root, version):
-        _move_and_switch(root, staged_dir, version)
-    _after_switch(root, version, keep)
+    said: list[str] = [] if warnings is None else warnings
+    with _publishing(root, version, said):
+        _move_and_switch(root, staged_dir, version, said)
+    _after_switch(root, version, keep, said)
     return versions_dir(root) / version
 
 
-def _move_and_switch(root: Path, staged_dir: Path, version: str) -> None:
-    """:func:`publish`'s move into ``versions/``, ``CURRENT`` write and history record (holding :data:`PUBLISHING`)."""
+def _move_and_switch(root: Path, staged_dir: Path, version: str, said: list[str]) -> None:
+    """:func:`publish`'s move into ``versions/``, ``CURRENT`` write and history record (holding :data:`PUBLISHING`).
+
+    Whether ``CURRENT`` was switched is told by the error of its write (``write_atomic``: :class:`NotDurable` once the
+    new file is in place, any other OSError with ``CURRENT`` as it was), not by reading ``CURRENT`` again: on a root
+    failing with EIO that read failed too, and the version ``CURRENT`` named already was taken back out (a dangling
+    ``CURRENT``: no model for serving, and the run deleted its embedding-store rows)."""
     versions = versions_dir(root)
     target = versions / version
     try:
@@ -533,37 +566,35 @@ def _move_and_switch(root: Path, staged_dir: Path, version: str) -> None:
         fsync_dir(versions)
         fsync_dir(staged_dir.parent)
         _set_current(root, version)
-    except OSError as exc:
-        try:
-            now = current_version(root)
-        except ArtifactError:
-            now = None
-        if now != version:  # CURRENT still names the previous version: take the new one back out
-            with contextlib.suppress(OSError):
-                os.rename(target, staged_dir)  # the caller removes its staged directory
-            if target.exists():
-                shutil.rmtree(target, ignore_errors=True)
-            raise ArtifactError(f"could not make {version} current in {root}: {describe_os_error(exc)}; nothing "
-                                f"was published, CURRENT still names {previous or 'nothing'}") from exc
-        log.warning("%s is current, but making that durable failed (%s)", version, describe_os_error(exc))
-    _record_current(root, version, previous, "publish")
+    except NotDurable as exc:  # CURRENT names the version: published
+        _warn(said, "%s is current, but making that durable failed (%s)", version, describe_os_error(exc))
+    except OSError as exc:  # CURRENT is as it was (write_atomic): take the new version back out
+        with contextlib.suppress(OSError):
+            os.rename(target, staged_dir)  # the caller removes its staged directory
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        raise ArtifactError(f"could not make {version} current in {root}: {describe_os_error(exc)}; nothing "
+                            f"was published, CURRENT still names {previous or 'nothing'}") from exc
+    problem = _record_current(root, version, previous, "publish")
+    if problem is not None:
+        said.append(problem)
 
 
-def _after_switch(root: Path, version: str, keep: int) -> None:
+def _after_switch(root: Path, version: str, keep: int, said: list[str]) -> None:
     """:func:`publish` after ``CURRENT`` names ``version``: clear the pin, prune. The publish has happened: an error
     here, any (an OSError, an ArtifactError of a ``CURRENT`` or history that cannot be read again), is logged, never
     raised. Before, only an OSError was contained: another escaped publish(), and ``job.run_once`` reported a failed
-    publish (and deleted the embedding-store rows of the version now live)."""
+    publish (and deleted the embedding-store rows of the version now live). Each error is added to ``said``."""
     try:
         _clear_pin(root)  # after CURRENT: a pin naming an older version is stale from here on
     except Exception as exc:  # noqa: BLE001 - published already
-        log.warning("%s is current; removing the stale rollback pin failed (%s): it names an older version and "
-                    "is ignored", version, _describe(exc))
+        _warn(said, "%s is current; removing the stale rollback pin failed (%s): it names an older version and "
+              "is ignored", version, _describe(exc))
     try:
         _prune(root, keep)
     except Exception as exc:  # noqa: BLE001 - published already
-        log.warning("%s is current; pruning old versions failed (%s): they are pruned next time", version,
-                    _describe(exc))
+        _warn(said, "%s is current; pruning old versions failed (%s): they are pruned next time", version,
+              _describe(exc))
 
 
 def _describe(exc: Exception) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import errno
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import numpy as np
@@ -27,6 +29,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from cache_refresh import job, validate
+from cache_refresh.publish import PUBLISHING
 from cache_refresh.scheduler import build_scheduler, make_trigger, missed_run
 from cache_refresh.settings import RefreshSettings
 from learner import artifact, checkpoint
@@ -35,7 +38,9 @@ from learner.features import default_config
 from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.trainer import Trainer
+from serving.embedding_store import read_meta
 from serving.model import ScoringModel
+from serving.settings import EmbeddingStore
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from stream.ids import stable_hash
@@ -45,6 +50,7 @@ from streamrec.cli import main
 from streamrec.stack import free_port
 from tests.kafka_io import read_topic
 from tests.trickle_proxy import TrickleProxy
+from tests.unit.cache_refresh.test_publish_after_switch import close_fails_for
 
 CFG = default_config({"device": "single"}, buckets=2000, ctx_buckets=5, embedding_dim=8, dense=("age",))
 USERS = [stable_hash(f"u{i}") for i in range(40)]
@@ -274,6 +280,43 @@ def test_a_publish_that_could_not_check_what_it_should_sends_a_refresh_degraded_
     assert [a["message"] for a in alerts] == second["warnings"]
     assert "does not load" in alerts[0]["message"] and diverged.name in alerts[1]["message"]
     assert artifact.read_current(rs.publish_root).name == second["version"]
+
+
+def test_a_layered_run_whose_publish_lock_close_reports_eio_after_the_switch_is_published_and_keeps_its_rows(
+        env, monkeypatch: pytest.MonkeyPatch, redis_client: redis.Redis) -> None:
+    """The close of the publish's lock file (after CURRENT named the version) reports EIO, as on NFS. Before, the
+    OSError escaped publish(): the run failed ("nothing was published") and deleted the rows of the version it had
+    made live, so every ranker that loaded it served hash-bucket fallbacks for its cold rows."""
+    rs, kafka, rds = env
+    rs = dataclasses.replace(rs, embedding_store=EmbeddingStore.LAYERED)
+    failed = close_fails_for(monkeypatch, PUBLISHING)
+    summary = job.run_once(rs, kafka, rds)
+    monkeypatch.undo()
+    assert failed and summary["published"] and artifact.current_version(rs.publish_root) == summary["version"]
+    assert read_meta(redis_client, rds.prefix, summary["version"]) is not None  # the live version's rows stay
+    assert any(PUBLISHING in w and "closing" in w for w in summary["warnings"])  # published, with a warning
+    assert ("refresh_degraded", "publish") in [(a["rule"], a["labels"]["stage"])
+                                               for a in read_alerts(kafka, rs.alerts_topic)]
+
+
+def test_a_failed_run_keeps_the_rows_of_a_version_current_names(env, monkeypatch: pytest.MonkeyPatch,
+                                                                 redis_client: redis.Redis) -> None:
+    """A failure the publish did not contain, raised after CURRENT named the run's version: the run fails, but its
+    failure path asks CURRENT before it deletes the version's rows (before: deleted, the live version's)."""
+    rs, kafka, rds = env
+    rs = dataclasses.replace(rs, embedding_store=EmbeddingStore.LAYERED)
+    real = job.publish
+
+    def publish_then_eio(*args: Any, **kw: Any) -> Path:
+        real(*args, **kw)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(job, "publish", publish_then_eio)
+    with pytest.raises(job.RefreshError) as err:
+        job.run_once(rs, kafka, rds)
+    assert err.value.stage == "publish"
+    live = artifact.current_version(rs.publish_root)
+    assert live is not None and read_meta(redis_client, rds.prefix, live) is not None
 
 
 def test_an_operators_run_over_an_unreadable_pin_says_the_pin_was_unreadable(

@@ -1,16 +1,21 @@
 """What a publish does after ``CURRENT`` names its version (cache_refresh/publish.py): pruning keeps the versions a
-rollback can go to, and nothing there turns the publish into an error."""
+rollback can go to, and nothing there (an error of a prune, of the close of a lock, of the fsync that makes CURRENT
+durable) turns the publish into an error or takes the version CURRENT names back out: it is a warning of the publish."""
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cache_refresh import publish as publishing
 from cache_refresh.publish import rollback
 from learner import artifact as A
-from learner.artifact import ArtifactError
+from learner.artifact import ArtifactError, build_artifact
+from stream import files
 from tests.unit.cache_refresh.test_rollback_history import killed_before_current
 from tests.unit.cache_refresh.test_rollback_lock import ckpt, put  # noqa: F401 - the fixture
 
@@ -42,3 +47,78 @@ def test_a_prune_that_raises_after_the_switch_leaves_the_publish_done(
     # publish and deleted the embedding-store rows of the version that was live
     assert put(tmp_path, ckpt, "v002").name == "v002"
     assert A.current_version(tmp_path) == "v002"
+
+
+def close_fails_for(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
+    """``os.close`` of a descriptor of the file ``name`` closes it and then reports EIO (as close on NFS may); returns
+    the paths it failed for."""
+    real, failed = os.close, []
+
+    def close(fd: int) -> None:
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = ""
+        real(fd)
+        if path.endswith(f"/{name}"):
+            failed.append(path)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "close", close)
+    return failed
+
+
+def test_a_close_of_the_publishing_lock_that_reports_eio_after_the_switch_leaves_the_publish_done_and_warned(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+        caplog: pytest.LogCaptureFixture) -> None:
+    put(tmp_path, ckpt, "v001")
+    staged = build_artifact(ckpt, tmp_path, np.zeros(0), format="eager", version="v002")
+    failed = close_fails_for(monkeypatch, publishing.PUBLISHING)
+    # before: the OSError of the close escaped publish() with CURRENT naming v002; the run then reported "nothing was
+    # published" and deleted v002's embedding-store rows (tests/integration/test_refresh.py)
+    assert publishing.publish(tmp_path, staged, keep=5).name == "v002"
+    assert failed and A.current_version(tmp_path) == "v002" and A.read_current(tmp_path) is not None
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    # the publish's close, and the prune's probe of the lock (whose close failing had failed the prune): nothing else
+    assert len(warned) == 2 and all(f"{publishing.PUBLISHING} failed" in w for w in warned)
+    monkeypatch.undo()
+    assert put(tmp_path, ckpt, "v003").name == "v003"  # the lock was released all the same
+
+
+def test_a_refresh_lock_whose_close_reports_eio_is_released_and_raises_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    failed = close_fails_for(monkeypatch, publishing.LOCK)
+    with publishing.refresh_lock(tmp_path):  # before: the EIO escaped run_once after its publish (no summary)
+        pass
+    assert failed
+    with publishing.refresh_lock(tmp_path):  # released: taken again at once
+        pass
+
+
+def test_current_in_place_whose_fsync_fails_keeps_its_version_even_when_current_cannot_be_read_again(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+        caplog: pytest.LogCaptureFixture) -> None:
+    put(tmp_path, ckpt, "v001")
+    staged = build_artifact(ckpt, tmp_path, np.zeros(0), format="eager", version="v002")
+    real_fsync, real_current = files.fsync_dir, publishing.current_version
+    failing: list[Path] = []
+
+    def fsync_dir(path: Path) -> None:  # the root's fsync after CURRENT's rename: EIO (NFS), and reads fail since
+        if Path(path) == tmp_path:
+            failing.append(path)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fsync(path)
+
+    def current_version(root: Path) -> str | None:
+        if failing:
+            raise ArtifactError(f"{root / A.CURRENT} cannot be read (EIO)")
+        return real_current(root)
+
+    monkeypatch.setattr(files, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(publishing, "current_version", current_version)
+    # before: CURRENT could not be read again, so v002 was taken back out of versions/ while CURRENT named it (no model
+    # for serving) and publish() raised "nothing was published, CURRENT still names v001"
+    assert publishing.publish(tmp_path, staged, keep=5).name == "v002"
+    monkeypatch.undo()
+    assert A.current_version(tmp_path) == "v002" and A.read_current(tmp_path) == A.versions_dir(tmp_path) / "v002"
+    assert "v002 is current, but making that durable failed" in caplog.text
