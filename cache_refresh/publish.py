@@ -665,13 +665,13 @@ def _rollback_locked(root: Path, signing_key: SigningKey | None) -> str:
                             f"CURRENT still names {current}") from None
     try:
         _set_current(root, target)
-    except OSError as exc:
-        if current_version(root) != target:  # CURRENT unchanged: the pin just written names a version not live
-            with contextlib.suppress(OSError):
-                _clear_pin(root)
-            raise ArtifactError(f"cannot roll back to {target}: writing {root / CURRENT} failed: "
-                                f"{describe_os_error(exc)}; CURRENT still names {current}") from None
+    except NotDurable as exc:  # CURRENT names the target (told by the write, not by a read that may fail as well)
         log.warning("%s is current, but making that durable failed (%s)", target, describe_os_error(exc))
+    except OSError as exc:  # CURRENT unchanged (write_atomic): the pin just written names a version not live
+        with contextlib.suppress(OSError):
+            _clear_pin(root)
+        raise ArtifactError(f"cannot roll back to {target}: writing {root / CURRENT} failed: "
+                            f"{describe_os_error(exc)}; CURRENT still names {current}") from None
     _record_current(root, target, current, "rollback")
     return target
 

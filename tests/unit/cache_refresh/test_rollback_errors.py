@@ -12,6 +12,7 @@ from cache_refresh import publish as publishing
 from cache_refresh.publish import rollback
 from learner import artifact as A
 from learner.artifact import ArtifactError
+from stream.files import NotDurable
 from streamrec.cli import main
 from tests.unit.cache_refresh.test_rollback_lock import ckpt, put  # noqa: F401 - the fixture
 
@@ -50,6 +51,32 @@ def test_a_full_root_after_the_pin_takes_the_pin_back(root: Path, monkeypatch: p
     assert A.current_version(root) == "v002" and A.read_pin(root) is None  # no stale pin left behind
     monkeypatch.undo()
     assert rollback(root) == "v001"
+
+
+def test_a_current_in_place_but_not_durable_and_unreadable_again_is_a_rollback_done_and_recorded(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CURRENT renamed into place, then the root's fsync and every read of CURRENT fail (EIO, NFS). Before, the read
+    of CURRENT that was to tell whether it changed raised: the rollback failed ("cannot be read") with CURRENT and the
+    pin naming v001, and the history never recorded it (a second rollback went by the wrong history)."""
+    real_set, switched = publishing._set_current, []
+
+    def set_current(path: Path, version: str) -> None:
+        real_set(path, version)
+        switched.append(version)
+        raise NotDurable(errno.EIO, f"{path} is in place, but the fsync of its directory failed (Input/output error)")
+
+    def current_version(path: Path) -> str | None:
+        if switched:
+            raise ArtifactError(f"{path / A.CURRENT} cannot be read (EIO)")
+        return "v002"
+
+    monkeypatch.setattr(publishing, "_set_current", set_current)
+    monkeypatch.setattr(publishing, "current_version", current_version)
+    assert rollback(root) == "v001"
+    monkeypatch.undo()
+    assert A.current_version(root) == "v001" and A.read_pin(root) is not None
+    history = publishing.read_history(root)
+    assert history is not None and history.versions[-1] == "v001"
 
 
 def test_the_cli_says_so_in_one_line_and_exits_1(root: Path, monkeypatch: pytest.MonkeyPatch,
