@@ -525,14 +525,18 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
             raise
     if unsure is not None:  # keep the older ones: a power loss may undo this one's rename, not their removal
         raise unsure
-    older = [p for p in list_checkpoints(directory) if p.name < path.name]
-    for old in older[:max(0, len(older) - (keep - 1))]:
-        try:  # (EPERM, EROFS: logged; raised, a durable checkpoint counted as failed)
-            old.unlink(missing_ok=True)
-            old.with_suffix(".json").unlink(missing_ok=True)
-        except OSError as exc:
-            log.warning("cannot prune %s (%s); move it away", old, exc)
-    _prune_aside(directory, keep)
+    try:  # the checkpoint is saved: a directory that cannot be listed now (EIO) is logged, never a failed save
+        older = [p for p in list_checkpoints(directory) if p.name < path.name]
+        for old in older[:max(0, len(older) - (keep - 1))]:
+            try:  # (EPERM, EROFS: logged; raised, a durable checkpoint counted as failed)
+                old.unlink(missing_ok=True)
+                old.with_suffix(".json").unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("cannot prune %s (%s); move it away", old, exc)
+        _prune_aside(directory, keep)
+    except OSError as exc:
+        log.warning("checkpoint %s is saved, but pruning older ones failed (%s); the next save prunes them", path,
+                    exc)
     return path
 
 

@@ -356,6 +356,26 @@ def test_a_checkpoint_whose_directory_fsync_fails_after_the_rename_is_in_place_n
     assert got is not None and got.samples_trained == 3 and ck.latest_meta(tmp_path)["path"] == str(listed[-1])
 
 
+def test_a_checkpoint_whose_directory_cannot_be_listed_after_its_rename_is_saved_not_a_failed_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listing of the prune after the ``.pt`` rename raises EIO. Before, the OSError escaped save(): the learner
+    counted a checkpoint a restart reads as a failed one (checkpoint failures, no group offsets committed)."""
+    older = ck.save(tmp_path, state(), meta(1), keep=1)
+    real = ck.list_checkpoints
+
+    def unlistable(directory: Path) -> list[Path]:
+        raise OSError(errno.EIO, "Input/output error", str(directory))
+
+    monkeypatch.setattr(ck, "list_checkpoints", unlistable)
+    path = ck.save(tmp_path, state(), meta(2), keep=1)
+    monkeypatch.setattr(ck, "list_checkpoints", real)
+    assert path.exists() and ck.list_checkpoints(tmp_path) == [older, path]  # nothing pruned, nothing lost
+    got = ck.load_latest(tmp_path)
+    assert got is not None and got.samples_trained == 2
+    ck.save(tmp_path, state(), meta(3), keep=1)  # the next save prunes them
+    assert len(ck.list_checkpoints(tmp_path)) == 1
+
+
 def test_a_first_checkpoint_whose_lineage_files_directory_fsync_fails_is_a_failed_write_not_one_in_place(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The LINEAGE file is written before the checkpoint: its NotDurable must not pass for the checkpoint's."""
