@@ -409,8 +409,13 @@ class DeltaWriter:
     def _prune(self) -> None:
         """Remove the deltas past the newest ``keep``. One that cannot be removed (EPERM, EROFS) is logged once (while
         it stays) and left: raised, it left ``write_rows`` (``after_step``) and stopped training, for a side output,
-        though the delta just written was durable. A reader only reads more files meanwhile."""
-        listed = [p for _, _, p in list_deltas(self.directory)]  # (oldest first)
+        though the delta just written was durable. A reader only reads more files meanwhile. A listing that fails
+        (EIO) is logged too: raised, it stopped training the same way, after the delta was in place."""
+        try:
+            listed = [p for _, _, p in list_deltas(self.directory)]  # (oldest first)
+        except OSError as exc:  # a directory that cannot be listed now (EIO): the delta just written stands
+            log.warning("cannot list %s to prune it (%s); the next delta prunes it", self.directory, exc)
+            return
         self._unprunable &= set(listed)  # (gone since: forgotten)
         for old in listed[:-self.keep]:
             try:

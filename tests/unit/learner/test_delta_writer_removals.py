@@ -3,6 +3,7 @@ a side output never stops training, and serving never keeps a dead training's ro
 
 from __future__ import annotations
 
+import errno
 import logging
 from pathlib import Path
 
@@ -46,6 +47,25 @@ def test_a_prune_the_directory_refuses_is_logged_once_per_file_and_the_delta_jus
     assert [s for s, _, _ in list_deltas(tmp_path)] == [1, 2, 3]
     refused = [r.getMessage() for r in caplog.records if "cannot prune" in r.getMessage()]
     assert len(refused) == 2 and "000000000001-" in refused[0] and "000000000002-" in refused[1]  # not 1 again
+
+
+def test_a_prune_that_cannot_list_the_directory_after_a_write_leaves_the_delta_written_and_training_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prune's listing after a delta is in place raises EIO. Before, the OSError left write_rows (after_step: the
+    training loop) with the delta written and its rows still marked: training stopped for a side output."""
+    writer = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, keep=1)
+    assert _write(writer, [0, 1], 16) is not None
+    real = delta_writer.list_deltas
+
+    def unlistable(directory: Path) -> list:
+        raise OSError(errno.EIO, "Input/output error", str(directory))
+
+    monkeypatch.setattr(delta_writer, "list_deltas", unlistable)
+    path = _write(writer, [2], 24)
+    monkeypatch.setattr(delta_writer, "list_deltas", real)
+    assert path is not None and path.exists() and writer.seq == 2 and not bool(writer.touched.any())
+    assert _write(writer, [3], 32) is not None  # the next delta prunes what was left
+    assert [s for s, _, _ in list_deltas(tmp_path)] == [3]
 
 
 LINEAGE = "a" * 32
