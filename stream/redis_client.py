@@ -668,6 +668,27 @@ def failure(exc: BaseException, settings: RedisSettings) -> RedisFailure:
     return cls(describe(exc, settings))
 
 
+# What to fix when OpenSSL refused the server's certificate for a reason other than its CA (a "check ssl_ca_certs" sent
+# the operator to a CA file that was right): the url's host is not one the certificate names, or it is out of date
+_TLS_VERIFY_ADVICE = (
+    (("Hostname mismatch", "IP address mismatch"),
+     "the url's host is not a name or address the server's certificate holds: connect by one it lists (its subject "
+     "alternative names), or reissue the certificate for this host"),
+    (("certificate has expired", "certificate is not yet valid"),
+     "the server's certificate (or a CA's above it) is outside its validity dates: renew it, or check the clock of "
+     "this machine and of the server"),
+)
+
+
+def _tls_advice(text: str) -> str:
+    """What a rediss:// connection failure (``text``, its error) asks to check: the reason OpenSSL gave when it names
+    one (:data:`_TLS_VERIFY_ADVICE`), else the CA and that the port speaks TLS."""
+    for reasons, advice in _TLS_VERIFY_ADVICE:
+        if any(reason in text for reason in reasons):
+            return f" (TLS: {advice})"
+    return " (TLS: check ssl_ca_certs and that the server speaks TLS on that port)"
+
+
 def describe(exc: BaseException, settings: RedisSettings) -> str:
     """One line for a failed Redis operation: which Redis (url redacted), what happened, what to check."""
     where = f"Redis at {redact(settings.url)}"
@@ -685,6 +706,5 @@ def describe(exc: BaseException, settings: RedisSettings) -> str:
     if isinstance(exc, redis.TimeoutError):
         return f"{where} did not answer in time ({what})"
     if isinstance(exc, (redis.ConnectionError, OSError)):
-        tls = " (TLS: check ssl_ca_certs and that the server speaks TLS on that port)" if settings.tls else ""
-        return f"{where} cannot be reached ({what}){tls}"
+        return f"{where} cannot be reached ({what}){_tls_advice(str(exc)) if settings.tls else ''}"
     return f"{where}: {what}"

@@ -124,8 +124,10 @@ class SecureRedis:
         self.stop()
 
 
-def make_tls_files(directory: Path, name: str = "test") -> TlsFiles:
-    """A throw-away CA and a server certificate it signed for 127.0.0.1 / localhost (PEM files in ``directory``)."""
+def make_tls_files(directory: Path, name: str = "test", hosts: tuple[str, ...] = ("localhost", "127.0.0.1"),
+                   valid_days: tuple[float, float] = (-5 / 1440, 1)) -> TlsFiles:
+    """A throw-away CA and a server certificate it signed for ``hosts`` (names or IP addresses), valid from and until
+    ``valid_days`` (days from now), as PEM files in ``directory``."""
     import datetime as dt
     import ipaddress
 
@@ -137,16 +139,21 @@ def make_tls_files(directory: Path, name: str = "test") -> TlsFiles:
     directory.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.timezone.utc)
 
+    def san(host: str) -> x509.GeneralName:
+        try:
+            return x509.IPAddress(ipaddress.ip_address(host))
+        except ValueError:
+            return x509.DNSName(host)
+
     def cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer: ec.EllipticCurvePrivateKey,
              ca: bool) -> x509.Certificate:
         b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
              .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+             .not_valid_before(now + dt.timedelta(days=valid_days[0] if not ca else -1))
+             .not_valid_after(now + dt.timedelta(days=valid_days[1] if not ca else 1))
              .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
         if not ca:
-            b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                             x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                                critical=False)
+            b = b.add_extension(x509.SubjectAlternativeName([san(h) for h in hosts]), critical=False)
         return b.sign(signer, hashes.SHA256())
 
     ca_key, srv_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())

@@ -488,6 +488,29 @@ def test_tls_ca_certs_reach_the_connection_and_decide_the_handshake(tls_files: t
         fake.close()
 
 
+@pytest.mark.parametrize("server, says", [
+    ({"hosts": ("redis.example",)}, r"IP address mismatch.*TLS: the url's host is not a name or address the server's "
+                                    r"certificate holds"),
+    ({"valid_days": (-3, -1)}, r"certificate has expired.*TLS: the server's certificate .* is outside its validity "
+                               r"dates: renew it"),
+    ({"valid_days": (1, 3)}, r"certificate is not yet valid.*TLS: the server's certificate .* is outside its validity "
+                             r"dates"),
+], ids=["host not in the certificate", "expired", "not yet valid"])
+def test_a_server_certificate_refused_for_its_host_or_dates_names_that_fix_not_the_ca_file(
+        tmp_path: Path, server: dict[str, Any], says: str) -> None:
+    """The CA file was right: "check ssl_ca_certs" sent the operator to the wrong file; the line names what to fix."""
+    files = make_tls_files(tmp_path / "tls", "srv", **server)
+    fake = FakeTlsRedis(files)
+    try:
+        rs = RedisSettings(url=f"rediss://127.0.0.1:{fake.port}/0", ssl_ca_certs=files.ca, password=Secret(PASSWORD))
+        with pytest.raises(RedisFailure, match=says) as info:
+            connect(rs, timeout_s=2, retries=0, check=True)
+        assert "check ssl_ca_certs" not in str(info.value)
+        assert_no_secret(str(info.value))
+    finally:
+        fake.close()
+
+
 # -- helpers for the refresh -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
