@@ -66,7 +66,7 @@ import torch
 from stream.errors import BadMessage, ConfigError, StreamrecError
 from stream.events import count_keys, reject_duplicate_keys
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular_stat
-from stream.secrets import register
+from stream.secrets import TIGHTEN_MODE, loose_mode, register
 
 MAGIC = b"SRPACK\x00\x01"  # container format 1: unsigned
 MAGIC_SIGNED = b"SRPACK\x00\x02"  # container format 2: signed with an HMAC-SHA256
@@ -159,15 +159,11 @@ def load_signing_key(path: Path | str | None) -> SigningKey | None:
     except OSError as exc:
         raise ConfigError(f"signing_key_file {p}: cannot read it ({exc.strerror or exc}); mount the key file or "
                           "unset signing_key_file") from None
-    risks = [why for bits, why in ((stat.S_IROTH, "every local user can read it (and sign deltas and manifests "
-                                                   "serving accepts)"),
-                                   (stat.S_IWOTH | stat.S_IWGRP, "users other than its owner can write it (and "
-                                                                 "choose the key a restarted process trusts)"))
-             if st.st_mode & bits]
+    risks = loose_mode(st.st_mode, " (and sign deltas and manifests serving accepts)",
+                       " (and choose the key a restarted process trusts)")
     if risks:  # loaded all the same: a secret volume mounted 0644 must still start
-        log.warning("signing_key_file %s has mode %04o: %s; chmod 600 (640 or 440 to share it with a group of "
-                    "services), or mount the secret with defaultMode 0400", p, stat.S_IMODE(st.st_mode),
-                    " and ".join(risks))
+        log.warning("signing_key_file %s has mode %04o: %s; %s", p, stat.S_IMODE(st.st_mode), " and ".join(risks),
+                    TIGHTEN_MODE)
     raw = raw.rstrip(b"\r\n")
     if len(raw) < MIN_KEY_BYTES:
         raise ConfigError(f"signing_key_file {p}: {len(raw)} bytes, a signing key needs at least {MIN_KEY_BYTES} "

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import logging
 import re
+import stat
 import threading
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -84,6 +85,20 @@ def secret_text(text: str) -> str:
     """A secret's value as read from a setting, a file or an environment variable: without the line endings
     (``\n``, ``\r\n``) at its end, which no password means and ``$(cat file)`` strips only in a shell."""
     return text.rstrip("\r\n")
+
+
+# The way out of a loose secret file's warning (:func:`loose_mode`), the same for every secret file
+TIGHTEN_MODE = "chmod 600 (640 or 440 to share it with a group of services), or mount the secret with defaultMode 0400"
+
+
+def loose_mode(mode: int, read_gives: str, write_gives: str) -> list[str]:
+    """What a secret file's ``mode`` lets users other than its owner do, each with what it gives them (``read_gives``,
+    ``write_gives``: " (and ...)"): every local user reads it (o+r), or others write it (o+w, g+w); [] for a file
+    only its owner (and a group reading it: the way to share one) can use. Loaded all the same by its readers (a
+    secret volume is mounted 0644 by default), with a warning naming it, its mode and :data:`TIGHTEN_MODE`."""
+    risks = ((stat.S_IROTH, f"every local user can read it{read_gives}"),
+             (stat.S_IWOTH | stat.S_IWGRP, f"users other than its owner can write it{write_gives}"))
+    return [why for bits, why in risks if mode & bits]
 
 
 def register(value: str) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import difflib
 import enum
+import logging
 import math
 import re
+import stat
 import sys
 import types
 import typing
@@ -16,13 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from stream.errors import ConfigError, shown
-from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
-from stream.secrets import Secret, names_credential, secret_text
+from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular, read_regular_stat
+from stream.secrets import TIGHTEN_MODE, Secret, loose_mode, names_credential, secret_text
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+log = logging.getLogger(__name__)
 
 
 class SettingsError(ConfigError):
@@ -105,13 +109,15 @@ def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict
         path, var = values.get(f"{name}_file"), values.get(f"{name}_env")
         if path:
             try:  # a FIFO or a device in place of a mounted secret would hang the process: refused unread
-                text = read_regular(Path(path), MAX_SETTINGS_FILE_BYTES).decode("utf-8")
+                raw, st = read_regular_stat(Path(path), MAX_SETTINGS_FILE_BYTES)
+                text = raw.decode("utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise SettingsError(f"[{section}] {name}_file: cannot read {path}: "
                                     f"{getattr(exc, 'strerror', None) or exc}") from None
             if not secret_text(text):  # an unfilled secret template: not "no password", which is leaving it out
                 raise SettingsError(f"[{section}] {name}_file: {path} is empty: put the {name} in it, or leave "
                                     f"{name}_file out when there is none")
+            _warn_loose_mode(f"[{section}] {name}_file", Path(path), st.st_mode)
             values[name] = Secret(secret_text(text))
         elif var:
             if var not in environ:
@@ -120,6 +126,20 @@ def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict
                 raise SettingsError(f"[{section}] {name}_env: the variable {var} is set but empty: put the {name} in "
                                     f"it, or leave {name}_env out when there is none")
             values[name] = Secret(secret_text(environ[var]))
+
+
+def _warn_loose_mode(setting: str, path: Path, mode: int) -> None:
+    """A WARNING (once per file and mode in a process: settings are built more than once) when the secret file
+    ``setting`` names lets users other than its owner read or write it (:func:`~stream.secrets.loose_mode`). Used all
+    the same: a secret volume mounted 0644 must still start, as a signing key file on one does."""
+    risks = loose_mode(mode, " (and log in as this service)", " (and choose the credential it sends)")
+    if risks and (str(path), mode) not in _LOOSE_WARNED:
+        _LOOSE_WARNED.add((str(path), mode))
+        log.warning("%s: %s has mode %04o: %s; %s", setting, path, stat.S_IMODE(mode), " and ".join(risks),
+                    TIGHTEN_MODE)
+
+
+_LOOSE_WARNED: set[tuple[str, int]] = set()
 
 
 def coerce_field(key: str, tp: Any, raw: Any, where: str) -> Any:

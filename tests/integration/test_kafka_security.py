@@ -283,6 +283,7 @@ def write_config(path: Path, kafka: KafkaSettings, redis_url: str, *, password_f
     if kafka.security_protocol.sasl:
         lines += [f"sasl_mechanism = {q(kafka.sasl_mechanism)}", f"sasl_username = {q(kafka.sasl_username)}"]
         if password_file is not None:
+            password_file.touch(mode=0o600)  # as a secret is mounted: a file others read is warned of
             password_file.write_text(kafka.sasl_password.reveal() + "\n")
             lines.append(f"sasl_password_file = {q(password_file)}")
     if kafka.ssl_ca_location is not None:

@@ -225,6 +225,28 @@ def test_an_empty_secret_file_is_refused_naming_it_not_read_as_no_password(
         build(cls, section, {section: {f"{name}_file": str(f)}}, {})
 
 
+@pytest.mark.parametrize("mode, warned", [(0o600, False), (0o400, False), (0o640, False), (0o440, False),
+                                          (0o644, True), (0o604, True), (0o620, True), (0o602, True)])
+def test_a_password_file_other_users_can_read_or_a_group_can_write_is_used_with_a_warning_naming_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: int, warned: bool) -> None:
+    """A password file mounted 0644 was used in silence, while a signing key file so mounted is warned of: any local
+    user reads the password and logs in as the service. Used all the same (a secret volume's default mode), with a
+    warning naming the setting, the file, its mode and the fix, never the password; once per file in a process."""
+    f = tmp_path / f"pw-{mode:o}"
+    f.write_text("s3cret-password-for-modes\n")
+    f.chmod(mode)
+    with caplog.at_level(logging.WARNING, logger="stream.setting_values"):
+        for _ in range(2):
+            got = build(_Creds, "creds", {"creds": {"password_file": str(f)}}, {})
+            assert got.password.reveal() == "s3cret-password-for-modes"
+    lines = [r.getMessage() for r in caplog.records if r.name == "stream.setting_values"]
+    assert len(lines) == warned, lines
+    if warned:
+        assert "[creds] password_file" in lines[0] and str(f) in lines[0] and oct(mode)[2:] in lines[0]
+        assert "chmod 600" in lines[0] and "s3cret" not in lines[0] and redact(lines[0]) == lines[0]
+        assert ("every local user can read it" in lines[0]) is bool(mode & 0o004)
+
+
 def test_the_repr_of_settings_holding_a_url_password_or_a_credential_property_shows_none_of_them() -> None:
     # a settings object in a traceback, a debug log line or an f-string with !r: the url's user-info (a plain str
     # field, not a Secret) and a [kafka.extra] credential were printed as they were
