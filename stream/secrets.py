@@ -14,7 +14,7 @@ last two at the process edge): the value itself (``password = "..."``, discourag
 ``STREAMREC_<SECTION>_<NAME>``), a file named by ``<name>_file`` (a mounted secret), or an environment
 variable named by ``<name>_env``. Each is read the same way, :func:`secret_text`: line endings at its end are
 dropped (an editor's or ``echo``'s in a file, ``PW="$(printf 'pw\n')"`` or a Kubernetes secret made from such
-a file in a variable), nothing else (a password may hold spaces).
+a file in a variable), and a byte order mark at its start (Notepad's), nothing else (a password may hold spaces).
 """
 
 from __future__ import annotations
@@ -83,8 +83,11 @@ class Secret(str):
 
 def secret_text(text: str) -> str:
     """A secret's value as read from a setting, a file or an environment variable: without the line endings
-    (``\n``, ``\r\n``) at its end, which no password means and ``$(cat file)`` strips only in a shell."""
-    return text.rstrip("\r\n")
+    (``\n``, ``\r\n``) at its end, which no password means and ``$(cat file)`` strips only in a shell, and without
+    a UTF-8 byte order mark at its start, which Windows editors (Notepad, PowerShell's ``Out-File -Encoding utf8``)
+    write and no password means either (it was sent as the password's first character: a login refused with nothing
+    to see in the file)."""
+    return text.removeprefix("\ufeff").rstrip("\r\n")
 
 
 # The way out of a loose secret file's warning (:func:`loose_mode`), the same for every secret file

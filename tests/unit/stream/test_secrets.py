@@ -129,6 +129,18 @@ def test_a_secret_from_a_variable_loses_its_trailing_line_ending_as_one_from_a_f
     direct = build(_Creds, "creds", {}, {"STREAMREC_CREDS_PASSWORD": f" p w {ending}"})
     assert from_file == from_var.password.reveal() == direct.password.reveal() == " p w "
 
+def test_a_secret_file_saved_with_a_byte_order_mark_is_read_without_it(tmp_path: Path) -> None:
+    """Notepad (and PowerShell's ``Out-File -Encoding utf8``) starts a UTF-8 file with U+FEFF: it was sent as the
+    password's first character, a refused login with nothing to see in the file. Both readers drop it."""
+    from stream.config import RedisSettings
+    from stream.redis_client import _password as password
+
+    f = tmp_path / "pw"
+    f.write_bytes("\ufeffp w\r\n".encode())
+    assert build(_Creds, "creds", {"creds": {"password_file": str(f)}}, {}).password.reveal() == "p w"
+    assert password(RedisSettings(password_file=str(f))) == "p w"
+
+
 @pytest.mark.parametrize("how", ["variable", "file key", "redis password_file"])
 def test_a_secret_of_only_a_line_ending_is_refused_not_read_as_no_secret(tmp_path: Path, how: str) -> None:
     """Once line endings were stripped, ``STREAMREC_REDIS_PASSWORD=$'\n'`` (or a password file holding only a newline,
