@@ -134,6 +134,24 @@ def script_codes(text: str) -> list[str]:
     return _SCRIPT_CODE.findall(text)
 
 
+# The command an ACL denied, as Redis names it ("this user has no permissions to run the 'evalsha' command or its
+# subcommand"; Redis 7: "User u has no permissions to run the 'script|load' command"), and the ones a Lua script runs
+# by: streamrec's scripts need the whole category (README, Security), which a grant of EVALSHA alone missed
+_DENIED_COMMAND = re.compile(r"permissions to run the '([A-Za-z_.-]+)")
+_SCRIPTING = frozenset({"eval", "evalsha", "eval_ro", "evalsha_ro", "script"})
+
+
+def _acl_grant(exc: BaseException) -> str:
+    """What to add to the ACL user for a command Redis refused it (``+@scripting`` for a script's command, else
+    ``+<command>``), or "" when Redis did not name the command (a key or a channel out of the user's patterns, a
+    command a script called)."""
+    found = _DENIED_COMMAND.search(str(exc))
+    if found is None:
+        return ""
+    command = found[1].lower()
+    return "+@scripting" if command in _SCRIPTING else f"+{command}"
+
+
 def acl_denied(exc: BaseException) -> bool:
     """Whether a Redis error is its ACL refusing a command (NOPERM), also one a script called, which Redis 6 says
     without a code (:data:`_SCRIPT_ACL`): the configuration's to fix, never the data's (serving's history read counts
@@ -695,8 +713,9 @@ def describe(exc: BaseException, settings: RedisSettings) -> str:
     what = clip(redact(f"{type(exc).__name__}: {exc}"), 240)
     who = f"ACL user {settings.user!r}" if settings.user else "the default user"
     if acl_denied(exc):  # NOPERM, also a command a script called (Redis 6 gives that one no code)
+        grant = _acl_grant(exc)
         return (f"{where}: {who} lacks a permission this needs ({what}); grant it in the Redis ACL "
-                f"(keys ~{settings.prefix}:*, channels &{settings.prefix}:*)")
+                f"({grant + '; ' if grant else ''}keys ~{settings.prefix}:*, channels &{settings.prefix}:*)")
     if isinstance(exc, _AUTH_ERRORS):
         if not settings.has_password:
             return (f"{where} requires authentication and no password is configured ({what}); set [redis] "

@@ -488,6 +488,34 @@ def test_tls_ca_certs_reach_the_connection_and_decide_the_handshake(tls_files: t
         fake.close()
 
 
+@pytest.mark.parametrize("denied, call, grant", [
+    ("-@scripting", lambda c, p: UserHistory(c, prefix=p, max_len=5, ttl_days=1).as_of([1], [10]), "+@scripting"),
+    ("-publish", lambda c, p: c.publish(f"{p}:model-updates", "v1"), "+publish"),
+], ids=["history read without scripting", "announce without publish"])
+def test_a_command_the_acl_denies_is_described_with_the_grant_that_fixes_it(
+        srv: SecureRedis, admin: redis.Redis, prefix: str, denied: str, call: Any, grant: str) -> None:
+    """The line said "grant it in the Redis ACL (keys ~p:*, channels &p:*)" for a user missing a command, naming only
+    the key and channel patterns it had: an operator granting EVALSHA alone still lacked SCRIPT LOAD."""
+    from stream.redis_client import failure
+
+    user, password = f"u-{prefix}", f"pw-{uuid.uuid4().hex}"
+    admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all", denied)
+    try:
+        rs = RedisSettings(url=srv.url, username=user, password=Secret(password), prefix=prefix)
+        client = connect(rs, retries=0, check=True)  # PING is granted: logged in
+        try:
+            with pytest.raises(redis.RedisError) as info:
+                call(client, prefix)
+        finally:
+            client.close()
+        err = failure(info.value, rs)
+        assert isinstance(err, RedisAuthError), (type(err), str(err))
+        assert f"grant it in the Redis ACL ({grant}; keys ~{prefix}:*" in str(err), str(err)
+        assert password not in str(err)
+    finally:
+        admin.execute_command("ACL", "DELUSER", user)
+
+
 @pytest.mark.parametrize("server, says", [
     ({"hosts": ("redis.example",)}, r"IP address mismatch.*TLS: the url's host is not a name or address the server's "
                                     r"certificate holds"),
