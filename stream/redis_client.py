@@ -265,7 +265,7 @@ def _tls_options(settings: RedisSettings) -> dict[str, Any]:
     makes each a ConfigError naming the setting and the file when the client is built. The certificate and host-name
     checks are set here, not left to redis-py's defaults: redis-py before 6.0 checked no host name."""
     client_context("redis", ("ssl_ca_certs", settings.ssl_ca_certs), ("ssl_certfile", settings.ssl_certfile),
-                   ("ssl_keyfile", settings.ssl_keyfile))
+                   ("ssl_keyfile", settings.ssl_keyfile), key_password=None)  # no [redis] setting gives one
     return {"ssl_cert_reqs": "required", "ssl_check_hostname": True,
             **{name: str(path) for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
                if (path := getattr(settings, name)) is not None}}

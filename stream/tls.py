@@ -46,11 +46,12 @@ def check_file(section: str, setting: str, path: Path) -> None:
 
 
 def client_context(section: str, ca: tuple[str, Path | None], cert: tuple[str, Path | None] = ("", None),
-                   key: tuple[str, Path | None] = ("", None), key_password: str = "") -> ssl.SSLContext:
+                   key: tuple[str, Path | None] = ("", None), key_password: str | None = "") -> ssl.SSLContext:
     """A client's TLS context that trusts the CA bundle ``ca`` (``(setting, path)``; the system's CAs when the path is
     None) and presents the certificate ``cert`` with its private key ``key`` (default: inside the certificate file)
-    when ``cert`` names one; ``key_password`` for an encrypted key. A ConfigError naming the setting and the file for
-    anything that cannot be used (module docstring)."""
+    when ``cert`` names one; ``key_password`` for an encrypted key (None: ``section`` has no setting for one, and
+    the error of an encrypted key says to decrypt it). A ConfigError naming the setting and the file for anything
+    that cannot be used (module docstring)."""
     for setting, path in (ca, cert, key):
         if path is not None:
             check_file(section, setting, path)
@@ -68,7 +69,7 @@ def client_context(section: str, ca: tuple[str, Path | None], cert: tuple[str, P
         try:
             # a callback, never None: without one OpenSSL asks for an encrypted key's password on the terminal
             ctx.load_cert_chain(str(cert_path), None if key_path is None else str(key_path),
-                                password=lambda: key_password.encode())
+                                password=lambda: (key_password or "").encode())
         except (OSError, ValueError) as exc:  # ValueError: a password over OpenSSL's limit
             why = _why(exc) if isinstance(exc, OSError) else str(exc)
             if "PEM lib" in why:  # OpenSSL does not say which file: the certificate, if it holds none, else the key
@@ -77,6 +78,11 @@ def client_context(section: str, ca: tuple[str, Path | None], cert: tuple[str, P
                 except ssl.SSLError:
                     raise ConfigError(f"[{section}] {cert_setting}: {cert_path} holds no PEM certificate") from None
                 key_named = (key_setting, key_path) if key_path is not None else (cert_setting, cert_path)
+                if key_password is None:  # no setting gives one: "its password is missing" sent operators looking
+                    raise ConfigError(f"[{section}] {key_named[0]}: {key_named[1]} holds no usable private key: not "
+                                      f"PEM, or encrypted, which [{section}] cannot use (no setting gives a key's "
+                                      f"password): give the key unencrypted (openssl pkey -in {key_named[1]} -out "
+                                      "PLAIN.key; readable by this service's user only)") from None
                 raise ConfigError(f"[{section}] {key_named[0]}: {key_named[1]} holds no usable private key: not PEM, "
                                   "or encrypted and its password is missing or wrong") from None
             raise ConfigError(f"[{section}] {names}: cannot load the client certificate and key ({files}): "

@@ -165,6 +165,21 @@ def test_a_redis_client_with_an_unusable_tls_file_fails_when_built_naming_the_se
     connect(good, retries=0).close()  # good files: built (lazily, nothing sent)
 
 
+def test_an_encrypted_redis_client_key_is_refused_saying_to_decrypt_it_as_no_setting_takes_its_password(
+        files: Files) -> None:
+    """The error said "encrypted and its password is missing or wrong", sending the operator to look for a [redis]
+    key password setting there is none of; the Kafka one, which has ssl_key_password, still says that."""
+    from stream.config import RedisSettings
+    from stream.redis_client import connect
+
+    rs = RedisSettings(url="rediss://127.0.0.1:1/0", ssl_ca_certs=files.good.ca, ssl_certfile=files.good.cert,
+                       ssl_keyfile=files.encrypted_key)
+    with pytest.raises(ConfigError, match=r"\[redis\] ssl_keyfile: .*encrypted, which \[redis\] cannot use .*give the "
+                                          r"key unencrypted \(openssl pkey -in .*encrypted.key") as info:
+        connect(rs, retries=0)
+    assert "password is missing" not in str(info.value)
+
+
 @pytest.mark.parametrize("with_ca", [True, False])
 def test_a_rediss_client_checks_the_servers_host_name_whatever_redis_pys_default(files: Files, with_ca: bool) -> None:
     """The host-name check of a rediss:// connection is streamrec's setting, not redis-py's default: pyproject allowed
