@@ -707,6 +707,15 @@ def _tls_advice(text: str) -> str:
     return " (TLS: check ssl_ca_certs and that the server speaks TLS on that port)"
 
 
+def _handshake_advice(text: str) -> str:
+    """What a rediss:// connection that timed out connecting (``text``, its error) asks to check: a Redis without TLS on
+    that port never answers the handshake, which was said as a Redis that did not answer in time, nothing more."""
+    if "Timeout connecting" in text:
+        return (" (TLS: a port without TLS never answers the handshake: check that the server speaks TLS on that port, "
+                "or use a redis:// url)")
+    return ""
+
+
 def describe(exc: BaseException, settings: RedisSettings) -> str:
     """One line for a failed Redis operation: which Redis (url redacted), what happened, what to check."""
     where = f"Redis at {redact(settings.url)}"
@@ -723,7 +732,7 @@ def describe(exc: BaseException, settings: RedisSettings) -> str:
         return (f"{where} refused the credentials of {who} ({what}); check [redis] username and "
                 "password_file / password_env (or the password in the url)")
     if isinstance(exc, redis.TimeoutError):
-        return f"{where} did not answer in time ({what})"
+        return f"{where} did not answer in time ({what}){_handshake_advice(str(exc)) if settings.tls else ''}"
     if isinstance(exc, (redis.ConnectionError, OSError)):
         return f"{where} cannot be reached ({what}){_tls_advice(str(exc)) if settings.tls else ''}"
     return f"{where}: {what}"

@@ -516,6 +516,20 @@ def test_a_command_the_acl_denies_is_described_with_the_grant_that_fixes_it(
         admin.execute_command("ACL", "DELUSER", user)
 
 
+def test_a_rediss_url_at_a_port_without_tls_is_said_to_be_that_not_only_a_redis_that_did_not_answer(
+        srv: SecureRedis, tmp_path: Path) -> None:
+    """A plain Redis never answers a TLS handshake: the connection timed out, said as "did not answer in time" only,
+    an outage to wait out rather than a url or a port to fix."""
+    files = make_tls_files(tmp_path / "tls", "plain")
+    rs = RedisSettings(url=srv.url.replace("redis://", "rediss://", 1), ssl_ca_certs=files.ca,
+                       password=Secret(PASSWORD))
+    says = (r"did not answer in time \(TimeoutError: Timeout connecting.*\) \(TLS: a port without TLS never answers "
+            r"the handshake: .*or use a redis:// url\)")
+    with pytest.raises(RedisFailure, match=says) as info:
+        connect(rs, timeout_s=1, retries=0, check=True)
+    assert_no_secret(str(info.value))
+
+
 @pytest.mark.parametrize("server, says", [
     ({"hosts": ("redis.example",)}, r"IP address mismatch.*TLS: the url's host is not a name or address the server's "
                                     r"certificate holds"),
