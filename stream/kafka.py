@@ -436,30 +436,48 @@ def topic_identity(kafka: KafkaSettings, topic: str, timeout_s: float = 10.0) ->
     return topic_identities(kafka, [topic], timeout_s)[topic]
 
 
+# (bootstrap servers, topic) whose id the broker could not give: said once until it gives it again (a joiner asks
+# every ``[joiner] topic_check_s`` and at each restore: a broker down for an hour said so 120 times)
+_ids_unread: set[tuple[str, str]] = set()
+
+
 def topic_identities(kafka: KafkaSettings, topics: Sequence[str], timeout_s: float = 10.0) -> dict[str, dict[str, str]]:
     """:func:`topic_identity` of each of ``topics`` from one admin client and one DescribeTopics (the joiner asks for
     both inputs at every restore: a client and two round trips per topic doubled its wait on a slow broker). A topic
-    the broker cannot describe (absent, denied) gets the cluster id only, logged; the others keep theirs."""
+    the broker cannot describe (absent, denied) gets the cluster id only, logged (a WARNING once until its id is read
+    again, then an INFO line); the others keep theirs."""
     out: dict[str, dict[str, str]] = {t: {} for t in topics}
     try:
         admin = AdminClient(admin_config(kafka))
         cluster = admin.list_topics(timeout=timeout_s).cluster_id
         futures = admin.describe_topics(TopicCollection(list(topics)), request_timeout=timeout_s)
     except KafkaException as exc:
-        log.warning("could not read the ids of topics %s (%s): a topic made again under its name goes untold",
-                    ", ".join(topics), clip(str(exc)))
+        _say_ids_unread(kafka, topics, "could not read the ids of topics %s (%s)", exc)
         return out
     for topic in topics:
         out[topic] = {"cluster_id": cluster} if cluster else {}
         try:
             tid = futures[topic].result().topic_id
         except KafkaException as exc:
-            log.warning("could not read the id of topic %s (%s): a topic made again under its name goes untold",
-                        topic, clip(str(exc)))
+            _say_ids_unread(kafka, [topic], "could not read the id of topic %s (%s)", exc)
             continue
+        if (kafka.bootstrap_servers, topic) in _ids_unread:
+            _ids_unread.discard((kafka.bootstrap_servers, topic))
+            log.info("the id of topic %s is read again", topic)
         if tid is not None and (tid.get_most_significant_bits() or tid.get_least_significant_bits()):
             out[topic]["topic_id"] = str(tid)
     return out
+
+
+def _say_ids_unread(kafka: KafkaSettings, topics: Sequence[str], what: str, exc: KafkaException) -> None:
+    """:func:`topic_identities`' WARNING that ``topics``' ids could not be read, once until each is read again (DEBUG
+    meanwhile)."""
+    keys = {(kafka.bootstrap_servers, t) for t in topics}
+    said = keys <= _ids_unread
+    _ids_unread.update(keys)
+    (log.debug if said else log.warning)(
+        what + ": a topic made again under its name goes untold (said once until it is read again)",
+        ", ".join(topics), clip(str(exc)))
 
 
 def ensure_compacted(kafka: KafkaSettings, topic: str, partitions: int | None = None) -> None:

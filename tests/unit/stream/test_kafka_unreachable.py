@@ -87,3 +87,47 @@ def test_the_command_line_ends_in_that_line(monkeypatch: pytest.MonkeyPatch,
         f"streamrec audit: error: Kafka at {servers} cannot be reached (Connect to ipv4#{servers} failed: Connection "
         "refused): Failed to get metadata: Local: Broker transport failure; is the broker up, and is that the right "
         "address? ([kafka] bootstrap_servers / --bootstrap-servers)\n")
+
+
+class _Admin:
+    """An AdminClient whose broker cannot be asked while ``down`` (each call of topic_identities makes one)."""
+    down = True
+
+    def __init__(self, _config: dict) -> None:
+        pass
+
+    def list_topics(self, timeout: float) -> object:
+        if _Admin.down:
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "broker down"))
+        return type("Md", (), {"cluster_id": "c"})()
+
+    def describe_topics(self, topics: object, request_timeout: float) -> dict:
+        class Done:
+            def result(self) -> object:
+                return type("Desc", (), {"topic_id": None})()
+        return {t: Done() for t in topics.topic_names}  # type: ignore[attr-defined]
+
+
+def test_topic_ids_that_cannot_be_read_are_said_once_until_read_again(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(K, "AdminClient", _Admin)
+    monkeypatch.setattr(K, "admin_config", lambda kafka: {})
+    monkeypatch.setattr(K, "_ids_unread", set(), raising=False)  # (none said before)
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")  # never contacted
+    _Admin.down = True
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    with caplog.at_level(logging.DEBUG, logger=K.log.name):
+        for _ in range(3):  # a joiner's periodic check while the broker is down
+            assert K.topic_identities(kafka, ["imps", "clicks"]) == {"imps": {}, "clicks": {}}
+        assert len(warnings()) == 1 and "imps, clicks" in warnings()[0] and "said once" in warnings()[0]
+        _Admin.down = False
+        assert K.topic_identities(kafka, ["imps", "clicks"]) == {"imps": {"cluster_id": "c"},
+                                                                 "clicks": {"cluster_id": "c"}}
+        assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
+            "the id of topic imps is read again", "the id of topic clicks is read again"]
+        _Admin.down = True  # down again: said again
+        K.topic_identities(kafka, ["imps", "clicks"])
+        assert len(warnings()) == 2
