@@ -566,6 +566,11 @@ class BatchConsumer(faust_aiokafka.Consumer):
         tps = [TP(topic, partition) for topic, partition in sorted(again)]
         for tp in tps:
             self._redone.pop(tp, None)
+        with ack_lock:  # the old topic's acks and gaps not committed yet (the running check, within faust's commit
+            for tp in tps:  # interval): its commit took them over the first offset (a committed 0 skips its gap check)
+                self._acked.pop(tp, None)
+                self._acked_index.pop(tp, None)
+                self._gap.pop(tp, None)
         lows = {tp: low for tp, low in (await self.earliest_offsets(*tps)).items() if low is not None}
         await self._commit_offsets(lows)
         for tp, low in lows.items():  # (aiokafka's seek to the committed offsets passes over an offset of 0)

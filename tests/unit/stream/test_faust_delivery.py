@@ -102,6 +102,7 @@ def _delivering(process, held):  # noqa: ANN001, ANN202 - a fake BatchConsumer f
         delivery=BatchDelivery(process=process, max_records=100, within_s=0.1, short_polls=lambda: False,
                                in_hand=lambda n: None, held=held, dropped=done["dropped"].append),
         _kept={}, _sought={}, _redone={}, _carry=[], _commit_every=None, _n_acked=0, commit=commit,
+        _acked={}, _acked_index={}, _gap={},
         perform_seek=perform_seek, seek=seek,
         app=SimpleNamespace(monitor=None), assignment=lambda: set(), _read_offset={}, log=logging.getLogger("test"),
         ack_offsets=lambda tp, offsets: done["acked"].append((tp, list(offsets))))
@@ -597,3 +598,48 @@ def test_an_input_made_again_with_records_past_the_old_committed_offset_is_read_
     fake.start_over = lambda again: BatchConsumer.start_over(fake, again)  # type: ignore[arg-type]
     asyncio.run(BatchConsumer._deliver(fake, [Record("impressions", 0, o, None, b"") for o in (6, 7, 8)]))  # type: ignore[arg-type]
     assert done["seeks"][-1] == (remade, 0)  # was (remade, 6)
+
+
+def test_an_input_made_again_under_the_running_consumer_commits_none_of_the_old_topics_pending_acks() -> None:
+    """The running topic-id check (``JoinPipeline.check_topics``) can start an input over while faust still holds
+    acknowledgements of the old topic not committed yet (offsets 100-105, joined within the commit interval).
+    ``start_over`` commits the new topic's first offset, 0; faust's next commit took the old acks (its gap check skips a
+    committed offset of 0) and committed 106 over it: a crash before the new topic passed 106 read it on from there,
+    its records between the state and 106 never joined."""
+    import asyncio
+    import dataclasses
+    from collections import defaultdict
+
+    from faust.transport.consumer import Consumer
+    from faust.types import TP
+    from intervaltree import IntervalTree
+
+    from stream.joiner.faust_delivery import BatchConsumer
+
+    remade = TP("impressions", 0)
+    fake, done = _delivering(lambda records: {}, lambda: {})
+    fake.delivery = dataclasses.replace(fake.delivery, started_over=lambda: {("impressions", 0)})
+    fake.assignment = lambda: {remade}
+    fake._read_offset = {remade: 105}
+    fake._acked, fake._acked_index = defaultdict(list), defaultdict(set)
+    fake._gap, fake._committed_offset = defaultdict(IntervalTree), defaultdict(lambda: None)
+    fake._acked[remade].extend(range(100, 106))  # the old topic's, processed, not committed yet
+    fake._acked_index[remade].update(range(100, 106))
+    fake._gap[remade].addi(90, 95)  # an old topic's gap (a transaction marker's offsets)
+    fake._committed_offset[remade] = 100
+
+    async def earliest_offsets(*tps: TP) -> dict:
+        return {tp: 0 for tp in tps}
+
+    async def commit_offsets(offsets: dict) -> bool:
+        fake._committed_offset.update(offsets)  # as faust's
+        return True
+
+    fake.earliest_offsets, fake._commit_offsets = earliest_offsets, commit_offsets
+    fake.start_over = lambda again: BatchConsumer.start_over(fake, again)  # type: ignore[arg-type]
+    fake._new_offset = lambda tp: Consumer._new_offset(fake, tp)  # type: ignore[arg-type]
+    fake._should_commit = lambda tp, offset: Consumer._should_commit(fake, tp, offset)  # type: ignore[arg-type]
+    asyncio.run(BatchConsumer._deliver(fake, []))  # type: ignore[arg-type]
+    assert fake._committed_offset[remade] == 0
+    assert Consumer._filter_committable_offsets(fake, [remade]) == {}  # type: ignore[arg-type]  # was 95 (106 without the gap)
+    assert not fake._gap[remade]  # the old topic's gaps are no offsets of the new one
