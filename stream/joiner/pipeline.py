@@ -410,6 +410,15 @@ class JoinTotals:
         }
 
 
+def running_check_timeout_s(kafka: KafkaSettings) -> float:
+    """The bound on each broker call of the running topic-id check (:meth:`JoinPipeline.check_topics`, ``regressed``):
+    a third of the group's session timeout, 10 s at most. The faust driver asks on its event loop, where the
+    consumer's heartbeats run too: 2 x 10 s on a slow broker (the default timeout) outlasted the default 6 s session,
+    and the member was evicted at every check. A broker slower than this is not asked (said once, as a broker that
+    cannot give the ids); the restore's own ask at each assignment keeps the full timeout."""
+    return min(10.0, kafka.session_timeout_ms / 3000)
+
+
 class JoinPipeline:
     """The per-partition join state of one worker process and the batch step around it."""
 
@@ -690,7 +699,7 @@ class JoinPipeline:
         ``_follow_topics`` (said, counted, strikes and offset gone), its held records (the old topic's) dropped, and
         put in ``started_over`` for the driver to commit its first offset and read it from there."""
         inputs = (self.kafka.impressions_topic, self.kafka.clicks_topic)
-        ids = topic_identities(self.kafka, inputs)
+        ids = topic_identities(self.kafka, inputs, running_check_timeout_s(self.kafka))
         now = [ids[t].get("topic_id") for t in inputs]
         for partition in sorted(partitions):
             eng = self.engines[partition]
