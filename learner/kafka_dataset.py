@@ -443,10 +443,14 @@ def sample_loader(dataset: IterableDataset, num_workers: int, prefetch_factor: i
     checkpoint records). Cyclic garbage is collected first where workers will fork: a Kafka client in a reference
     cycle collected in a worker hangs or crashes it (module docstring). ``stall_s`` (> 0, with workers): a wait for a
     batch from any worker ends after at most that long with torch's timeout, waited again and counted by
-    ``learner/worker_stall.py`` (every worker hung)."""
+    ``learner/worker_stall.py`` (every worker hung). Workers are forked, whatever the platform's default start method
+    (forkserver from Python 3.14 on Linux, spawn on macOS): under those the dataset was pickled into each worker, and a
+    :class:`~stream.secrets.Secret` pickles empty by design, so a SASL password arrived as "" and every worker's
+    login was refused."""
     if num_workers:
         gc.collect()
     return DataLoader(dataset, batch_size=None, num_workers=num_workers,
+                      multiprocessing_context=multiprocessing.get_context("fork") if num_workers else None,
                       timeout=loader_timeout(stall_s) if num_workers else 0.0,
                       prefetch_factor=prefetch_factor if num_workers else None,
                       persistent_workers=persistent_workers and num_workers > 0, pin_memory=pin_memory,

@@ -705,3 +705,23 @@ def test_the_learners_loader_collects_cyclic_garbage_before_it_forks_dataloader_
     finally:
         gc.enable()
         gc.collect()
+
+
+def test_the_loaders_workers_are_forked_whatever_the_default_start_method_so_a_sasl_password_reaches_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Secret pickles empty (stream/secrets.py): under forkserver (Python 3.14's Linux default) or spawn the dataset,
+    its Kafka settings with it, was pickled into each worker and the SASL password arrived as ""."""
+    import multiprocessing
+    import pickle
+
+    from stream.config import KafkaSettings
+    from stream.secrets import Secret
+
+    kafka = KafkaSettings(security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN", sasl_username="u",
+                          sasl_password=Secret("s3cret"))
+    assert pickle.loads(pickle.dumps(kafka)).sasl_password.reveal() == ""  # what a pickled worker would get
+    monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: "forkserver")
+    loader = kd.sample_loader(OneIdleWorker(None), num_workers=2, prefetch_factor=2, pin_memory=False)
+    assert loader.multiprocessing_context.get_start_method() == "fork"
+    assert kd.sample_loader(OneIdleWorker(None), num_workers=0, prefetch_factor=2,
+                            pin_memory=False).multiprocessing_context is None
