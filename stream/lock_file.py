@@ -32,25 +32,33 @@ def hold_lock(path: Path) -> int | None:
     descriptor, so a child outliving its parent does not keep the lock."""
     path = Path(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO opens (O_NONBLOCK); its pid write failed, EINVAL
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # a FIFO opens (O_NONBLOCK); its pid write failed, EINVAL
         os.close(fd)
         raise OSError("not a regular file")
+    # a hard link (a directory copied with cp -al, a file linked there) is another file too: the pid written into it
+    # truncated that file, and its first bytes were read as a pid. Locked all the same, its contents left alone
+    own = st.st_nlink == 1
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "not known"
+        holder = (os.pread(fd, 32, 0).decode("ascii", "replace").strip() if own else "") or "not known"
         os.close(fd)
         raise LockHeld(path, holder) from None
     except OSError as exc:
         os.close(fd)
         log.warning("cannot lock %s (%s): a second process using it is not detected", path, exc)
         return None
-    try:  # the pid, for the refusal's message; a failure (a full disk) must not leave the lock held
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except BaseException:
-        os.close(fd)
-        raise
+    if not own:
+        log.warning("lock file %s is a hard link to another file: locked, its contents left alone (no pid written); "
+                    "remove it, so that the next start makes a lock file of its own", path)
+    else:
+        try:  # the pid, for the refusal's message; a failure (a full disk) must not leave the lock held
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
     _HELD.add(fd)
     return fd
 

@@ -162,3 +162,26 @@ def test_a_lock_that_is_no_regular_file_is_a_settings_error_naming_it(tmp_path: 
         checkpoint.hold_directory(tmp_path)
     (tmp_path / "LOCK").unlink()
     checkpoint.release_directory(checkpoint.hold_directory(tmp_path))  # no descriptor left holding it
+
+
+def test_a_lock_that_is_a_hard_link_to_another_file_leaves_that_file_alone(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``<checkpoint_dir>/LOCK`` hard-linked to another file (a directory copied with ``cp -al``, a file linked there):
+    the learner truncated that file and wrote its pid into it. It is locked all the same, its contents untouched,
+    and a warning names it."""
+    from learner import checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    other = tmp_path / "other.json"
+    other.write_text('{"keep": "these bytes"}')
+    os.link(other, ckpt / "LOCK")
+    fd = checkpoint.hold_directory(ckpt)
+    try:
+        assert other.read_text() == '{"keep": "these bytes"}'
+        assert fd is not None and "is a hard link to another file" in caplog.text
+        with pytest.raises(ConfigError, match=r"in use by another learner \(pid not known,"):
+            checkpoint.hold_directory(ckpt)  # locked all the same; its bytes are not read as a pid
+    finally:
+        checkpoint.release_directory(fd)
+    assert other.read_text() == '{"keep": "these bytes"}'
