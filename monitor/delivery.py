@@ -94,7 +94,8 @@ class QueuedSink:
       the next request 0.5 s later, and more 429s.
       Alerts are delivered in the order they were queued, at least once.
     * At most ``queue_size`` alerts wait (plus the batch being sent), holding at most ``queue_max_bytes``
-      (:meth:`Alert.weight`); beyond either the superseded, then the oldest are dropped (:meth:`_trim`). An alert
+      (:meth:`Alert.weight`); beyond either the superseded, then the oldest are dropped (:meth:`_trim`), never the
+      newest (one alone over ``queue_max_bytes`` is kept). An alert
       over :data:`WebhookSink.MAX_BODY` is queued :meth:`Alert.shortened` (every sink sends it shortened anyway):
       counted by alerts alone, 1000 alerts with a scraped label of 10 MB held 10 GB while a sink was down.
       Every alert dropped (overflow, rejected by the sink, closed) is counted and logged.
@@ -308,7 +309,7 @@ class QueuedSink:
         last word on that alert is the later one either way); then the oldest. Dropping the oldest alone dropped,
         under a sink down for hours and one flapping rule, a resolved whose firing was delivered before the outage:
         that alert stayed firing at the receiver for ever (and out of the state file, which keeps only the resolves
-        still queued)."""
+        still queued). The newest alert is kept, even alone over ``queue_max_bytes``."""
         excess = len(self._queue) - self.queue_size
         over = sum(a.weight() for a in self._queue) - self.queue_max_bytes
         if excess <= 0 and over <= 0:
@@ -321,8 +322,9 @@ class QueuedSink:
             if fp in seen:
                 superseded.add(i)
             seen.add(fp)
-        gone: set[int] = set()
-        for i in [*sorted(superseded), *(i for i in range(len(self._queue)) if i not in superseded)]:
+        gone: set[int] = set()  # never the newest (queue_size >= 1): one alert over queue_max_bytes alone was dropped
+        # as it was queued, into a queue holding nothing else, and never delivered however often it was sent
+        for i in [*sorted(superseded), *(i for i in range(len(self._queue) - 1) if i not in superseded)]:
             if len(gone) >= excess and over <= 0:
                 break
             gone.add(i)

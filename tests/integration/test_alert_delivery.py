@@ -411,6 +411,26 @@ def test_a_queue_holds_alerts_with_huge_labels_shortened_and_at_most_queue_max_b
     assert sink.wait_idle(5) and sink.close(1) == 0
 
 
+def test_an_alert_heavier_than_queue_max_bytes_alone_is_queued_and_delivered_not_dropped() -> None:
+    """One alert over queue_max_bytes (but under the webhook's body limit, so not shortened) into an empty queue was
+    dropped as overflow at once: the queue held nothing else, and that alert, sent again at each evaluation while it
+    fired, was never delivered. The newest alert stays; the bound drops the older ones."""
+    blocked = ListSink(block=True)
+    sink = QueuedSink(blocked, SinkSettings(queue_max_bytes=5_000))
+    try:
+        sink.send([alert(0)])
+        assert blocked.entered.wait(5)  # alert 0 is being sent; the attempt waits for the test
+        heavy = [dataclasses.replace(alert(i), labels={"path": "x" * 20_000}) for i in (1, 2)]
+        sink.send([heavy[0]])
+        assert [a.ts for a in sink.waiting()[1:]] == [heavy[0].ts] and sink.stats.dropped == {}
+        sink.send([heavy[1]])  # the older one goes for the bound; the newest stays
+        assert [a.ts for a in sink.waiting()[1:]] == [heavy[1].ts] and sink.stats.dropped == {"overflow": 1}
+    finally:
+        blocked.release.set()
+    assert sink.wait_idle(5) and sink.close(1) == 0
+    assert [a.ts for a in blocked.got] == [alert(0).ts, heavy[1].ts]
+
+
 def test_an_overflow_drops_a_flapping_rules_superseded_alerts_not_a_resolved_whose_firing_was_delivered() -> None:
     """A sink down while one rule flaps: the queue fills with that rule's firing/resolved pairs. Dropping the oldest
     dropped the resolved of an alert whose firing went out before the outage, and the receiver showed it firing for
