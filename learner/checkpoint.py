@@ -334,7 +334,7 @@ def hold_directory(directory: Path) -> int | None:
     directory = Path(directory)
     try:  # a directory or LOCK that cannot be opened (LOCK a directory or a link, no permission, a read-only mount):
         directory.mkdir(parents=True, exist_ok=True)  # the operator's to mend, exit 2 naming it (a traceback, exit 1)
-        return hold_lock(directory / LOCK)
+        return hold_lock(directory / LOCK, "learner on this directory", log)
     except LockHeld as exc:
         raise ConfigError(f"[learner] checkpoint_dir {directory} is in use by another learner (pid {exc.holder}, "
                           f"holding {LOCK}): stop it first, or give this one its own checkpoint_dir") from None

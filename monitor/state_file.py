@@ -70,7 +70,7 @@ class FiringStateFile:
         be taken (its directory not writable) is logged, as a file that cannot be written is."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._lock = hold_lock(self.lock_path)
+            self._lock = hold_lock(self.lock_path, "monitor on this state file", log)
         except LockHeld as exc:
             raise ConfigError(f"state file {self.path} is in use by another monitor (pid {exc.holder}, holding "
                               f"{self.lock_path}): stop it first, or give this one its own state_path") from None

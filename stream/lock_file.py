@@ -13,6 +13,8 @@ import os
 import stat
 from pathlib import Path
 
+from stream.files import describe_os_error
+
 log = logging.getLogger("streamrec")
 
 
@@ -24,12 +26,12 @@ class LockHeld(OSError):
         self.path, self.holder = path, holder
 
 
-def hold_lock(path: Path) -> int | None:
+def hold_lock(path: Path, who: str = "process using it", logger: logging.Logger = log) -> int | None:
     """Take ``path`` (made if absent) for this process: the descriptor, the lock held while it is open (close it to
     release). :class:`LockHeld` naming the holder's pid when another process holds it; an OSError when the file
-    cannot be opened (a directory, a symbolic link, a FIFO, no permission); None, with a WARNING, on a filesystem that
-    cannot lock (ENOLCK, EOPNOTSUPP): a second process is not detected there. A forked child closes its copy of the
-    descriptor, so a child outliving its parent does not keep the lock."""
+    cannot be opened (a directory, a symbolic link, a FIFO, no permission); None, with a WARNING on ``logger``, on a
+    filesystem that cannot lock (ENOLCK, EOPNOTSUPP): a second ``who`` is not detected there. A forked child closes its
+    copy of the descriptor, so a child outliving its parent does not keep the lock."""
     path = Path(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     st = os.fstat(fd)
@@ -47,10 +49,10 @@ def hold_lock(path: Path) -> int | None:
         raise LockHeld(path, holder) from None
     except OSError as exc:
         os.close(fd)
-        log.warning("cannot lock %s (%s): a second process using it is not detected", path, exc)
+        logger.warning("cannot lock %s (%s): a second %s is not detected", path, describe_os_error(exc), who)
         return None
     if not own:
-        log.warning("lock file %s is a hard link to another file: locked, its contents left alone (no pid written); "
+        logger.warning("lock file %s is a hard link to another file: locked, its contents left alone (no pid written); "
                     "remove it, so that the next start makes a lock file of its own", path)
     else:
         try:  # the pid, for the refusal's message; a failure (a full disk) must not leave the lock held

@@ -185,3 +185,23 @@ def test_a_lock_that_is_a_hard_link_to_another_file_leaves_that_file_alone(
     finally:
         checkpoint.release_directory(fd)
     assert other.read_text() == '{"keep": "these bytes"}'
+
+
+def test_a_filesystem_that_cannot_lock_is_said_on_the_checkpoint_logger_naming_a_second_learner(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """NFS without locks (ENOLCK): the learner goes on without the lock, and the operator reads that a second learner
+    on the directory is not detected, on the learner's own logger (the shared lock file's words were "a second process
+    using it", on the root streamrec logger)."""
+    import errno
+    import logging
+
+    from learner.checkpoint import hold_directory
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="streamrec.checkpoint"):
+        assert hold_directory(tmp_path / "ckpt") is None
+    said = [r for r in caplog.records if r.name == "streamrec.checkpoint" and "not detected" in r.getMessage()]
+    assert said and "a second learner on this directory is not detected" in said[0].getMessage()
