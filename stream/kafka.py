@@ -10,6 +10,7 @@ import gc
 import logging
 import math
 import re
+import ssl
 import threading
 import time
 import uuid
@@ -45,7 +46,7 @@ from stream.errors import (
     clip,
 )
 from stream.retention import account_for_retention
-from stream.tls import check_file
+from stream.tls import certificate_refusal, check_file, client_context
 
 Headers = Sequence[tuple[str, bytes | None]]  # a header value may be null
 log = logging.getLogger("streamrec.kafka")
@@ -91,6 +92,8 @@ class KafkaAccessError(StreamError):
 # a refusal becomes one KafkaAccessError naming the cause and the settings to fix. A broker that is down
 # (connection refused) or slow is not judged here: the caller's own timeouts and retries report it as before.
 ACCESS_CHECK_S = 3.0
+_VERIFY_FAILED = "certificate verify failed"  # in librdkafka's text, before its advice on ssl.ca.location
+TLS_REASON_S = 3.0  # the handshake that says why a broker's certificate fails verification (_certificate_refusal)
 UNDECIDED_FOR_S = 60.0  # a check that could not decide (a silent or slow broker) is not repeated this long
 _access_ok: set[tuple[Any, ...]] = set()
 _access_undecided: dict[tuple[Any, ...], float] = {}  # key -> monotonic time of the undecided check
@@ -186,6 +189,32 @@ def weakened_tls(kafka: KafkaSettings) -> str | None:
             "(ssl_ca_location names the CA that signed a certificate naming the broker's host)")
 
 
+def tls_context(kafka: KafkaSettings) -> ssl.SSLContext:
+    """Python's TLS context for ``kafka``'s settings, as librdkafka applies them: the CA, the client certificate and
+    key, and ``[kafka.extra]``'s checks turned off (:func:`weakened_tls`). Loaded by :func:`stream.tls.client_context`:
+    a bad CA file, a key that is not the certificate's or cannot be read is a ConfigError naming the setting."""
+    ctx = client_context("kafka", ("ssl_ca_location", kafka.ssl_ca_location),
+                         ("ssl_certificate_location", kafka.ssl_certificate_location),
+                         ("ssl_key_location", kafka.ssl_key_location), kafka.ssl_key_password.reveal())
+    if kafka.extra.get("ssl.endpoint.identification.algorithm", "https").strip().lower() == "none":
+        ctx.check_hostname = False
+    if not kafka.verifies_certificates():
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def _certificate_refusal(kafka: KafkaSettings) -> str | None:
+    """Why the first bootstrap server's certificate fails verification, when it names another host or is out of date
+    (:func:`stream.tls.certificate_refusal`, one bounded handshake); None for any other outcome."""
+    host, _, port = kafka.bootstrap_servers.split(",")[0].strip().rpartition(":")
+    try:
+        ctx = tls_context(kafka)
+    except ConfigError:  # a file librdkafka loaded and ssl cannot: the CA advice stands
+        return None
+    return certificate_refusal(ctx, host.strip("[]"), int(port), TLS_REASON_S)
+
+
 _weakened_warned: set[tuple[Any, ...]] = set()  # settings whose weakened TLS has been logged (once per process)
 
 
@@ -211,15 +240,19 @@ def check_access(kafka: KafkaSettings, timeout_s: float = ACCESS_CHECK_S) -> Non
         refused = _refusal(errors)
         p = kafka.security_protocol
         if refused is not None:
+            text = _text(refused)
             if refused.code() == KafkaError._AUTHENTICATION:
                 fix = ("check [kafka] sasl_username and sasl_password (or sasl_password_file / sasl_password_env) "
                        "and sasl_mechanism")
             elif "PLAINTEXT broker listener" in refused.str():
                 fix = "the listener does not speak TLS: set [kafka] security_protocol = PLAINTEXT or SASL_PLAINTEXT"
+            elif reason := _certificate_refusal(kafka):  # the CA is right: not the CA advice, ours nor librdkafka's
+                fix, cut = reason, text.find(_VERIFY_FAILED)
+                text = text[:cut + len(_VERIFY_FAILED)] if cut >= 0 else text
             else:
                 fix = ("check [kafka] ssl_ca_location (the CA that signed the broker's certificate) and "
                        "ssl_certificate_location / ssl_key_location if the broker wants a client certificate")
-            raise KafkaAccessError(f"{_who(kafka)} refused the connection: {_text(refused)}; {fix}")
+            raise KafkaAccessError(f"{_who(kafka)} refused the connection: {text}; {fix}")
         if not _dropped(errors):
             _access_undecided[key] = time.monotonic()  # down, unreachable or slow: not ours to judge
             why = next((re.sub(r"^[^ ]+/bootstrap: ", "", _text(e)) for e in errors if _unreachable([e])), None)

@@ -10,6 +10,8 @@ certificate in a CA bundle, a key that does not belong to the certificate, an en
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 import ssl
 from pathlib import Path
 
@@ -88,3 +90,102 @@ def client_context(section: str, ca: tuple[str, Path | None], cert: tuple[str, P
             raise ConfigError(f"[{section}] {names}: cannot load the client certificate and key ({files}): "
                               f"{why}") from None
     return ctx
+
+
+# -- why a server's certificate is refused ------------------------------------------------------------------------
+# A client library (librdkafka) may say only "certificate verify failed", and its caller's advice ("check the CA
+# file") misleads when the CA is right and the certificate names another host or is out of date. One handshake with
+# Python's ssl says which (its verify code); for those two a second one, unverified, reads the certificate's names or
+# dates for the message. Any other outcome (an unknown CA, a handshake that works or fails otherwise) says nothing.
+_HOST_MISMATCH = (62, 64)  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+_OUT_OF_DATE = (9, 10)  # X509_V_ERR_CERT_NOT_YET_VALID, X509_V_ERR_CERT_HAS_EXPIRED
+_SAN_OID = bytes.fromhex("0603551d11")  # the DER of OID 2.5.29.17, subjectAltName
+
+
+def certificate_refusal(ctx: ssl.SSLContext, host: str, port: int, timeout_s: float) -> str | None:
+    """Why ``ctx`` refuses the certificate of the TLS server at ``host``:``port`` and what to fix, when it is a name the
+    certificate does not hold or its validity dates; None otherwise (comment above). Every step is bounded by
+    ``timeout_s``; nothing of the context's key or password is shown."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw, \
+                ctx.wrap_socket(raw, server_hostname=host):
+            return None
+    except ssl.SSLCertVerificationError as exc:
+        code, message = exc.verify_code, str(exc.verify_message).rstrip(".")
+    except (OSError, ValueError):  # not reached, not TLS, refused otherwise: not this function's to say
+        return None
+    if code not in _HOST_MISMATCH + _OUT_OF_DATE:
+        return None
+    names, dates = _certificate_facts(_peer_certificate(host, port, timeout_s))
+    if code in _HOST_MISMATCH:
+        return (f"the server's certificate does not name {host} ({message}): connect by a host name the certificate "
+                f"lists (its names: {', '.join(names) or 'none found'}) or reissue it for {host}")
+    valid = f"valid from {dates[0]} to {dates[1]} UTC" if dates else "its validity dates could not be read"
+    return (f"the server's certificate (or a CA's above it) is out of date ({message}): renew it ({valid}) and check "
+            "the clocks of this machine and of the server")
+
+
+def _peer_certificate(host: str, port: int, timeout_s: float) -> bytes:
+    """The DER certificate the server at ``host``:``port`` presents (b"" if it cannot be read), unverified."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw, \
+                ctx.wrap_socket(raw, server_hostname=host) as tls:
+            return tls.getpeercert(binary_form=True) or b""
+    except (OSError, ValueError):
+        return b""
+
+
+def _der(buf: bytes, pos: int) -> tuple[int, int, int]:
+    """The DER element at ``pos``: (its tag, where its content starts, where it ends)."""
+    tag, length, pos = buf[pos], buf[pos + 1], pos + 2
+    if length & 0x80:
+        n = length & 0x7F
+        length, pos = int.from_bytes(buf[pos:pos + n], "big"), pos + n
+    return tag, pos, pos + length
+
+
+def _children(buf: bytes, start: int, end: int) -> list[tuple[int, int, int]]:
+    out = []
+    while start < end:
+        out.append(_der(buf, start))
+        start = out[-1][2]
+    return out
+
+
+def _certificate_facts(der: bytes) -> tuple[list[str], tuple[str, str] | None]:
+    """A DER certificate's subject alternative names (DNS names and IP addresses) and validity dates
+    (``YYYY-MM-DD HH:MM:SS``); ([], None) for what cannot be read."""
+    try:
+        _, start, end = _der(der, 0)
+        _, start, end = _der(der, start)  # tbsCertificate
+        fields = _children(der, start, end)
+        fields = fields[1:] if fields[0][0] == 0xA0 else fields  # [0] version, when present
+        validity = [der[s:e].decode("ascii") for _, s, e in _children(der, fields[3][1], fields[3][2])]
+        dates = tuple(_when(v) for v in validity[:2])
+        names: list[str] = []
+        for tag, s, _ in fields[6:]:
+            if tag != 0xA3:  # [3] extensions
+                continue
+            for _, es, ee in _children(der, *_der(der, s)[1:]):
+                parts = _children(der, es, ee)
+                if der[parts[0][1] - 2:parts[0][2]] == _SAN_OID:
+                    _, vs, ve = _der(der, parts[-1][1])  # the OCTET STRING holds the GeneralNames SEQUENCE
+                    for gtag, gs, ge in _children(der, vs, ve):
+                        if gtag == 0x82:  # dNSName
+                            names.append(der[gs:ge].decode("ascii", "replace"))
+                        elif gtag == 0x87:  # iPAddress
+                            names.append(str(ipaddress.ip_address(der[gs:ge])))
+        return names, (dates[0], dates[1]) if len(dates) == 2 else None
+    except (IndexError, ValueError, UnicodeDecodeError):
+        return [], None
+
+
+def _when(text: str) -> str:
+    """A DER UTCTime (YYMMDDHHMMSSZ) or GeneralizedTime (YYYYMMDDHHMMSSZ) as ``YYYY-MM-DD HH:MM:SS``."""
+    digits = text.rstrip("Z")
+    if len(digits) == 12:
+        digits = ("19" if int(digits[:2]) >= 50 else "20") + digits
+    return f"{digits[:4]}-{digits[4:6]}-{digits[6:8]} {digits[8:10]}:{digits[10:12]}:{digits[12:14]}"

@@ -244,6 +244,26 @@ def secure_kafka(log_dir: Path, *, tls: TlsFiles | None = None, require_client_c
         stop(broker)
 
 
+@contextlib.contextmanager
+def tls_listener(log_dir: Path, cert: Path, key: Path) -> Iterator[str]:
+    """The gateway alone, serving TLS with ``cert`` / ``key`` in front of no broker (yields its bootstrap address):
+    enough for a client whose TLS handshake fails, which never gets past it to a broker."""
+    from streamrec.stack import free_port
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    args = [sys.executable, "-m", "tests.secure_kafka", "gateway", "--port", str(port),
+            "--upstream", f"127.0.0.1:{free_port()}", "--cert", str(cert), "--key", str(key)]
+    gateway: subprocess.Popen[bytes] | None = None
+    try:
+        with (log_dir / "gateway.log").open("ab") as out:
+            gateway = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
+        wait_port(port, gateway)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop(gateway)
+
+
 # -- the gateway ----------------------------------------------------------------------------------
 async def _read_frame(reader: asyncio.StreamReader) -> bytes | None:
     try:

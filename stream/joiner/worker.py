@@ -82,7 +82,6 @@ import logging
 import os
 import shutil
 import signal
-import ssl
 import sys
 import tempfile
 import time
@@ -98,9 +97,8 @@ from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Unfetched
 from stream.joiner.config import JoinerSettings
 from stream.joiner.faust_delivery import BatchConsumer, BatchDelivery, Processed, install
 from stream.joiner.pipeline import JoinPipeline, Record
-from stream.kafka import heartbeat_interval_s
+from stream.kafka import heartbeat_interval_s, tls_context
 from stream.strikes import RECOVERY_BACKOFF_S, is_infrastructure
-from stream.tls import client_context
 
 log = logging.getLogger("streamrec.join")
 
@@ -152,21 +150,6 @@ def _request_timeout_s(kafka: KafkaSettings) -> float:
     return max(_REQUEST_TIMEOUT_S, kafka.session_timeout_ms / 1000)
 
 
-def _ssl_context(kafka: KafkaSettings) -> ssl.SSLContext:
-    """The TLS part of faust's credentials. Loaded by :func:`stream.tls.client_context`: a bad CA file, a key that is
-    not the certificate's or cannot be read is a ConfigError naming the setting, as librdkafka's are for the kafka
-    driver (``stream.kafka``), not ssl's raw traceback."""
-    ctx = client_context("kafka", ("ssl_ca_location", kafka.ssl_ca_location),
-                         ("ssl_certificate_location", kafka.ssl_certificate_location),
-                         ("ssl_key_location", kafka.ssl_key_location), kafka.ssl_key_password.reveal())
-    if kafka.extra.get("ssl.endpoint.identification.algorithm", "https").lower() == "none":
-        ctx.check_hostname = False
-    if not kafka.verifies_certificates():
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    return ctx
-
-
 def broker_credentials(kafka: KafkaSettings) -> faust.SASLCredentials | faust.SSLCredentials | None:
     """``[kafka]``'s security settings as faust's ``broker_credentials`` (module docstring: what faust cannot do)."""
     protocol = kafka.security_protocol
@@ -175,7 +158,7 @@ def broker_credentials(kafka: KafkaSettings) -> faust.SASLCredentials | faust.SS
         log.warning("[kafka.extra] %s: librdkafka properties, not applied to the faust driver", ", ".join(ignored))
     if protocol is SecurityProtocol.PLAINTEXT:
         return None
-    ctx = _ssl_context(kafka) if protocol.tls else None
+    ctx = tls_context(kafka) if protocol.tls else None
     if protocol.sasl:
         if kafka.sasl_mechanism is SaslMechanism.OAUTHBEARER:
             raise ConfigError("[kafka] sasl_mechanism = OAUTHBEARER is not supported by the faust join driver (faust "

@@ -41,7 +41,17 @@ from streamrec.settings import build
 from streamrec.stack import LocalStack, free_port
 from tests.bounded_teardown import Reaper, kill_and_reap
 from tests.kafka_io import read_topic
-from tests.secure_kafka import SecureKafka, TlsFiles, create_tansu_user, make_tls, secure_kafka, start_tansu, stop
+from tests.secure_kafka import (
+    SecureKafka,
+    TlsFiles,
+    create_tansu_user,
+    make_tls,
+    secure_kafka,
+    start_tansu,
+    stop,
+    tls_listener,
+)
+from tests.secure_redis import make_tls_files
 
 USER, PASSWORD = "streamrec", "s3cret-password-for-tests"
 MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
@@ -260,6 +270,31 @@ def test_wrong_password_untrusted_ca_and_wrong_protocol_fail_at_once_with_the_ca
         with pytest.raises(KafkaAccessError, match=message):
             AckedProducer(k)
         assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize(("hosts", "valid_days", "reason"), [
+    (("kafka-1.internal", "10.9.8.7"), (-5 / 1440, 1),
+     r"certificate does not name 127\.0\.0\.1 \(IP address mismatch.*connect by a host name the certificate lists "
+     r"\(its names: kafka-1\.internal, 10\.9\.8\.7\) or reissue it"),
+    (("127.0.0.1",), (-3, -1),
+     r"out of date \(certificate has expired\): renew it \(valid from \d{4}-\d\d-\d\d [\d:]+ to [\d: -]+ UTC\) "
+     r"and check the clocks"),
+    (("127.0.0.1",), (1, 3), r"out of date \(certificate is not yet valid\): renew it \(valid from .* UTC\) and check "
+                             r"the clocks"),
+], ids=["names-another-host", "expired", "not-yet-valid"])
+def test_a_broker_certificate_for_another_host_or_out_of_date_is_said_so_instead_of_blaming_the_ca(
+        tmp_path: Path, hosts: tuple[str, ...], valid_days: tuple[float, float], reason: str) -> None:
+    """The CA file is right here: the access check's error names the certificate's own fault and its fix (the TLS
+    listener is the suite's gateway, alone: the handshake fails before any broker would be reached)."""
+    files = make_tls_files(tmp_path / "tls", "broker", hosts, valid_days)
+    with tls_listener(tmp_path / "gw", files.cert, files.key) as bootstrap:
+        k = topics(KafkaSettings(bootstrap_servers=bootstrap, security_protocol=SecurityProtocol.SSL,
+                                 ssl_ca_location=files.ca))
+        with pytest.raises(KafkaAccessError, match=reason) as refused:
+            check_access(k)
+    said = str(refused.value)
+    assert "certificate verify failed; the server's certificate" in said
+    assert "ssl_ca_location" not in said and "ssl.ca.location" not in said  # the misdirection this replaces
 
 
 def cli(args: list[str], config: Path, extra_env: dict[str, str] | None = None,

@@ -5,7 +5,13 @@ command, retried as an outage (redis-py loads the files only when it connects)."
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +20,9 @@ from cryptography.hazmat.primitives import serialization
 
 from stream.config import KafkaSettings, SecurityProtocol
 from stream.errors import ConfigError
+from stream.kafka import tls_context
 from stream.secrets import Secret
+from stream.tls import _certificate_facts, certificate_refusal
 from tests.secure_redis import TlsFiles, make_tls_files
 
 
@@ -235,3 +243,78 @@ def test_the_redis_py_floor_is_one_whose_cluster_clients_check_host_names() -> N
     floor = min(Version(s.version) for s in req.specifier if s.operator in (">=", "=="))
     assert floor >= Version("6.0"), str(req)
     assert "ssl_check_hostname" in redis.cluster.REDIS_ALLOWED_KEYS  # the installed one passes it on, too
+
+
+# -- why a server's certificate is refused (stream.tls.certificate_refusal, the kafka access check's reason) --------
+@contextlib.contextmanager
+def _tls_server(f: TlsFiles) -> Iterator[int]:
+    """A plain Python TLS server (a thread) presenting ``f.cert``: each connection is handshaken, then closed."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(f.cert, f.key)
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:  # shut down: the test is over
+                return
+            conn.settimeout(5)  # a handshake the client left half done does not hold the thread
+            with contextlib.suppress(OSError):
+                ctx.wrap_socket(conn, server_side=True).close()
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield srv.getsockname()[1]
+    finally:
+        srv.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close() alone does not)
+        srv.close()
+        thread.join()
+
+
+def _tls_kafka(ca: Path, port: int, **extra: str) -> KafkaSettings:
+    return KafkaSettings(bootstrap_servers=f"127.0.0.1:{port}", security_protocol=SecurityProtocol.SSL,
+                         ssl_ca_location=ca, extra=extra)
+
+
+def test_the_certificate_check_the_kafka_settings_turn_off_is_not_given_as_the_reason(tmp_path: Path) -> None:
+    """``[kafka.extra]``'s off switches are honoured: a host-name mismatch is no reason when the host-name check is
+    off, an expired certificate none when verification is off; with them on, each is the reason given."""
+    other_host = make_tls_files(tmp_path, "other-host", hosts=("kafka-1.internal",))
+    expired = make_tls_files(tmp_path, "expired", hosts=("127.0.0.1",), valid_days=(-3, -1))
+    with _tls_server(other_host) as port:
+        on = _tls_kafka(other_host.ca, port)
+        assert "its names: kafka-1.internal" in (certificate_refusal(tls_context(on), "127.0.0.1", port, 3) or "")
+        off = _tls_kafka(other_host.ca, port, **{"ssl.endpoint.identification.algorithm": "none"})
+        assert certificate_refusal(tls_context(off), "127.0.0.1", port, 3) is None
+    with _tls_server(expired) as port:
+        on = _tls_kafka(expired.ca, port)
+        assert "certificate has expired" in (certificate_refusal(tls_context(on), "127.0.0.1", port, 3) or "")
+        off = _tls_kafka(expired.ca, port, **{"enable.ssl.certificate.verification": "false"})
+        assert certificate_refusal(tls_context(off), "127.0.0.1", port, 3) is None
+
+
+def test_an_untrusted_ca_a_good_certificate_or_no_tls_server_gives_no_reason(tmp_path: Path) -> None:
+    """Only a host-name mismatch or validity dates are named: anything else keeps the caller's own advice."""
+    good = make_tls_files(tmp_path, "good", hosts=("127.0.0.1",))
+    stranger = make_tls_files(tmp_path, "stranger")
+    with _tls_server(good) as port:
+        assert certificate_refusal(ssl.create_default_context(cafile=good.ca), "127.0.0.1", port, 3) is None
+        assert certificate_refusal(ssl.create_default_context(cafile=stranger.ca), "127.0.0.1", port, 3) is None
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    assert certificate_refusal(ssl.create_default_context(cafile=good.ca), "127.0.0.1", port, 3) is None
+
+
+def test_the_certificates_names_and_dates_are_read_in_both_der_time_forms(tmp_path: Path) -> None:
+    """UTCTime until 2049, GeneralizedTime from 2050 (RFC 5280 4.1.2.5): both read as dates, with the names."""
+    for name, days in (("short", (-1.0, 1.0)), ("long", (-1.0, 40 * 366.0))):
+        f = make_tls_files(tmp_path, name, hosts=("kafka-1.internal", "10.9.8.7", "::1"), valid_days=days)
+        der = ssl.PEM_cert_to_DER_cert(f.cert.read_text())
+        names, dates = _certificate_facts(der)
+        assert names == ["kafka-1.internal", "10.9.8.7", "::1"]
+        cert = ssl._ssl._test_decode_cert(str(f.cert))  # type: ignore[attr-defined]  # CPython's own reading
+        expect = [datetime.datetime.strptime(cert[k], "%b %d %H:%M:%S %Y %Z") for k in ("notBefore", "notAfter")]
+        assert dates == tuple(d.strftime("%Y-%m-%d %H:%M:%S") for d in expect)
