@@ -545,9 +545,10 @@ def _move_and_switch(root: Path, staged_dir: Path, version: str, said: list[str]
     """:func:`publish`'s move into ``versions/``, ``CURRENT`` write and history record (holding :data:`PUBLISHING`).
 
     Whether ``CURRENT`` was switched is told by the error of its write (``write_atomic``: :class:`NotDurable` once the
-    new file is in place, any other OSError with ``CURRENT`` as it was), not by reading ``CURRENT`` again: on a root
-    failing with EIO that read failed too, and the version ``CURRENT`` named already was taken back out (a dangling
-    ``CURRENT``: no model for serving, and the run deleted its embedding-store rows)."""
+    new file is in place), not by reading ``CURRENT`` again: on a root failing with EIO that read failed too, and the
+    version ``CURRENT`` named already was taken back out (a dangling ``CURRENT``: no model for serving, and the run
+    deleted its embedding-store rows). Any other OSError is told by :func:`_switched`: a rename that happened and
+    reported an error (NFS) is a publish, and one not known leaves the version in place (ArtifactError)."""
     versions = versions_dir(root)
     target = versions / version
     try:
@@ -568,16 +569,35 @@ def _move_and_switch(root: Path, staged_dir: Path, version: str, said: list[str]
         _set_current(root, version)
     except NotDurable as exc:  # CURRENT names the version: published
         _warn(said, "%s is current, but making that durable failed (%s)", version, describe_os_error(exc))
-    except OSError as exc:  # CURRENT is as it was (write_atomic): take the new version back out
-        with contextlib.suppress(OSError):
-            os.rename(target, staged_dir)  # the caller removes its staged directory
-        if target.exists():
-            shutil.rmtree(target, ignore_errors=True)
-        raise ArtifactError(f"could not make {version} current in {root}: {describe_os_error(exc)}; nothing "
-                            f"was published, CURRENT still names {previous or 'nothing'}") from exc
+    except OSError as exc:
+        switched = _switched(root, version)
+        if switched is None:  # not known: the version stays (taken out, a CURRENT naming it would dangle)
+            raise ArtifactError(f"could not make {version} current in {root}: {describe_os_error(exc)}, and CURRENT "
+                                f"cannot be read again: whether {version} is live is not known (it stays in "
+                                f"{versions}); check `streamrec refresh --status` when the file system is back"
+                                ) from exc
+        if not switched:  # CURRENT is as it was: take the new version back out
+            with contextlib.suppress(OSError):
+                os.rename(target, staged_dir)  # the caller removes its staged directory
+            if target.exists():
+                shutil.rmtree(target, ignore_errors=True)
+            raise ArtifactError(f"could not make {version} current in {root}: {describe_os_error(exc)}; nothing "
+                                f"was published, CURRENT still names {previous or 'nothing'}") from exc
+        _warn(said, "%s is current, but its write reported an error (%s)", version, describe_os_error(exc))
     problem = _record_current(root, version, previous, "publish")
     if problem is not None:
         said.append(problem)
+
+
+def _switched(root: Path, version: str) -> bool | None:
+    """After a write of ``CURRENT`` that raised an OSError other than :class:`NotDurable`: whether ``CURRENT`` names
+    ``version`` (a rename an NFS server did although its reply was an error), None when it cannot be read (not known:
+    a caller then neither takes ``version`` out nor counts it as live)."""
+    try:
+        return current_version(root) == version
+    except ArtifactError as exc:
+        log.warning("%s", exc)
+        return None
 
 
 def _after_switch(root: Path, version: str, keep: int, said: list[str]) -> None:
@@ -667,11 +687,19 @@ def _rollback_locked(root: Path, signing_key: SigningKey | None) -> str:
         _set_current(root, target)
     except NotDurable as exc:  # CURRENT names the target (told by the write, not by a read that may fail as well)
         log.warning("%s is current, but making that durable failed (%s)", target, describe_os_error(exc))
-    except OSError as exc:  # CURRENT unchanged (write_atomic): the pin just written names a version not live
-        with contextlib.suppress(OSError):
-            _clear_pin(root)
-        raise ArtifactError(f"cannot roll back to {target}: writing {root / CURRENT} failed: "
-                            f"{describe_os_error(exc)}; CURRENT still names {current}") from None
+    except OSError as exc:
+        switched = _switched(root, target)
+        if switched is None:  # not known: the pin stays (one naming a version not live holds nothing)
+            raise ArtifactError(f"cannot roll back to {target}: writing {root / CURRENT} failed: "
+                                f"{describe_os_error(exc)}, and CURRENT cannot be read again: whether {target} is "
+                                "live is not known; check `streamrec refresh --status` when the file system is back"
+                                ) from None
+        if not switched:  # CURRENT unchanged: the pin just written names a version not live
+            with contextlib.suppress(OSError):
+                _clear_pin(root)
+            raise ArtifactError(f"cannot roll back to {target}: writing {root / CURRENT} failed: "
+                                f"{describe_os_error(exc)}; CURRENT still names {current}") from None
+        log.warning("%s is current, but its write reported an error (%s)", target, describe_os_error(exc))
     _record_current(root, target, current, "rollback")
     return target
 

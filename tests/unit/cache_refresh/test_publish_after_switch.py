@@ -122,3 +122,55 @@ def test_current_in_place_whose_fsync_fails_keeps_its_version_even_when_current_
     monkeypatch.undo()
     assert A.current_version(tmp_path) == "v002" and A.read_current(tmp_path) == A.versions_dir(tmp_path) / "v002"
     assert "v002 is current, but making that durable failed" in caplog.text
+
+
+def current_written_then_eio(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """``write_atomic`` of ``CURRENT`` renames the new file into place and then reports EIO, not NotDurable (an NFS
+    rename the server did whose reply was lost: the retransmitted one fails); returns the paths it did that for."""
+    real, done = publishing.write_atomic, []
+
+    def write(path: Path, data: bytes) -> None:
+        real(path, data)
+        if Path(path).name == A.CURRENT:
+            done.append(Path(path))
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(publishing, "write_atomic", write)
+    return done
+
+
+def test_current_renamed_whose_write_reports_eio_is_a_publish_and_its_version_stays(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    put(tmp_path, ckpt, "v001")
+    staged = build_artifact(ckpt, tmp_path, np.zeros(0), format="eager", version="v002")
+    done = current_written_then_eio(monkeypatch)
+    said: list[str] = []
+    # before: any OSError but NotDurable was taken as "CURRENT as it was": v002 was taken back out of versions/ under
+    # a CURRENT naming it (no model for a restarting server) and publish() said "nothing was published"
+    assert publishing.publish(tmp_path, staged, keep=5, warnings=said).name == "v002"
+    monkeypatch.undo()
+    assert done and A.current_version(tmp_path) == "v002"
+    assert A.read_current(tmp_path) == A.versions_dir(tmp_path) / "v002"
+    assert any("v002 is current, but its write reported an error" in w for w in said)
+
+
+def test_current_renamed_whose_write_reports_eio_and_cannot_be_read_again_leaves_the_version_in_place(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    put(tmp_path, ckpt, "v001")
+    staged = build_artifact(ckpt, tmp_path, np.zeros(0), format="eager", version="v002")
+    done = current_written_then_eio(monkeypatch)
+    real_current = publishing.current_version
+
+    def current_version(root: Path) -> str | None:
+        if done:
+            raise ArtifactError(f"{root / A.CURRENT} cannot be read (EIO)")
+        return real_current(root)
+
+    monkeypatch.setattr(publishing, "current_version", current_version)
+    # not known whether v002 is live: an error saying so, and v002 is not taken out from under a CURRENT that may
+    # name it (before: taken out, and CURRENT, which did name it, dangled)
+    with pytest.raises(ArtifactError, match="whether v002 is live is not known"):
+        publishing.publish(tmp_path, staged, keep=5)
+    monkeypatch.undo()
+    assert A.current_version(tmp_path) == "v002"
+    assert A.read_current(tmp_path) == A.versions_dir(tmp_path) / "v002"

@@ -95,3 +95,23 @@ def test_the_cli_says_so_in_one_line_and_exits_1(root: Path, monkeypatch: pytest
     assert err.startswith("streamrec refresh: error: ") and "permission denied" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert A.current_version(root) == "v002"
+
+
+def test_a_current_renamed_whose_write_reports_eio_is_a_rollback_done_pinned_and_recorded(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rename of CURRENT happened, its write reported EIO all the same (a retransmitted NFS rename). Before, any
+    OSError but NotDurable meant "CURRENT unchanged": the pin was taken back and the rollback said "CURRENT still names
+    v002" with CURRENT naming v001, unpinned (the next scheduled refresh published over it)."""
+    real = publishing.write_atomic
+
+    def write(path: Path, data: bytes) -> None:
+        real(path, data)
+        if Path(path).name == A.CURRENT:
+            raise OSError(errno.EIO, "simulated", str(path))
+
+    monkeypatch.setattr(publishing, "write_atomic", write)
+    assert rollback(root) == "v001"
+    monkeypatch.undo()
+    assert A.current_version(root) == "v001" and A.pin_holding(root) is not None
+    history = publishing.read_history(root)
+    assert history is not None and history.versions[-1] == "v001"
