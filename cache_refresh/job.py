@@ -42,7 +42,8 @@ with a message saying so (``describe_os_error``); nothing half-written is made c
 ``CURRENT`` names the new version the run has published, whatever happens next: recording ``last_run.json``
 (``last_run_recorded: false`` in the summary), pruning the embedding store, notifying serving and the summary are
 each contained (``_AfterPublish``); an error in one is logged, counted (``streamrec_refresh_degraded_total``) and
-alerted as ``refresh_degraded`` (a warning), and the run reports its publish (``--now`` exits 0). The summary is
+alerted as ``refresh_degraded`` (a warning), kept in ``last_run.json`` (``warnings``; ``--status``:
+``last_run_warnings``) and the run reports its publish (``--now`` exits 0). The summary is
 made from the manifest of the validated artifact, the files ``publish`` verified and renamed: nothing is read back
 from the publish root after the switch.
 
@@ -838,6 +839,8 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     }
     found = [*found, *(("publish", w) for w in after_switch), *after.problems]
     summary["warnings"] = _warn_degraded(alerts, found)
+    if summary["warnings"] and recorded:
+        _record_warnings(root, path.name, summary["warnings"])
     summary["seconds"] = {**timings, "total": round(time.time() - t_start, 3)}
     log.info("published %s (%s, %d hot rows) from %s", path.name, rs.format, len(hs.rows), ckpt["path"])
     return summary
@@ -869,6 +872,21 @@ def _record_success(root: Path, version: str, lineage_switched: dict[str, Any] |
         log.warning("published %s but could not record it in %s (%s); the scheduler may run a missed run again "
                     "at its next start", version, root / LAST_RUN, describe_os_error(exc))
         return False
+
+
+def _record_warnings(root: Path, version: str, warnings: list[str]) -> None:
+    """Add a published run's warnings to ``last_run.json`` (``warnings``; ``--status`` shows them as
+    ``last_run_warnings``): published with warnings, not a clean publish. The next publish's record replaces them.
+    Best effort: each was alerted already (``refresh_degraded``), a failure here is logged."""
+    data = read_last_run(root)
+    if data.get("version") != version:  # not this run's record (unreadable, or another run's since)
+        return
+    data["warnings"] = [w[:1000] for w in warnings]
+    try:
+        write_atomic(Path(root) / LAST_RUN, json.dumps(finite_json(data), allow_nan=False).encode())
+    except OSError as exc:
+        log.warning("published %s with warnings, but could not record them in %s (%s)", version, root / LAST_RUN,
+                    describe_os_error(exc))
 
 
 class _AfterPublish:
@@ -1073,12 +1091,15 @@ def status(root: Path) -> dict[str, Any]:
 def _status(root: Path) -> dict[str, Any]:
     last = read_last_success(root)
     pin = artifact.read_pin(root)
-    held = read_last_run(root).get("pin_held")
+    last_run = read_last_run(root)
+    held = last_run.get("pin_held")
     versions = artifact.list_versions(root)
     out: dict[str, Any] = {"publish_root": str(root), "current": None,
                            "versions": versions,
                            "last_success": last.isoformat() if last else None, "pinned": None,
                            "last_pin_held": held if isinstance(held, dict) else None, "error": None}
+    if (warned := last_run.get("warnings")) and isinstance(warned, list):  # the last publish's: published with them
+        out["last_run_warnings"] = warned
     if leftovers := _leftovers(root, versions):  # said, never hidden: they hold disk and were once mistaken
         out["not_versions"] = leftovers
     try:  # moved into place by a publish that never made them current (never a rollback target), or one running now

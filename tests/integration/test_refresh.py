@@ -295,6 +295,8 @@ def test_a_layered_run_whose_publish_lock_close_reports_eio_after_the_switch_is_
     assert failed and summary["published"] and artifact.current_version(rs.publish_root) == summary["version"]
     assert read_meta(redis_client, rds.prefix, summary["version"]) is not None  # the live version's rows stay
     assert any(PUBLISHING in w and "closing" in w for w in summary["warnings"])  # published, with a warning
+    assert job.read_last_run(Path(rs.publish_root))["warnings"] == summary["warnings"]  # recorded, and shown
+    assert job.status(Path(rs.publish_root))["last_run_warnings"] == summary["warnings"]
     assert ("refresh_degraded", "publish") in [(a["rule"], a["labels"]["stage"])
                                                for a in read_alerts(kafka, rs.alerts_topic)]
 
@@ -317,6 +319,37 @@ def test_a_failed_run_keeps_the_rows_of_a_version_current_names(env, monkeypatch
     assert err.value.stage == "publish"
     live = artifact.current_version(rs.publish_root)
     assert live is not None and read_meta(redis_client, rds.prefix, live) is not None
+
+
+def test_rows_a_failed_run_kept_because_current_could_not_be_read_are_deleted_by_the_next_publish(
+        env, monkeypatch: pytest.MonkeyPatch, redis_client: redis.Redis) -> None:
+    """A publish that failed before the switch, with CURRENT unreadable after it (EIO): the run keeps the version's
+    rows (live or not is not known); the next publish, which finds the version in no publish root, deletes them."""
+    rs, kafka, rds = env
+    rs = dataclasses.replace(rs, embedding_store=EmbeddingStore.LAYERED)
+    first = job.run_once(rs, kafka, rds)
+    failed: list[str] = []
+    real_current = artifact.current_version
+
+    def publish_fails(root: Path, staged: Path, *args: Any, **kw: Any) -> Path:
+        failed.append(artifact.read_manifest(staged)["version"])
+        raise artifact.ArtifactError(f"could not make {failed[0]} current in {root}: EIO")
+
+    def current_version(root: Path) -> str | None:
+        if failed:
+            raise artifact.ArtifactError(f"{Path(root) / artifact.CURRENT} cannot be read (EIO)")
+        return real_current(root)
+
+    monkeypatch.setattr(job, "publish", publish_fails)
+    monkeypatch.setattr(artifact, "current_version", current_version)
+    with pytest.raises(job.RefreshError):
+        job.run_once(rs, kafka, rds)
+    monkeypatch.undo()
+    assert failed and read_meta(redis_client, rds.prefix, failed[0]) is not None  # kept: not known not live
+    third = job.run_once(rs, kafka, rds)
+    assert read_meta(redis_client, rds.prefix, failed[0]) is None  # in no publish root: deleted by the publish
+    assert read_meta(redis_client, rds.prefix, third["version"]) is not None
+    assert read_meta(redis_client, rds.prefix, first["version"]) is not None  # live until rankers swap
 
 
 def test_an_operators_run_over_an_unreadable_pin_says_the_pin_was_unreadable(

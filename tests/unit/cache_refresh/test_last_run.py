@@ -63,3 +63,17 @@ def test_a_record_that_is_a_fifo_is_no_record_with_a_warning_not_a_hang(tmp_path
     (tmp_path / job.LAST_RUN).unlink()
     with fed_fifo(tmp_path / job.LAST_RUN, good):
         assert job.read_last_run(tmp_path) == {}
+
+
+def test_a_publish_with_warnings_is_recorded_as_such_and_status_shows_them_until_the_next_publish(
+        tmp_path: Path) -> None:
+    """Before, last_run.json and --status of a run published with warnings (refresh_degraded: a lock's close, a
+    CURRENT not durable, a prune) read as a clean publish: the warnings were only in an alert and the summary."""
+    job.write_last_success(tmp_path, 1_750_000_000.5, "v1")
+    job._record_warnings(tmp_path, "v1", ["v1 is current, but making that durable failed (EIO)"])
+    assert job.read_last_run(tmp_path)["warnings"] == ["v1 is current, but making that durable failed (EIO)"]
+    assert job.status(tmp_path)["last_run_warnings"] == ["v1 is current, but making that durable failed (EIO)"]
+    job._record_warnings(tmp_path, "v0", ["another run's"])  # not the recorded publish's: left as it is
+    assert len(job.read_last_run(tmp_path)["warnings"]) == 1
+    job.write_last_success(tmp_path, 1_750_000_100.5, "v2")  # a clean publish replaces the record
+    assert "last_run_warnings" not in job.status(tmp_path)
