@@ -577,16 +577,31 @@ def _move_and_switch(root: Path, staged_dir: Path, version: str, said: list[str]
                                 f"{versions}); check `streamrec refresh --status` when the file system is back"
                                 ) from exc
         if not switched:  # CURRENT is as it was: take the new version back out
-            with contextlib.suppress(OSError):
-                os.rename(target, staged_dir)  # the caller removes its staged directory
-            if target.exists():
-                shutil.rmtree(target, ignore_errors=True)
+            _take_out(target, staged_dir)
             raise ArtifactError(f"could not make {version} current in {root}: {describe_os_error(exc)}; nothing "
                                 f"was published, CURRENT still names {previous or 'nothing'}") from exc
         _warn(said, "%s is current, but its write reported an error (%s)", version, describe_os_error(exc))
     problem = _record_current(root, version, previous, "publish")
     if problem is not None:
         said.append(problem)
+
+
+def _take_out(target: Path, staged_dir: Path) -> None:
+    """Take a version that never was current back out of ``versions/``: renamed back to ``staged_dir`` (the caller
+    removes it), else to a hidden ``versions/.trash-*`` name first, then deleted: a removal failing half-way (EIO)
+    leaves what :func:`clean_leftovers` removes, never a ``versions/<version>`` without its manifest, which no prune
+    ever removes."""
+    try:
+        os.rename(target, staged_dir)
+        return
+    except OSError:
+        pass
+    trash = target.with_name(f"{TRASH}{target.name}-{os.getpid()}")
+    try:
+        os.rename(target, trash)
+    except OSError:
+        trash = target
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _switched(root: Path, version: str) -> bool | None:

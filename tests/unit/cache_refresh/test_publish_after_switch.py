@@ -174,3 +174,34 @@ def test_current_renamed_whose_write_reports_eio_and_cannot_be_read_again_leaves
     monkeypatch.undo()
     assert A.current_version(tmp_path) == "v002"
     assert A.read_current(tmp_path) == A.versions_dir(tmp_path) / "v002"
+
+
+def test_a_version_taken_back_out_whose_removal_fails_half_way_leaves_only_what_clean_leftovers_removes(
+        tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    put(tmp_path, ckpt, "v001")
+    staged = build_artifact(ckpt, tmp_path, np.zeros(0), format="eager", version="v002")
+    real_write, real_rename = publishing.write_atomic, os.rename
+
+    def write(path: Path, data: bytes) -> None:
+        if Path(path).name == A.CURRENT:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(path, data)
+
+    def rename(src: object, dst: object) -> None:
+        if Path(str(dst)) == staged:  # the rename back to staging fails (EIO)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_rename(src, dst)
+
+    def rmtree(path: object, ignore_errors: bool = False) -> None:  # removes the manifest, then fails (EIO)
+        (Path(str(path)) / A.MANIFEST).unlink(missing_ok=True)
+
+    monkeypatch.setattr(publishing, "write_atomic", write)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(publishing.shutil, "rmtree", rmtree)
+    with pytest.raises(ArtifactError, match="nothing was published, CURRENT still names v001"):
+        publishing.publish(tmp_path, staged, keep=5)
+    monkeypatch.undo()
+    # before: versions/v002 stayed without its manifest: no prune removes such a directory (it may be a foreign one)
+    assert A.list_versions(tmp_path) == ["v001"] and A.current_version(tmp_path) == "v001"
+    publishing.clean_leftovers(tmp_path)
+    assert sorted(p.name for p in A.versions_dir(tmp_path).iterdir()) == ["v001"]
