@@ -67,6 +67,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import torch
+from prometheus_client import Counter
 
 from learner.config import ModelConfig, parse_mlp
 from learner.features import FeatureConfig
@@ -527,14 +528,19 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
         raise unsure
     try:  # the checkpoint is saved: a directory that cannot be listed now (EIO) is logged, never a failed save
         older = [p for p in list_checkpoints(directory) if p.name < path.name]
+        short = False
         for old in older[:max(0, len(older) - (keep - 1))]:
             try:  # (EPERM, EROFS: logged; raised, a durable checkpoint counted as failed)
                 old.unlink(missing_ok=True)
                 old.with_suffix(".json").unlink(missing_ok=True)
             except OSError as exc:
+                short = True
                 log.warning("cannot prune %s (%s); move it away", old, exc)
+        if short:
+            PRUNE_FAILURES.labels("checkpoints").inc()
         _prune_aside(directory, keep)
     except OSError as exc:
+        PRUNE_FAILURES.labels("checkpoints").inc()
         log.warning("checkpoint %s is saved, but pruning older ones failed (%s); the next save prunes them", path,
                     exc)
     return path
@@ -556,6 +562,12 @@ def _prune_aside(directory: Path, keep: int) -> None:
         except OSError as exc:
             log.warning("cannot prune %s, set aside (%s); move it away", aside[name], exc)
 
+
+PRUNE_FAILURES = Counter("streamrec_learner_prune_failures_total",
+                         "Prunes after a checkpoint save (directory=checkpoints) or a serving delta (directory=deltas) "
+                         "that left files they should have removed (the directory could not be listed, a file not "
+                         "removed): logged, the write stands; rising for long, the directory grows until the disk "
+                         "is full.", ["directory"])
 
 DAMAGED = ".damaged"  # the suffix of a checkpoint the learner's restore fell back past (:func:`set_aside`)
 REFUSED = ".refused"  # beside a checkpoint set aside that could not be renamed: it is not listed (:func:`set_aside`)

@@ -414,17 +414,22 @@ class DeltaWriter:
         try:
             listed = [p for _, _, p in list_deltas(self.directory)]  # (oldest first)
         except OSError as exc:  # a directory that cannot be listed now (EIO): the delta just written stands
+            ckpt_io.PRUNE_FAILURES.labels("deltas").inc()
             log.warning("cannot list %s to prune it (%s); the next delta prunes it", self.directory, exc)
             return
         self._unprunable &= set(listed)  # (gone since: forgotten)
+        short = False
         for old in listed[:-self.keep]:
             try:
                 old.unlink(missing_ok=True)
             except OSError as exc:
+                short = True
                 if old not in self._unprunable:
                     self._unprunable.add(old)
                     log.error("cannot prune %s (%s): the deltas directory keeps more than deltas_keep files until it "
                               "can be removed; training goes on", old, exc)
+        if short:
+            ckpt_io.PRUNE_FAILURES.labels("deltas").inc()
 
     def _reserve(self, seq: int) -> None:
         """Record ``seq`` in the seq file before any delta carries it (module docstring "Numbering"). A record that

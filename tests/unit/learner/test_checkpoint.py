@@ -385,3 +385,25 @@ def test_a_first_checkpoint_whose_lineage_files_directory_fsync_fails_is_a_faile
     with pytest.raises(OSError, match=r"LINEAGE is in place") as err:
         ck.save(tmp_path, state(), meta(1))
     assert not isinstance(err.value, NotDurable) and ck.list_checkpoints(tmp_path) == []
+
+
+def test_a_save_whose_prune_cannot_list_the_directory_is_counted_in_prune_failures(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only logged before: a directory that cannot be listed for days grew by a checkpoint a save, with no metric."""
+    from prometheus_client import REGISTRY
+
+    def count() -> float:
+        return REGISTRY.get_sample_value("streamrec_learner_prune_failures_total", {"directory": "checkpoints"}) or 0.0
+
+    ck.save(tmp_path, state(), meta(1), keep=1)
+    before = count()
+
+    def unlistable(directory: Path) -> list[Path]:
+        raise OSError(errno.EIO, "Input/output error", str(directory))
+
+    monkeypatch.setattr(ck, "list_checkpoints", unlistable)
+    ck.save(tmp_path, state(), meta(2), keep=1)
+    monkeypatch.undo()
+    assert count() == before + 1
+    ck.save(tmp_path, state(), meta(3), keep=1)  # pruned: not counted
+    assert count() == before + 1

@@ -158,3 +158,26 @@ def test_a_dataloader_workers_death_raised_while_serving_is_notified_is_raised_n
     with pytest.raises(RuntimeError, match="DataLoader worker"):
         _write(writer, [0, 1], 16)
     assert [s for s, _, _ in list_deltas(tmp_path)] == [1]  # the delta itself was written before the notice
+
+
+def test_a_prune_that_leaves_deltas_it_should_remove_is_counted_in_prune_failures(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only logged before (once per file): a deltas directory that could not be pruned for days had no metric."""
+    from prometheus_client import REGISTRY
+
+    def count() -> float:
+        return REGISTRY.get_sample_value("streamrec_learner_prune_failures_total", {"directory": "deltas"}) or 0.0
+
+    writer = DeltaWriter(tmp_path, num_rows=8, every_s=1.0, keep=1)
+    assert _write(writer, [0, 1], 16) is not None
+    before = count()
+
+    def unlistable(directory: Path) -> list:
+        raise OSError(errno.EIO, "Input/output error", str(directory))
+
+    monkeypatch.setattr(delta_writer, "list_deltas", unlistable)
+    assert _write(writer, [2], 24) is not None
+    monkeypatch.undo()
+    assert count() == before + 1
+    assert _write(writer, [3], 32) is not None  # pruned: not counted
+    assert count() == before + 1
