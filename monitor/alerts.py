@@ -56,9 +56,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from monitor.http_deadline import as_said, check_http_url, post_json, time_left
+from monitor.http_deadline import check_http_url, post_json, time_left
 from stream.config import KafkaSettings
-from stream.errors import StreamrecError, clip
+from stream.errors import StreamrecError, clip, quoted
 from stream.kafka import ACCESS_CHECK_S, KafkaAccessError, admin_config, check_access
 from stream.secrets import hide_url_path, redact, redacted_repr
 
@@ -532,7 +532,7 @@ class WebhookSink:
                 error = (f"no answer within the attempt's deadline (webhook_timeout_s={self.timeout_s:g}s, "
                          "connect + send + answer)")
             except (OSError, http.client.HTTPException) as exc:
-                error = f"{type(exc).__name__}: {as_said(str(exc), 1000)}".rstrip(": ")
+                error = f"{type(exc).__name__}: {quoted(str(exc), 200)}".rstrip(": ")
             else:
                 if 200 <= status < 300:
                     self.delivered += 1

@@ -25,12 +25,12 @@ from monitor.cli_text import ONCE_CONDITION_HOLDS, ONCE_OK, ONCE_SCRAPE_FAILED
 from monitor.delivery import FanOut, QueuedSink, drain
 from monitor.exposition import families_of
 from monitor.expr import Labels, labels_of, metrics_of
-from monitor.http_deadline import as_said
 from monitor.rule_engine import RuleEngine, State
 from monitor.rules import RulesConfig, check_interval
 from monitor.run_log import RunLog
 from monitor.scrape import Scraper, Snapshot, warn_stale
 from monitor.state_file import FiringStateFile
+from stream.errors import quoted
 
 log = logging.getLogger("streamrec.monitor")
 
@@ -180,9 +180,9 @@ class Monitor:
                 self._duplicates_seen[key] = None
                 if len(self._duplicates_seen) > self.DUPLICATES_REMEMBERED:
                     del self._duplicates_seen[next(iter(self._duplicates_seen))]
-                lbl = ",".join(f'{k}="{v}"' for k, v in lb)  # scraped values: a line break, megabytes (as_said)
+                lbl = ",".join(f'{k}="{v}"' for k, v in lb)  # scraped values: a line break, megabytes (quoted)
                 log.warning("sources %s all export %s: rules read %s's only (give each process a label of its own, "
-                            "e.g. rank, to watch them all)", ", ".join(sources), as_said(f"{metric}{{{lbl}}}", 200),
+                            "e.g. rank, to watch them all)", ", ".join(sources), quoted(f"{metric}{{{lbl}}}", 200),
                             sources[0])
         now = self.clock()
         alerts = self.engine.evaluate(snap, self.monotonic(), now)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import re
 
-from stream.errors import StreamrecError
+from stream.errors import StreamrecError, quoted, shown
 
 Labels = tuple[tuple[str, str], ...]  # sorted by name (``monitor.expr.labels_of``)
 Sample = tuple[str, Labels, float, int | None]  # name, labels, value, timestamp (ms) or None
@@ -67,14 +67,6 @@ _TYPES = frozenset(("counter", "gauge", "histogram", "summary", "untyped"))
 
 class ExpositionError(StreamrecError, ValueError):
     """A scraped answer that is not the text exposition format; the message names the line."""
-
-
-def _shown(line: str) -> str:
-    """``line`` (a line, a token, a series of a scraped answer) as an error message may quote it: at most 80 characters,
-    a control character escaped. The message goes to the log, the run log and alert texts, at every failed scrape: a
-    series given twice was quoted whole and unescaped, megabytes of a label value, and its ``\\n`` began a forged log
-    line."""
-    return repr(line if len(line) <= 80 else line[:77] + "...")
 
 
 def _unescaped(e: re.Match[str]) -> str:
@@ -124,30 +116,30 @@ def parse(text: str, declared: set[str] | None = None) -> list[Sample]:
                 raise ExpositionError(f"line {number}: a raw newline inside the quoted value of label "
                                       f"{unclosed.group('label')}: the Prometheus server reads it as part of the "
                                       "value, the monitor reads an answer line by line and refuses it (README: "
-                                      "Scraping and time); have the source escape it as \\n: " + _shown(line))
+                                      "Scraping and time); have the source escape it as \\n: " + shown(line))
             raise ExpositionError(f"line {number}: not a sample (metric_name [{{labels}}] value [timestamp]): "
-                                  f"{_shown(line)}")
+                                  f"{shown(line)}")
         name, block, token, ts = m.group("name", "labels", "value", "ts")
         labels: dict[str, str] = {}
         if block:
             found = pairs(block)
             for k, v in found:
                 if invalid and _NOT_UTF8.search(v):
-                    raise _not_utf8(number, f"the value of label {_shown(k)}", line)
+                    raise _not_utf8(number, f"the value of label {shown(k)}", line)
                 labels[k] = _ESCAPE.sub(_unescaped, v) if "\\" in v else v
             if len(labels) < len(found):
-                raise ExpositionError(f"line {number}: a label name given twice: {_shown(line)}")
+                raise ExpositionError(f"line {number}: a label name given twice: {shown(line)}")
         key = tuple(sorted(labels.items())) if labels else ()
         if (name, key) in seen:
-            lbl = ",".join(f'{k}="{v}"' for k, v in key)  # the values unescaped: _shown escapes and cuts them
-            raise ExpositionError(f"line {number}: series {_shown(f'{name}{{{lbl}}}')} given twice (first at line "
+            lbl = ",".join(f'{k}="{v}"' for k, v in key)  # the values unescaped: shown escapes and cuts them
+            raise ExpositionError(f"line {number}: series {shown(f'{name}{{{lbl}}}')} given twice (first at line "
                                   f"{seen[name, key]}): which value is current is undefined")
         seen[name, key] = number
         try:
             value = _value(token)
         except ValueError:
-            raise ExpositionError(f"line {number}: {_shown(token)} is not a number (a float, NaN, +Inf or -Inf): "
-                                  f"{_shown(line)}") from None
+            raise ExpositionError(f"line {number}: {shown(token)} is not a number (a float, NaN, +Inf or -Inf): "
+                                  f"{shown(line)}") from None
         append((name, key, value, None if ts is None else _timestamp(ts, number, line)))
     return out
 
@@ -161,8 +153,8 @@ def _timestamp(token: str, number: int, line: str) -> int:
     digits = token.lstrip("-").lstrip("0")  # (leading zeros read, as ParseInt does: int() counts them to its limit)
     if len(digits) <= _INT64_DIGITS and -2**63 <= (ts := int(token[:token.startswith("-")] + (digits or "0"))) < 2**63:
         return ts
-    raise ExpositionError(f"line {number}: timestamp {_shown(token)} is not a 64-bit integer (milliseconds since the "
-                          f"epoch): {_shown(line)}")
+    raise ExpositionError(f"line {number}: timestamp {shown(token)} is not a 64-bit integer (milliseconds since the "
+                          f"epoch): {shown(line)}")
 
 
 def _crlf(number: int) -> ExpositionError:
@@ -178,10 +170,10 @@ def _not_utf8(number: int, what: str, line: str) -> ExpositionError:
 
 
 def _quoted(number: int, what: str, name: str, line: str) -> ExpositionError:
-    return ExpositionError(f"line {number}: a quoted {what} name {_shown(name)[1:-1]}: the monitor does not read "
+    return ExpositionError(f"line {number}: a quoted {what} name {quoted(name, 80)}: the monitor does not read "
                            "quoted (UTF-8) names, which Prometheus 3 reads; it watches streamrec's own metrics, whose "
                            "names are plain (unquoted, as text format 0.0.4 has them); have the source export plain "
-                           "names: " + _shown(line))
+                           "names: " + shown(line))
 
 
 def _comment(stripped: str, number: int, line: str) -> str | None:
@@ -197,17 +189,17 @@ def _comment(stripped: str, number: int, line: str) -> str | None:
     if name is None and (quoted := re.match(_QSTRING, rest)) is not None:
         raise _quoted(number, "metric", quoted.group(), line)
     if name is None:
-        raise ExpositionError(f"line {number}: # {kind} without a metric name: {_shown(line)}")
+        raise ExpositionError(f"line {number}: # {kind} without a metric name: {shown(line)}")
     if kind == "HELP" and not rest.isascii():
         try:  # the server's text: the bytes after the one byte after the name
             rest.encode("utf-8", "surrogateescape")[1:].decode("utf-8")
         except UnicodeDecodeError:
-            raise _not_utf8(number, f"the HELP text of {_shown(name)}", line) from None
+            raise _not_utf8(number, f"the HELP text of {shown(name)}", line) from None
     if kind == "TYPE" and (rest[1:] if rest.strip(" \t") else "") not in _TYPES:
         if line.endswith("\r"):  # Prometheus: invalid metric type "gauge\r"
             raise _crlf(number)
-        raise ExpositionError(f"line {number}: # TYPE of {_shown(name)} is not one of {', '.join(sorted(_TYPES))}: "
-                              f"{_shown(line)}")
+        raise ExpositionError(f"line {number}: # TYPE of {shown(name)} is not one of {', '.join(sorted(_TYPES))}: "
+                              f"{shown(line)}")
     return name
 
 

@@ -17,7 +17,7 @@ import urllib.parse
 from functools import partial
 from typing import Any
 
-from stream.errors import shown
+from stream.errors import quoted
 
 
 def time_left(deadline: float, what: str) -> float:
@@ -142,17 +142,10 @@ def retry_after_s(value: str | None) -> float | None:
 
 def reason_of(resp: http.client.HTTPResponse) -> str:
     """The answer's reason phrase (``Not Found``) as a message may quote it: as sent where it is short and printable,
-    else a bounded, escaped ``repr``. It is the peer's text, up to 64 KiB that http.client reads: a scrape target's
-    ``500 \\x1b[2J...`` reached the log raw with every failed scrape (a terminal escape, a carriage return over the
-    line), and kilobytes of it went into each alert's text."""
-    return as_said(resp.reason, 80)
-
-
-def as_said(text: str, limit: int) -> str:
-    """A peer's ``text`` (a reason phrase; an error quoting its answer, as http.client's BadStatusLine quotes the
-    status line whole) as a message may quote it: as it is where printable and at most ``limit`` characters, else a
-    short escaped ``repr`` (:func:`stream.errors.shown`)."""
-    return text if text.isprintable() and len(text) <= limit else shown(text, limit)
+    else escaped and cut (:func:`stream.errors.quoted`). It is the peer's text, up to 64 KiB that http.client reads: a
+    scrape target's ``500 \\x1b[2J...`` reached the log raw with every failed scrape (a terminal escape, a carriage
+    return over the line), and kilobytes of it went into each alert's text."""
+    return quoted(resp.reason, 80)
 
 
 def post_json(url: str, body: bytes, deadline: float) -> tuple[int, str, bytes, float | None]:

@@ -20,8 +20,9 @@ from prometheus_client import Counter as PCounter
 
 from monitor.exposition import parse as parse_exposition
 from monitor.expr import Labels, Point
-from monitor.http_deadline import as_said, get_text
+from monitor.http_deadline import get_text
 from monitor.rules import RulesConfig
+from stream.errors import quoted, shown
 from stream.secrets import redact
 
 log = logging.getLogger("streamrec.monitor")
@@ -82,7 +83,7 @@ class Snapshot:
                 lbl = ",".join(f'{k}="{v}"' for k, v in lb)
                 why = (f"{(now_ms - ts) / 1000:.0f}s ago, older than {stale_after_s:g}s" if ts < oldest_ms else
                        f"{(ts - now_ms) / 1000:.0f}s in the future, more than the {ahead_s:g}s of clock skew tolerated")
-                self.stale[source] = (count + 1, example or f"{as_said(f'{name}{{{lbl}}}', 200)} stamped {why}")
+                self.stale[source] = (count + 1, example or f"{quoted(f'{name}{{{lbl}}}', 200)} stamped {why}")
                 self.declared.add(name)  # exported, though no data: not a metric no source exports
                 continue
             if name.startswith("streamrec_") and not name.endswith("_created"):
@@ -113,9 +114,8 @@ def _whole(text: str) -> str:
         raise ValueError("the answer was cut off: it is empty")
     if not text.endswith("\n"):
         last = text[text.rfind("\n") + 1:]
-        shown = repr(last if len(last) <= 80 else last[:77] + "...")
         number = text.count("\n") + 1  # every newline ends a line before the last
-        raise ValueError(f"the answer was cut off: its last line, line {number} ({shown}), does not end with a "
+        raise ValueError(f"the answer was cut off: its last line, line {number} ({shown(last)}), does not end with a "
                          "newline (a target that died while writing it)")
     return text
 
@@ -169,7 +169,7 @@ class Scraper:
                 STALE_SAMPLES.labels(name).inc(snap.stale.get(name, (0, ""))[0])
             except Exception as exc:  # noqa: BLE001 - a dead source is "no data", never a crash
                 why = f"no answer within scrape_timeout_s={self.timeout_s:g}s" if isinstance(exc, TimeoutError) \
-                    else as_said(redact(f"{exc}") or type(exc).__name__, 1000)  # a peer's text quoted: cut, escaped
+                    else quoted(redact(f"{exc}") or type(exc).__name__, 200)  # a peer's text quoted: cut, escaped
                 snap.errors[name] = redact(f"{url}: {why}")  # (run log, status, log: a url's password as ***)
                 SCRAPE_ERRORS.labels(name).inc()
         return snap

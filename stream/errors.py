@@ -59,13 +59,49 @@ def shown(value: Any, limit: int = 80) -> str:
     """A short, bounded ``repr`` of ``value`` for an error message; never raises.
 
     ``repr()`` of hostile input can raise (``RecursionError`` on deep nesting, ``ValueError`` on a huge
-    int) or be megabytes long; ``reprlib`` stops at a depth and a width, so the cost is bounded too.
+    int) or be megabytes long; ``reprlib`` stops at a depth and a width, so the cost is bounded too. A ``str`` is
+    quoted by the rule of :func:`quoted` (up to ``limit`` characters, not reprlib's 60) between repr's quotes, the
+    count of what was left out after them: ``'abc\\x1b'... (7 more chars)``.
     """
+    if isinstance(value, str):
+        head, left_out = _escaped_head(value, limit - 2)
+        quote = '"' if "'" in head and '"' not in head else "'"
+        return f"{quote}{head}{quote}{_left_out(left_out)}"
     try:
         text = _SHOW.repr(value)
     except Exception:  # noqa: BLE001 - an error message must never become a second error
         text = f"<{type(value).__name__}>"
     return clip(text, limit)
+
+
+def quoted(text: str, limit: int = 200) -> str:
+    """Text from outside (a peer's answer, a file's bytes, a library's error quoting input) as a message may quote
+    it: as it is where printable and at most ``limit`` characters; else each character that is not printable
+    escaped (``\\n``, ``\\x1b``, ``\\u2028``: no forged log line, no terminal escape) and the result cut to at
+    most ``limit`` characters, followed by ``... (N more chars)`` (N characters of ``text`` left out)."""
+    if len(text) <= limit and text.isprintable():
+        return text
+    head, left_out = _escaped_head(text, limit)
+    return head + _left_out(left_out)
+
+
+def _escaped_head(text: str, limit: int) -> tuple[str, int]:
+    """The escaped characters of ``text`` that fit in ``limit`` (an escape is never cut), and how many of ``text``'s
+    characters did not fit. Reads at most ``limit`` characters of ``text`` (each is at least one out)."""
+    out: list[str] = []
+    used = taken = 0
+    for c in text[:max(limit, 0)]:
+        piece = c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+        if used + len(piece) > limit:
+            break
+        out.append(piece)
+        used += len(piece)
+        taken += 1
+    return "".join(out), len(text) - taken
+
+
+def _left_out(count: int) -> str:
+    return f"... ({count:,} more chars)" if count else ""
 
 
 def clip(text: str, limit: int = 200) -> str:

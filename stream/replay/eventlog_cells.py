@@ -16,10 +16,11 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from stream.errors import shown
 from stream.events import DENSE_RULE, MAX_ID, MAX_TS_MS, SCHEMA_VERSION
 from stream.limits import DENSE_BOUND, EventLimits
 from stream.replay.column_map import FLAGS, ColumnMap, EventLogError
-from stream.replay.eventlog_files import is_binary, is_list, is_text, is_utf8, plain_array, shown_text
+from stream.replay.eventlog_files import is_binary, is_list, is_text, is_utf8, plain_array
 from stream.samples import DENSE_PREFIX
 
 _MS_PER = {"s": 1000, "ms": 1, "us": 1e-3, "ns": 1e-6}
@@ -202,7 +203,7 @@ def parse_impression_ids(arr: pa.Array | None, column: str | None, stem: str, n:
     if arr is None or column is None:
         # the longest is the last: over max_len, every row's event is one the joiner dead-letters (a mapping mistake)
         if n and len(generated[-1]) > max_len:
-            raise EventLogError(f"the impression ids generated from the file name ({shown_text(generated[-1])}) are "
+            raise EventLogError(f"the impression ids generated from the file name ({shown(generated[-1], 200)}) are "
                                 f"{len(generated[-1])} chars, over the {max_len} an id may have ([limits] "
                                 f"max_str_len): map an impression id column with {FLAGS['impression_id']}, give the "
                                 "file a shorter name, or raise max_str_len")
@@ -412,7 +413,7 @@ def check_default_unit(t: pa.DataType, ms: np.ndarray, column: str, path: Path) 
     if pa.types.is_timestamp(t) or pa.types.is_date(t) or not len(ms) or ms.max() >= _PLAUSIBLE_MS:
         return
     last = datetime.fromtimestamp(int(ms.max()) / 1000, timezone.utc).isoformat(timespec="seconds")
-    raise EventLogError(f"{path}: every time in column {shown_text(column, 80)} is before 1973 when read as "
+    raise EventLogError(f"{path}: every time in column {shown(column, 80)} is before 1973 when read as "
                         f"milliseconds (the default {FLAGS['time_unit']} ms; the latest is {int(ms.max())}, {last}): "
                         f"epoch seconds? pass {FLAGS['time_unit']} s, or {FLAGS['time_unit']} ms to keep them as they "
                         "are")
@@ -642,8 +643,7 @@ def check_event_keys(cols: ColumnMap, limits: EventLimits) -> None:
                                 f"{max_keys} keys ([limits] max_{field}_keys)")
         for name in names:
             if len(name) > limits.max_key_len:
-                shown = repr(name) if len(name) <= 80 else f"{name[:80]!r}..."
-                raise EventLogError(f"{FLAGS[role]}: column name {shown} is {len(name)} chars; an event's "
+                raise EventLogError(f"{FLAGS[role]}: column name {shown(name, 80)} is {len(name)} chars; an event's "
                                     f"{field!r} keys (the column names) are at most {limits.max_key_len} chars "
                                     "([limits] max_key_len): rename the column")
 

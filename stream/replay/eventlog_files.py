@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
+from stream.errors import quoted, shown
 from stream.files import NotRegularFile, ReadAt, describe_os_error, open_regular
 from stream.replay.column_map import DATASET_SETTING, FLAGS, ColumnMap, EventLogError
 
@@ -92,24 +93,11 @@ def _delimiter(path_ext: str, given: str | None) -> str:
 
 def _missing_columns_error(path: Path, have: list[str], cols: ColumnMap, missing: list[str]) -> EventLogError:
     role_of = {col: role for role, col in reversed(cols.roles())}
-    shown = ", ".join(shown_text(c, 80) for c in have[:60])
+    listed = ", ".join(shown(c, 80) for c in have[:60])
     if len(have) > 60:
-        shown += f", ... ({len(have) - 60} more)"
-    what = "; ".join(f"column {shown_text(c, 80)} (set with {FLAGS[role_of[c]]})" for c in missing)
-    return EventLogError(f"{path} has no {what}; the file's columns are: {shown or '(none)'}")
-
-
-def shown_text(text: str, limit: int = 200) -> str:
-    """``text`` quoted as ``repr`` quotes it (control characters as escapes) and clipped to ``limit`` chars:
-    file bytes in an error message must not reach the terminal as they are."""
-    return repr(text[:limit]) + (f"... ({len(text) - limit:,} more chars)" if len(text) > limit else "")
-
-
-def _escaped(text: str, limit: int = 300) -> str:
-    """An Arrow error message for the terminal: control characters as escapes, clipped to ``limit`` chars."""
-    text = text.strip()
-    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text[:limit])
-    return out + (f"... ({len(text) - limit:,} more chars)" if len(text) > limit else "")
+        listed += f", ... ({len(have) - 60} more)"
+    what = "; ".join(f"column {shown(c, 80)} (set with {FLAGS[role_of[c]]})" for c in missing)
+    return EventLogError(f"{path} has no {what}; the file's columns are: {listed or '(none)'}")
 
 
 def _check_columns(path: Path, have: list[str], cols: ColumnMap, wanted: list[str]) -> None:
@@ -121,7 +109,7 @@ def _check_columns(path: Path, have: list[str], cols: ColumnMap, wanted: list[st
     for c in wanted:
         at = [str(i + 1) for i, name in enumerate(have) if name == c]
         if len(at) > 1:
-            raise EventLogError(f"{path} has {len(at)} columns named {shown_text(c, 80)} (columns {', '.join(at[:-1])} "
+            raise EventLogError(f"{path} has {len(at)} columns named {shown(c, 80)} (columns {', '.join(at[:-1])} "
                                 f"and {at[-1]}, counting from 1), mapped with {FLAGS[role_of[c]]}: rename all but "
                                 "one of them so the mapping is unambiguous")
 
@@ -141,7 +129,7 @@ def read_parquet(path: Path, fh: io.FileIO, cols: ColumnMap, wanted: list[str], 
                 if rows >= limit:
                     break
     except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # a bad footer or corrupt data pages
-        raise EventLogError(f"cannot read {path} as Parquet: {_escaped(str(exc))}") from None
+        raise EventLogError(f"cannot read {path} as Parquet: {quoted(str(exc).strip(), 300)}") from None
     if not batches:
         return pa.schema([pf.schema_arrow.field(c) for c in wanted]).empty_table()
     return pa.Table.from_batches(batches).slice(0, limit)
@@ -172,7 +160,7 @@ def utf8_checked(path: Path, table: pa.Table, cols: ColumnMap) -> pa.Table:
             raw = arr.cast(pa.list_(pa.large_binary()) if listed else pa.large_binary())
         if not listed and not roles.get(f.name, set()) <= set(_CELLWISE_ROLES):
             row = next(k for k, v in enumerate(raw.to_pylist()) if v is not None and not is_utf8(v))
-            raise EventLogError(f"{path}: column {shown_text(f.name, 80)} holds bytes that are not UTF-8 text "
+            raise EventLogError(f"{path}: column {shown(f.name, 80)} holds bytes that are not UTF-8 text "
                                 f"(row {row} counting from 0): a Latin-1 or other non-UTF-8 file? convert it to UTF-8")
         table = table.set_column(i, f.name, raw)
     return table
@@ -211,7 +199,7 @@ def _csv_error(path: Path, exc: BaseException, read: Any, serial: pcsv.ReadOptio
         msg = str(again) if isinstance(again, pa.ArrowException) else msg
     m = _ROW_RE.match(msg)
     if m is None:
-        return EventLogError(f"cannot read {path} as CSV: {_escaped(msg)}")
+        return EventLogError(f"cannot read {path} as CSV: {quoted(msg.strip(), 300)}")
     column, record, reason = m.groups()
     line = line_of(int(record)) if line_of is not None else None
     where = (f"line {line} (the header is line 1)" if line is not None
@@ -219,11 +207,11 @@ def _csv_error(path: Path, exc: BaseException, read: Any, serial: pcsv.ReadOptio
     detail = re.match(r"Expected (\d+) columns, got (\d+): (.*)$", reason, re.S)
     if detail:
         reason = (f"expected {detail[1]} columns, got {detail[2]} (a missing or extra delimiter, or an unclosed "
-                  f"quote): {shown_text(detail[3])}")
+                  f"quote): {shown(detail[3], 200)}")
     else:
         if "invalid UTF8" in reason:
             reason += " (a Latin-1 or other non-UTF-8 file? convert it to UTF-8)"
-        reason = _escaped(f"{_column_named(column, names, cols)}: {reason}" if column else reason)
+        reason = quoted((f"{_column_named(column, names, cols)}: {reason}" if column else reason).strip(), 300)
     return EventLogError(f"cannot read {path} as CSV at {where}: {reason}")
 
 

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 from monitor.alerts import Alert, AlertState, Severity, SinkError, WebhookSink
+from monitor.exposition import ExpositionError, parse
 from monitor.scrape import Scraper, Snapshot
 from tests.unit.monitor.test_engine_faults import Clocks, Target, monitor
 
@@ -31,7 +32,7 @@ def test_a_scrape_targets_reason_phrase_is_quoted_short_and_escaped_in_the_scrap
         said = Scraper({"learner": t.url}, timeout_s=10).scrape().errors["learner"]
     finally:
         t.close()
-    assert said.startswith(f"{t.url}: HTTP 500 'Oops\\x1b[2J\\r") and len(said) < 200, said[:300]
+    assert said.startswith(f"{t.url}: HTTP 500 Oops\\x1b[2J\\r") and len(said) < 200, said[:300]
     assert said.isprintable()
 
 
@@ -51,7 +52,7 @@ def test_a_webhook_receivers_reason_and_error_body_are_quoted_short_and_escaped_
     finally:
         t.close()
     said = str(failed.value)
-    assert "HTTP 503 'Oops" in said and "FORGED" in said and len(said) < 400, said[:300]
+    assert "HTTP 503 Oops" in said and "FORGED" in said and len(said) < 400, said[:300]
     assert said.isprintable()
 
 
@@ -94,7 +95,7 @@ def test_a_series_two_sources_export_is_named_short_and_escaped_in_the_warning(
     finally:
         mon.close(5)
     [said] = [r.getMessage() for r in caplog.records if "all export" in r.getMessage()]
-    assert said.startswith("sources a, b all export 'share{user=") and len(said) < 400, said[:300]
+    assert said.startswith("sources a, b all export share{user=") and len(said) < 400, said[:300]
     assert said.isprintable()
 
 
@@ -102,5 +103,30 @@ def test_a_stale_series_is_named_short_and_escaped_in_the_stale_samples_warning(
     snap = Snapshot()
     snap.add_text("learner", f'share{{user="1\\n{FORGED}"}} 0.1 1000\n', now_s=1_800_000_000.0)  # stamped in 1970
     count, example = snap.stale["learner"]
-    assert count == 1 and example.startswith("'share{user=") and len(example) < 400, example[:300]
+    assert count == 1 and example.startswith("share{user=") and len(example) < 400, example[:300]
     assert example.isprintable()
+
+
+def test_a_reason_phrase_under_its_limit_with_one_tab_is_quoted_whole_with_the_tab_escaped() -> None:
+    reason = "Service\tUnavailable: the exporter is restarting, try again in a minute"  # 70 chars: under 80
+    def answer(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
+        h.send_response(500, reason)
+        h.send_header("Connection", "close")
+        h.end_headers()
+
+    t = Target(answer)
+    try:
+        said = Scraper({"learner": t.url}, timeout_s=10).scrape().errors["learner"]
+    finally:
+        t.close()
+    escaped = reason.replace("\t", "\\t")
+    assert said == f"{t.url}: HTTP 500 {escaped}"  # reprlib cut it at 60 chars
+
+
+def test_a_series_given_twice_is_quoted_escaped_and_says_how_much_of_it_was_left_out() -> None:
+    line = f'share{{user="1\\n{"y" * 60_000}"}} 0.1\n'
+    with pytest.raises(ExpositionError) as twice:
+        parse(line + line)
+    said = str(twice.value)
+    assert "series 'share{user=\"1\\ny" in said and said.isprintable(), said[:300]
+    assert "more chars)" in said and len(said) < 300, said[:300]  # "...", not how much, before
