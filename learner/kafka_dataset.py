@@ -64,7 +64,7 @@ from learner.worker_counters import WorkerTally
 from learner.worker_stall import loader_timeout
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
-from stream.errors import BadMessage, clip
+from stream.errors import BadMessage, quoted, shown
 from stream.idle_clock import IdleClock
 from stream.kafka import Headers, has_more, headers_of, new_consumer
 from stream.limits import DEFAULT_LIMITS, EventLimits
@@ -385,7 +385,7 @@ class KafkaSampleDataset(IterableDataset):
                             tb.watermarks = {part: wm}
                     except Exception as exc:  # noqa: BLE001 - whatever a message does, it must not stop the learner
                         bad = exc if isinstance(exc, BadMessage) else BadMessage(
-                            f"cannot be turned into tensors: {type(exc).__name__}: {clip(str(exc))}",
+                            f"cannot be turned into tensors: {type(exc).__name__}: {quoted(str(exc))}",
                             kind="undecodable")
                         if dlq is None:
                             dlq = DeadLetters(self.kafka)
@@ -589,7 +589,7 @@ def check_strings(sb: SampleBatch, limits: EventLimits) -> None:
     from the first messages and keeps them in every checkpoint and artifact."""
     for name in (*sb.context_names, *sb.dense_names):
         if len(name) > limits.max_key_len:
-            raise BadMessage(f"column {clip(name, 80)!r}: a feature name of {len(name)} chars, over [limits] "
+            raise BadMessage(f"column {shown(name, 80)}: a feature name of {len(name)} chars, over [limits] "
                              f"max_key_len={limits.max_key_len} (the joiner's bound on context and dense keys)",
                              kind="too_large")
     imp = sb.batch.column("impression_id")

@@ -58,7 +58,7 @@ from typing import Any, Protocol
 
 from monitor.http_deadline import check_http_url, post_json, time_left
 from stream.config import KafkaSettings
-from stream.errors import StreamrecError, clip, quoted
+from stream.errors import StreamrecError, quoted, shown
 from stream.kafka import ACCESS_CHECK_S, KafkaAccessError, admin_config, check_access
 from stream.secrets import hide_url_path, redact, redacted_repr
 
@@ -198,8 +198,8 @@ class Alert:
                 raise ValueError(f"alert record is missing {key!r}")
             v = d.get(key)
             if not (ok(v) or optional and v in (None, "")):
-                shown = clip(repr(v), 80) if v is None or type(v) in (str, int, float, bool) else type(v).__name__
-                raise ValueError(f"alert record's {key!r} is not {what}: {shown}")
+                said = shown(v, 80) if v is None or type(v) in (str, int, float, bool) else type(v).__name__
+                raise ValueError(f"alert record's {key!r} is not {what}: {said}")
             return v
 
         def member(e: type[enum.Enum]) -> Callable[[Any], bool]:

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from stream.errors import StreamrecError
+from stream.errors import StreamrecError, quoted, shown
 
 try:  # the regex parser's modules (for _slow_regex): private names since Python 3.11, deprecated aliases before
     import re._constants as _sre_constants  # type: ignore[import-not-found,unused-ignore]
@@ -504,7 +504,7 @@ def _unquote(body: str, pos: int) -> str:
         out += body[i:j].encode("utf-8", "surrogatepass")
         m = _GO_ESCAPE.match(body, j)
         if m is None:
-            raise ExprError(f"unknown escape sequence {_clip(body[j:j + 2])!r} in a quoted string at column "
+            raise ExprError(f"unknown escape sequence {shown(body[j:j + 2], 60)} in a quoted string at column "
                             f"{pos + 2 + j}: write a backslash as \\\\ (a regex's \\. is \"\\\\.\")")
         simple, hex2, octal, u4, u8 = m.groups()
         if simple is not None:
@@ -523,10 +523,6 @@ def _unquote(body: str, pos: int) -> str:
     except UnicodeDecodeError:
         raise ExprError(f"the quoted string at column {pos + 1} is not UTF-8 text once its \\x or octal escapes are "
                         "read (a label value is UTF-8)") from None
-
-
-def _clip(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class _Parser:
@@ -703,7 +699,7 @@ class _Parser:
                     except (re.error, OverflowError, RecursionError) as exc:  # a{99999999999}, (((...)))
                         why = f"{exc or type(exc).__name__}"
                     if why:
-                        raise ExprError(f"bad regular expression {_clip(value)!r} at column {self.tok.pos + 1}: "
+                        raise ExprError(f"bad regular expression {shown(value, 60)} at column {self.tok.pos + 1}: "
                                         f"{why}")
                 self.i += 1
                 matchers.append(Matcher(label, op, value))
@@ -726,7 +722,7 @@ class _Parser:
             if range_s <= 0:
                 raise ExprError(f"range [{d.text}] must be positive, at column {d.pos + 1}")
             if not math.isfinite(range_s) or range_s > MAX_RANGE_S:  # the history keeps each series' samples so long
-                raise ExprError(f"range [{_clip(d.text)}] is too long, at column {d.pos + 1}: at most a year "
+                raise ExprError(f"range [{quoted(d.text, 60)}] is too long, at column {d.pos + 1}: at most a year "
                                 "([365d]), e.g. [1d]")
             self.take("]")
         return Selector(t.text, tuple(matchers), self.span(t.pos), range_s)

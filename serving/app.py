@@ -54,7 +54,7 @@ from serving.metrics import ServingMetrics
 from serving.request import RequestError, ScoreRequest, openapi, read_batch, read_request
 from serving.settings import ServeSettings
 from serving.swap import LiveModel, ModelHolder
-from stream.errors import clip
+from stream.errors import quoted, shown
 from stream.features import hash_value
 from stream.history import UserHistory
 from stream.limits import DEFAULT_LIMITS, EventLimits
@@ -173,14 +173,14 @@ class ScoringApp:
             if route is None and method == "OPTIONS" and (path in self._paths or path == "*"):
                 resp = (204, JSON, b"")  # the Allow header says it (headers())
             elif route is None and method not in KNOWN_METHODS:
-                resp = _error(501, f"method {clip(method, 40)!r} is not implemented (methods are case-sensitive, RFC "
+                resp = _error(501, f"method {shown(method, 40)} is not implemented (methods are case-sensitive, RFC "
                                    f"9110 9.1); this service answers {self.allow('*')}")
             elif route is None:
                 if path in self._paths:
                     allowed = sorted(meth for meth, p in self._routes if p == path)
-                    resp = _error(405, f"{clip(method, 40)} {path}: method not allowed; use {', '.join(allowed)}")
+                    resp = _error(405, f"{quoted(method, 40)} {path}: method not allowed; use {', '.join(allowed)}")
                 else:  # (a path, or a method, is quoted cut short: the threading server takes a 64 KiB request line)
-                    resp = _error(404, f"no endpoint {clip(path, 200)}; endpoints: " + ", ".join(sorted(self._paths)))
+                    resp = _error(404, f"no endpoint {quoted(path, 200)}; endpoints: " + ", ".join(sorted(self._paths)))
             elif len(body) > self.s.max_body_bytes:
                 resp = _error(413, f"body of {len(body)} bytes exceeds {self.s.max_body_bytes}")
             else:

@@ -38,7 +38,7 @@ import torch
 from serving.features import FeatureEncoder
 from serving.model import ScoringModel
 from serving.request import parse_request, read_request
-from stream.errors import ConfigError, clip
+from stream.errors import ConfigError, quoted
 from stream.features import hash_value
 from stream.files import read_regular, write_atomic
 
@@ -99,7 +99,7 @@ def read_inputs(in_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 raise ValueError(f"{len(data) - buf.tell()} bytes of data for shape {shape}")
             arrays.append(np.load(io.BytesIO(data), allow_pickle=False))
         except (OSError, ValueError, EOFError, SyntaxError, TokenError, RecursionError) as exc:
-            raise ConfigError(f"request input {path} (REQUEST_DIR/{name}) cannot be read: {clip(str(exc), 300)}"
+            raise ConfigError(f"request input {path} (REQUEST_DIR/{name}) cannot be read: {quoted(str(exc), 300)}"
                               ) from None
     values, offsets, dense = arrays
     _check_fit(in_dir, values, offsets, dense)

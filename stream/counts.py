@@ -139,7 +139,7 @@ import redis
 from redis.crc import key_slot
 from redis.exceptions import NoPermissionError
 
-from stream.errors import clip
+from stream.errors import quoted
 from stream.redis_client import Client, ClusterUnavailable, is_cluster, run_script
 from stream.redis_deadline import replies_by, round_trip
 
@@ -626,10 +626,10 @@ class DailyCounts:
         # a count of 0, below 0 or not whole would be added as it is (a ZINCRBY of -3, of NaN), a member that is no
         # stable hash named a row no reader finds (cache_refresh/hot_set.py member_hashes)
         if len(counts) and (counts.dtype.kind not in "iu" or int(counts.min()) < 1):
-            raise ValueError(f"argument 'counts': expected integers >= 1, got {counts.dtype} {clip(str(counts))}")
+            raise ValueError(f"argument 'counts': expected integers >= 1, got {counts.dtype} {quoted(str(counts))}")
         if len(members) and (members.dtype.kind not in "iu" or int(members.min()) < 0):
             raise ValueError(f"argument 'members': expected non-negative integer hashes, got {members.dtype} "
-                             f"{clip(str(members))}")
+                             f"{quoted(str(members))}")
         if not len(members):
             return
         day = _day_str(int(day_index))
@@ -937,7 +937,7 @@ class DailyCounts:
             if not self._scan_warned:
                 self._scan_warned = True
                 log.warning("the counts' hash slots cannot be listed (%s): days are found by SCAN, which misses a day "
-                            "a resharding moves meanwhile", clip(str(exc)))
+                            "a resharding moves meanwhile", quoted(str(exc)))
             return None
 
     def _slot_keys(self, kind: str) -> list[Any]:
@@ -981,7 +981,7 @@ class DailyCounts:
         wrong = [f"{k} ({t})" for k, t in zip(keys, types, strict=True) if t not in ("zset", "none")]
         if wrong:
             log.warning("day counts: %s %s not a sorted set (written by another client?); left out of the counts read",
-                        clip(", ".join(wrong)), "is" if len(wrong) == 1 else "are")
+                        quoted(", ".join(wrong)), "is" if len(wrong) == 1 else "are")
         return [k for k, t in zip(keys, types, strict=True) if t in ("zset", "none")]
 
     def names(self, kind: str, members: Sequence[str], day: str, days: int = 1) -> dict[str, str]:
@@ -1036,5 +1036,5 @@ class DailyCounts:
         wrong = [k for k, r in zip(keys, replies, strict=True) if not isinstance(r, list)]  # the script's '!wrongtype'
         if wrong:
             log.warning("day names: %s %s not a hash (WRONGTYPE: written by another client?); left out of the names "
-                        "read", clip(", ".join(wrong)), "is" if len(wrong) == 1 else "are")
+                        "read", quoted(", ".join(wrong)), "is" if len(wrong) == 1 else "are")
         return [r for r in replies if isinstance(r, list)]

@@ -52,7 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from stream.config import KafkaSettings
-from stream.errors import BadMessage, ConfigError, MessageTooLarge, clip
+from stream.errors import BadMessage, ConfigError, MessageTooLarge, shown
 from stream.kafka import (
     AckedProducer,
     Headers,
@@ -149,7 +149,7 @@ class DeadLetter:
         def number(name: str, raw: bytes | str | None, lo: int = -1, hi: int = 2**63 - 1) -> int:
             text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
             if text is None or not re.fullmatch(r"-?[0-9]{1,19}", text) or not lo <= int(text) <= hi:
-                raise ValueError(f"not a dead letter's headers: {name} is {clip(repr(text), 40)}, expected an integer "
+                raise ValueError(f"not a dead letter's headers: {name} is {shown(text, 40)}, expected an integer "
                                  f"from {lo} to {hi}")
             return int(text)
 

@@ -71,7 +71,7 @@ def shown(value: Any, limit: int = 80) -> str:
         text = _SHOW.repr(value)
     except Exception:  # noqa: BLE001 - an error message must never become a second error
         text = f"<{type(value).__name__}>"
-    return clip(text, limit)
+    return quoted(text, limit)  # an object's own __repr__ may hold a line break
 
 
 def quoted(text: str, limit: int = 200) -> str:
@@ -102,11 +102,6 @@ def _escaped_head(text: str, limit: int) -> tuple[str, int]:
 
 def _left_out(count: int) -> str:
     return f"... ({count:,} more chars)" if count else ""
-
-
-def clip(text: str, limit: int = 200) -> str:
-    """``text`` cut to at most ``limit`` characters (a message from a library may quote the input)."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def close_after_error(close: Callable[[], object], what: str, log: logging.Logger) -> None:

@@ -43,7 +43,7 @@ from typing import Any
 
 import orjson
 
-from stream.errors import BadMessage, ValidationError, clip, shown
+from stream.errors import BadMessage, ValidationError, quoted, shown
 from stream.limits import DEFAULT_LIMITS, DENSE_BOUND, EventLimits
 
 SCHEMA_VERSION = 1
@@ -122,7 +122,7 @@ def _load(raw: bytes | None, limits: EventLimits) -> dict[str, Any]:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise BadMessage(f"not valid JSON: {clip(str(exc), 160)}", kind="bad_json") from None
+        raise BadMessage(f"not valid JSON: {quoted(str(exc), 160)}", kind="bad_json") from None
     if not isinstance(obj, dict):
         raise BadMessage(f"expected a JSON object, got {type(obj).__name__}", kind="bad_json")
     return obj

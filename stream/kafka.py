@@ -43,7 +43,7 @@ from stream.errors import (
     MessageTooLarge,
     PartitionMissing,
     StreamError,
-    clip,
+    quoted,
 )
 from stream.retention import account_for_retention
 from stream.tls import certificate_refusal, check_file, client_context
@@ -510,7 +510,7 @@ def _say_ids_unread(kafka: KafkaSettings, topics: Sequence[str], what: str, exc:
     _ids_unread.update(keys)
     (log.debug if said else log.warning)(
         what + ": a topic made again under its name goes untold (said once until it is read again)",
-        ", ".join(topics), clip(str(exc)))
+        ", ".join(topics), quoted(str(exc)))
 
 
 def ensure_compacted(kafka: KafkaSettings, topic: str, partitions: int | None = None) -> None:
@@ -584,7 +584,7 @@ def message_limits(kafka: KafkaSettings, topics: Iterable[str], producer_bytes: 
                 found[resource.name] = int(entry.value)
     except Exception as exc:  # noqa: BLE001 - a broker without DescribeConfigs (or without our right to it)
         log.warning("could not read the topics' max.message.bytes (%s); writing under the producer's limit",
-                    clip(str(exc)))
+                    quoted(str(exc)))
     out = {}
     for t in wanted:
         known = [(found[t], "topic max.message.bytes")] if t in found else []
@@ -611,7 +611,7 @@ def refused_as_too_large(exc: MessageTooLarge, limit: MessageLimit | None) -> Me
     learned = (f"sized under {limit.bytes} bytes, the limit learned for it ({limit.source})"
                if limit is not None else "not sized under a learned limit")
     return MessageLimitError(
-        f"{clip(str(exc), 300)}; the records for {topic} are {learned}, so the broker's (or the producer's) limit is "
+        f"{quoted(str(exc), 300)}; the records for {topic} are {learned}, so the broker's (or the producer's) limit is "
         "lower than that: set [kafka.extra] message.max.bytes to at most the topic's max.message.bytes (records are "
         f"then written under it), or raise the topic's max.message.bytes (kafka-configs.sh --alter --entity-type "
         f"topics --entity-name {topic} --add-config max.message.bytes=1048588) and the broker's message.max.bytes")
@@ -1090,7 +1090,7 @@ def resume_offsets(consumer: Consumer, partitions: list[TopicPartition], reader:
             consumer.commit(offsets=moved, asynchronous=False)
         except KafkaException as exc:
             log.warning("%s: could not commit the offsets past the records lost (%s): the loss may be said and counted "
-                        "again at the next assignment", reader, clip(str(exc)))
+                        "again at the next assignment", reader, quoted(str(exc)))
     return starts
 
 

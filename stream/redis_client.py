@@ -62,7 +62,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from stream.config import RedisSettings
-from stream.errors import ConfigError, StreamError, clip
+from stream.errors import ConfigError, StreamError, quoted
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.redis_deadline import connection_class, refresh_outside_deadlines
 from stream.secrets import Secret, redact, secret_text
@@ -719,7 +719,7 @@ def _handshake_advice(text: str) -> str:
 def describe(exc: BaseException, settings: RedisSettings) -> str:
     """One line for a failed Redis operation: which Redis (url redacted), what happened, what to check."""
     where = f"Redis at {redact(settings.url)}"
-    what = clip(redact(f"{type(exc).__name__}: {exc}"), 240)
+    what = quoted(redact(f"{type(exc).__name__}: {exc}"), 240)
     who = f"ACL user {settings.user!r}" if settings.user else "the default user"
     if acl_denied(exc):  # NOPERM, also a command a script called (Redis 6 gives that one no code)
         grant = _acl_grant(exc)

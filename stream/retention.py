@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from stream.errors import clip
+from stream.errors import quoted
 from stream.metrics import INPUT_LOST
 
 log = logging.getLogger("streamrec.retention")
@@ -158,7 +158,7 @@ def not_checked(reader: str, partitions: Iterable[tuple[str, int]], exc: BaseExc
     on) where it would have, unchecked (its own fetches report a broker that stays away)."""
     log.warning("%s: could not read the first offsets of %s (%s): whether records before %s were deleted unread "
                 "(retention, DeleteRecords) is not checked this time", reader, sorted(partitions),
-                clip(str(exc) or type(exc).__name__), before)
+                quoted(str(exc) or type(exc).__name__), before)
 
 
 class Gaps:

@@ -47,7 +47,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stream.errors import BadMessage, clip
+from stream.errors import BadMessage, quoted, shown
 from stream.events import MAX_TS_MS
 from stream.limits import MAX_ABS_DENSE
 
@@ -205,7 +205,7 @@ class SampleBatch:
             reader = pa.ipc.open_stream(pa.py_buffer(raw))
             batches = list(reader)
         except (pa.ArrowException, OSError, ValueError) as exc:
-            raise BadMessage(f"not an Arrow IPC stream: {clip(str(exc))}", kind="bad_arrow") from None
+            raise BadMessage(f"not an Arrow IPC stream: {quoted(str(exc))}", kind="bad_arrow") from None
         meta = reader.schema.metadata or {}
         if meta.get(b"streamrec.schema") != SCHEMA_NAME:
             raise BadMessage("Arrow stream is not a streamrec samples batch (schema metadata missing)",
@@ -223,7 +223,7 @@ class SampleBatch:
             raise BadMessage("a column name is not UTF-8", kind="bad_schema") from None
         if len(set(names)) != len(names):  # schema.field() / column() by name would raise KeyError
             twice = sorted({n for n in names if names.count(n) > 1})
-            raise BadMessage(f"column {clip(twice[0], 80)!r} appears more than once", kind="bad_schema")
+            raise BadMessage(f"column {shown(twice[0], 80)} appears more than once", kind="bad_schema")
         # Version 1 has no ``kind`` column; one there anyway is read (``kinds``), so it is checked as in version 2.
         with_kind = version != b"1" or KIND_FIELD.name in names
         for f in (*BASE_FIELDS, KIND_FIELD) if with_kind else BASE_FIELDS:
@@ -242,10 +242,10 @@ class SampleBatch:
         try:
             batch.validate(full=True)
         except (pa.ArrowException, ValueError) as exc:
-            raise BadMessage(f"invalid Arrow data: {clip(str(exc))}", kind="bad_arrow") from None
+            raise BadMessage(f"invalid Arrow data: {quoted(str(exc))}", kind="bad_arrow") from None
         for f in batch.schema:  # the child as stored: flatten() aborts the process on some offsets validation allows
             if pa.types.is_list(f.type) and batch.column(f.name).values.null_count:
-                raise BadMessage(f"column {clip(f.name, 80)!r} has nulls inside its lists", kind="bad_schema")
+                raise BadMessage(f"column {shown(f.name, 80)} has nulls inside its lists", kind="bad_schema")
         values = sum(int(c.offsets[-1].as_py()) - int(c.offsets[0].as_py()) for f in batch.schema
                      if pa.types.is_list(f.type) for c in [batch.column(f.name)])
         if values > MAX_LIST_VALUES:
@@ -273,7 +273,7 @@ class SampleBatch:
         for name in ("user_id", "item_id", "history", *(CTX_PREFIX + n for n in out.context_names)):
             ids = out.lists(name)[0] if pa.types.is_list(batch.schema.field(name).type) else out.column(name)
             if len(ids) and ids.min() < 0:
-                raise BadMessage(f"column {clip(name, 80)!r}: negative ids (hashed ids are >= 0)", kind="bad_value")
+                raise BadMessage(f"column {shown(name, 80)}: negative ids (hashed ids are >= 0)", kind="bad_value")
         for name in out.dense_names:
             col = out.column(DENSE_PREFIX + name)
             if not np.isfinite(col).all():

@@ -41,7 +41,7 @@ from typing import Protocol
 import redis
 from confluent_kafka import KafkaException
 
-from stream.errors import ConfigError, DeliveryFailed, PartitionLost, clip
+from stream.errors import ConfigError, DeliveryFailed, PartitionLost, quoted
 from stream.files import MAX_STATE_FILE_BYTES, FileTooLarge, NotRegularFile, read_regular, write_atomic
 from stream.redis_client import RedisAuthError, RedisFailure, acl_denied, script_codes, wrong_type
 
@@ -144,7 +144,7 @@ class Strikes:
 
     def failed(self, keys: Iterable[Key], exc: BaseException) -> None:
         """Record one failure of every message in a failed batch (durably, before the process stops)."""
-        error = clip(f"{type(exc).__name__}: {exc}", 300)
+        error = quoted(f"{type(exc).__name__}: {exc}", 300)
         changed = {k: (self.counts.get(k, (0, ""))[0] + 1, error) for k in keys}
         self.counts.update(changed)
         self.store.save(changed, [])

@@ -55,7 +55,7 @@ from confluent_kafka import (
 )
 
 from stream.config import KafkaSettings
-from stream.errors import BadMessage, clip, close_after_error
+from stream.errors import BadMessage, close_after_error, quoted
 from stream.idle_clock import IdleClock
 from stream.joiner.backpressure import (
     CLICKS,
@@ -188,7 +188,7 @@ class KafkaJoinWorker:
                 self._offsets.clear()
             except KafkaException as exc:
                 log.warning("offset commit failed (%s); kept for the next commit (the batches' state is durable: "
-                            "what is read again is skipped)", clip(str(exc)))
+                            "what is read again is skipped)", quoted(str(exc)))
             self.pipeline.totals.stage_s["commit"] += time.monotonic() - t0
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -260,7 +260,7 @@ class KafkaJoinWorker:
                 log.warning("could not read the partition layout or start positions of assigned partitions %s (%s: "
                             "%s); asking again in %.1f s (they are not read until then)",
                             sorted((tp.topic, tp.partition) for tp in partitions), type(exc).__name__,
-                            clip(str(exc)), backoff)
+                            quoted(str(exc)), backoff)
             self._wait(backoff)
             if self._stop:
                 log.warning("stopping before the start positions of %s could be read: they are left unread",
@@ -431,7 +431,7 @@ class KafkaJoinWorker:
     def _recover(self, exc: BaseException) -> None:
         """Back to the last durable point after an infrastructure failure (module docstring)."""
         log.warning("infrastructure failure (%s: %s); rewinding to the committed offsets and retrying in %.0f s",
-                    type(exc).__name__, clip(str(exc)), self._backoff_s)
+                    type(exc).__name__, quoted(str(exc)), self._backoff_s)
         self.recoveries += 1
         self._offsets.clear()
         self.pipeline.drop_held(set(self.pipeline.held_counts))  # never committed: the rewind reads them again

@@ -81,8 +81,8 @@ from stream.errors import (
     PartitionLost,
     PartitionMissing,
     StreamError,
-    clip,
     close_after_error,
+    quoted,
     shown,
 )
 from stream.event_batch import decode_events
@@ -539,7 +539,7 @@ class JoinPipeline:
                     if not is_infrastructure(exc):
                         raise
                     log.warning("a day counts write failed (%s: %s); retried with the last flush",
-                                type(exc).__name__, clip(str(exc)))
+                                type(exc).__name__, quoted(str(exc)))
                 self.flush_counts()
             except BaseException:
                 close_after_error(self.redis.close, "closing the joiner's Redis client", log)
@@ -738,7 +738,7 @@ class JoinPipeline:
                 consumer.close()
         except KafkaException as exc:
             log.log(level, "could not read the committed offsets of group %s %s: %s", self.js.app_id, purpose,
-                    clip(str(exc)))
+                    quoted(str(exc)))
             return None
         return {(tp.topic, tp.partition): tp.offset for tp in got if tp.offset >= 0}
 
@@ -922,7 +922,7 @@ class JoinPipeline:
             if not is_infrastructure(exc) and not isinstance(exc, ConfigError):
                 failed = held + records
                 log.error("a batch of %d message(s) failed (%s: %s); each gets a strike, the worker stops without "
-                          "committing", len(failed), type(exc).__name__, clip(str(exc)))
+                          "committing", len(failed), type(exc).__name__, quoted(str(exc)))
                 try:
                     self.strikes.failed([(r.topic, r.partition, r.offset) for r in failed], exc)
                 except Exception:  # noqa: BLE001 - the original failure is the one to report
@@ -1439,7 +1439,7 @@ class JoinPipeline:
                 # messages (which would dead-letter good data), and no rewinding forever either.
                 reply = str(exc).rsplit("caused error: ", 1)[-1]  # Redis's own words, not the pipeline's preamble
                 raise ConfigError(f"Redis refused the day counts write under prefix {self.counts.prefix!r} "
-                                  f"({type(exc).__name__}: {clip(reply, 300)}): a key under "
+                                  f"({type(exc).__name__}: {quoted(reply, 300)}): a key under "
                                   f"'{self.counts.prefix}:counts:' or '{self.counts.prefix}:names:' holds something "
                                   f"else (another application using [redis] prefix {self.counts.prefix!r}?); delete "
                                   f"that key or set another prefix") from exc

