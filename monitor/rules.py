@@ -83,7 +83,7 @@ from monitor.alerts import Severity, SinkSettings
 from monitor.expr import REGEX_VALUE_MAX, ExprError, Node, longest_range, parse
 from monitor.http_deadline import check_http_url
 from stream.config import TOPIC_RULE, topic_problem
-from stream.errors import ConfigError
+from stream.errors import ConfigError, quoted
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.secrets import hide_url_path
 
@@ -230,7 +230,7 @@ def _shown(v: Any, limit: int = 120) -> str:
             text = _SHOW.repr(v)
     except (TypeError, ValueError, RecursionError):  # an int too long to print, say
         text = _SHOW.repr(v) if not isinstance(v, int) else f"an integer of {v.bit_length()} bits"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return quoted(text, limit)  # (JSON escaped a string's control characters; reprlib's text of a table may hold one)
 
 
 class _Where:

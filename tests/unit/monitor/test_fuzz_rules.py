@@ -271,3 +271,15 @@ def test_a_plain_python_structure_that_is_not_toml_is_a_rules_error_too() -> Non
             assert str(exc)
 
 
+
+
+def test_a_long_bad_value_in_a_rules_file_is_quoted_cut_saying_how_much_was_left_out() -> None:
+    text = f'[[rule]]\nname = "r"\nexpr = "m"\nop = "{"x" * 5000}"\nthreshold = 1\n'
+    try:
+        loads_rules(text, "r.toml")
+    except RulesError as exc:
+        said = str(exc)
+    else:
+        raise AssertionError("an op of 5000 x's was read")
+    assert '"' + "x" * 119 + "... (4,882 more chars)" in said and said.isprintable(), said  # "...": how much?
+    assert len(said) < 400, said
