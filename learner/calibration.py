@@ -68,6 +68,7 @@ from torch import nn
 
 from learner.checkpoint import state_counts
 from learner.event_clock import EventClock, FirstTime, integer_times, load_times
+from stream.errors import shown
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
 # The logits a fit reads: those of probabilities in [1e-7, 1 - 1e-7], the range learner/evaluation/calibration.py fits
@@ -92,7 +93,7 @@ def _column(d: dict[str, Any], name: str, dtype: type) -> np.ndarray:
     except ValueError:  # (a ragged list)
         arr = None
     if arr is None or (arr.size and arr.dtype.kind not in "iuf"):
-        raise ValueError(f"{STATE}: {name} is {'missing' if v is None else repr(v)[:80]}, not a list of numbers: the "
+        raise ValueError(f"{STATE}: {name} is {'missing' if v is None else shown(v, 80)}, not a list of numbers: the "
                          "state is damaged or of an older streamrec; the restore uses the previous checkpoint")
     return arr.astype(dtype).reshape(-1)
 
@@ -102,7 +103,7 @@ def _listed(d: dict[str, Any], name: str, default: list[Any]) -> list[Any]:
     character per item)."""
     v = d.get(name, default)
     if not isinstance(v, list | tuple):
-        raise ValueError(f"{STATE}: {name} is {repr(v)[:80]}, not a list: the state is damaged")
+        raise ValueError(f"{STATE}: {name} is {shown(v, 80)}, not a list: the state is damaged")
     return list(v)
 
 
@@ -110,7 +111,7 @@ def _real(d: dict[str, Any], name: str, default: float) -> float:
     """``d[name]`` (``default`` when absent) if it is a number (no bool, no text), else a ValueError naming it."""
     v = d.get(name, default)
     if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
-        raise ValueError(f"{STATE}: {name} is {repr(v)[:80]}, not a number: the state is damaged")
+        raise ValueError(f"{STATE}: {name} is {shown(v, 80)}, not a number: the state is damaged")
     return float(v)
 
 

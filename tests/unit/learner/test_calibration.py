@@ -301,6 +301,8 @@ CORRUPT_PENDING = {
     "columns_without_ids": (lambda d: d.pop("pending_ids"), "pending_chunks"),  # its pairs were dropped unsaid
     "scale_as_text": (_set("a", "0.5"), "a is '0.5', not a number"),
     "scale_as_bool": (_set("b", True), "b is True, not a number"),
+    # cut at 80 characters saying nothing (repr(v)[:80] left the quote open): how many were left out said
+    "scale_as_long_text": (_set("a", "0" * 5000), "a is '" + "0" * 78 + "'... (4,922 more chars), not a number"),
     "curvature_of_three": (_set("h", [1.0, 0.0, 1.0]), "h holds 3 values"),
     "logits_as_text": (_set("pending_logits", "1, 2"), "pending_logits is '1, 2'"),
     "first_layout_not_rows_of_three": (_set("pending", torch.zeros(4)), "pending holds 4 values"),
