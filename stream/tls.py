@@ -15,7 +15,7 @@ import socket
 import ssl
 from pathlib import Path
 
-from stream.errors import ConfigError
+from stream.errors import ConfigError, printable
 from stream.files import open_regular
 
 # OpenSSL's reasons, in words an operator acts on (any other reason is shown as OpenSSL gives it)
@@ -100,6 +100,9 @@ def client_context(section: str, ca: tuple[str, Path | None], cert: tuple[str, P
 _HOST_MISMATCH = (62, 64)  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
 _OUT_OF_DATE = (9, 10)  # X509_V_ERR_CERT_NOT_YET_VALID, X509_V_ERR_CERT_HAS_EXPIRED
 _SAN_OID = bytes.fromhex("0603551d11")  # the DER of OID 2.5.29.17, subjectAltName
+# A server's certificate may hold thousands of names, and a name may hold any byte: the message shows this many, each
+# escaped and clipped, then how many more (a hostile certificate cannot flood the line or forge a log line)
+_NAMES_SHOWN, _NAME_CHARS = 8, 80
 
 
 def certificate_refusal(ctx: ssl.SSLContext, host: str, port: int, timeout_s: float) -> str | None:
@@ -119,10 +122,17 @@ def certificate_refusal(ctx: ssl.SSLContext, host: str, port: int, timeout_s: fl
     names, dates = _certificate_facts(_peer_certificate(host, port, timeout_s))
     if code in _HOST_MISMATCH:
         return (f"the server's certificate does not name {host} ({message}): connect by a host name the certificate "
-                f"lists (its names: {', '.join(names) or 'none found'}) or reissue it for {host}")
+                f"lists (its names: {_shown_names(names)}) or reissue it for {host}")
     valid = f"valid from {dates[0]} to {dates[1]} UTC" if dates else "its validity dates could not be read"
     return (f"the server's certificate (or a CA's above it) is out of date ({message}): renew it ({valid}) and check "
             "the clocks of this machine and of the server")
+
+
+def _shown_names(names: list[str]) -> str:
+    """A certificate's ``names`` for a message: the first :data:`_NAMES_SHOWN`, each escaped and clipped, then "and N
+    more" (comment above)."""
+    shown = ", ".join(printable(name, _NAME_CHARS) for name in names[:_NAMES_SHOWN]) or "none found"
+    return shown + (f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else "")
 
 
 def _peer_certificate(host: str, port: int, timeout_s: float) -> bytes:

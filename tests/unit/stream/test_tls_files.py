@@ -318,3 +318,24 @@ def test_the_certificates_names_and_dates_are_read_in_both_der_time_forms(tmp_pa
         cert = ssl._ssl._test_decode_cert(str(f.cert))  # type: ignore[attr-defined]  # CPython's own reading
         expect = [datetime.datetime.strptime(cert[k], "%b %d %H:%M:%S %Y %Z") for k in ("notBefore", "notAfter")]
         assert dates == tuple(d.strftime("%Y-%m-%d %H:%M:%S") for d in expect)
+
+
+def test_a_certificate_of_a_thousand_names_shows_eight_and_how_many_more(tmp_path: Path) -> None:
+    """A certificate may hold thousands of names: the reason shows the first 8, then how many more, not a flood."""
+    hosts = tuple(f"host-{i:04d}.internal" for i in range(1000))
+    f = make_tls_files(tmp_path, "many", hosts=hosts)
+    with _tls_server(f) as port:
+        reason = certificate_refusal(ssl.create_default_context(cafile=f.ca), "127.0.0.1", port, 3) or ""
+    assert f"(its names: {', '.join(hosts[:8])} and 992 more)" in reason, reason
+    assert hosts[8] not in reason
+    assert len(reason) < 1000
+
+
+def test_a_certificate_name_holding_a_newline_is_shown_escaped_not_as_a_second_line(tmp_path: Path) -> None:
+    """A name is the server's text: a newline (or any control character) in it is shown as its escape, so it cannot
+    forge a log line."""
+    f = make_tls_files(tmp_path, "odd", hosts=("redis.internal\nERROR forged line", "evil\x1b[31m.internal"))
+    with _tls_server(f) as port:
+        reason = certificate_refusal(ssl.create_default_context(cafile=f.ca), "127.0.0.1", port, 3) or ""
+    assert r"(its names: redis.internal\nERROR forged line, evil\x1b[31m.internal)" in reason, reason
+    assert reason.isprintable()
