@@ -46,7 +46,7 @@ from stream.errors import (
     quoted,
 )
 from stream.retention import account_for_retention
-from stream.tls import certificate_refusal, check_file, client_context
+from stream.tls import REFUSAL_TIMEOUT_S, certificate_refusal, check_file, client_context
 
 Headers = Sequence[tuple[str, bytes | None]]  # a header value may be null
 log = logging.getLogger("streamrec.kafka")
@@ -93,7 +93,6 @@ class KafkaAccessError(StreamError):
 # (connection refused) or slow is not judged here: the caller's own timeouts and retries report it as before.
 ACCESS_CHECK_S = 3.0
 _VERIFY_FAILED = "certificate verify failed"  # in librdkafka's text, before its advice on ssl.ca.location
-TLS_REASON_S = 3.0  # the handshake that says why a broker's certificate fails verification (_certificate_refusal)
 UNDECIDED_FOR_S = 60.0  # a check that could not decide (a silent or slow broker) is not repeated this long
 _access_ok: set[tuple[Any, ...]] = set()
 _access_undecided: dict[tuple[Any, ...], float] = {}  # key -> monotonic time of the undecided check
@@ -212,7 +211,7 @@ def _certificate_refusal(kafka: KafkaSettings) -> str | None:
         ctx = tls_context(kafka)
     except ConfigError:  # a file librdkafka loaded and ssl cannot: the CA advice stands
         return None
-    return certificate_refusal(ctx, host.strip("[]"), int(port), TLS_REASON_S)
+    return certificate_refusal(ctx, host.strip("[]"), int(port), REFUSAL_TIMEOUT_S)
 
 
 _weakened_warned: set[tuple[Any, ...]] = set()  # settings whose weakened TLS has been logged (once per process)

@@ -33,12 +33,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import ssl
 import threading
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import hiredis
 import redis
@@ -67,7 +69,7 @@ from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.redis_deadline import connection_class, refresh_outside_deadlines
 from stream.secrets import Secret, redact, secret_text
 from stream.startup import wait_ready
-from stream.tls import client_context
+from stream.tls import REFUSAL_TIMEOUT_S, certificate_refusal, client_context
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Client", "ClusterUnavailable", "LazyClient", "RedisAuthError", "RedisFailure",
            "acl_denied", "connect", "describe", "eviction_advice", "failure", "is_cluster", "latency_advice",
@@ -264,11 +266,17 @@ def _tls_options(settings: RedisSettings) -> dict[str, Any]:
     late with an obscure error (retried as an outage). Loading them once here (:func:`stream.tls.client_context`)
     makes each a ConfigError naming the setting and the file when the client is built. The certificate and host-name
     checks are set here, not left to redis-py's defaults: redis-py before 6.0 checked no host name."""
-    client_context("redis", ("ssl_ca_certs", settings.ssl_ca_certs), ("ssl_certfile", settings.ssl_certfile),
-                   ("ssl_keyfile", settings.ssl_keyfile), key_password=None)  # no [redis] setting gives one
+    _tls_context(settings)
     return {"ssl_cert_reqs": "required", "ssl_check_hostname": True,
             **{name: str(path) for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
                if (path := getattr(settings, name)) is not None}}
+
+
+def _tls_context(settings: RedisSettings) -> ssl.SSLContext:
+    """The TLS context of ``settings``' files (:func:`stream.tls.client_context`): what redis-py's options load, with
+    the same checks (a certificate its CA signed, for the host connected to)."""
+    return client_context("redis", ("ssl_ca_certs", settings.ssl_ca_certs), ("ssl_certfile", settings.ssl_certfile),
+                          ("ssl_keyfile", settings.ssl_keyfile), key_password=None)  # no [redis] setting gives one
 
 
 # Every command's bound where a caller names none. A Redis that stops answering without closing its connections (a
@@ -687,7 +695,9 @@ def failure(exc: BaseException, settings: RedisSettings) -> RedisFailure:
 
 
 # What to fix when OpenSSL refused the server's certificate for a reason other than its CA (a "check ssl_ca_certs" sent
-# the operator to a CA file that was right): the url's host is not one the certificate names, or it is out of date
+# the operator to a CA file that was right): the url's host is not one the certificate names, or it is out of date.
+# stream.tls.certificate_refusal says the same with the certificate's names or dates (one handshake of our own, with
+# these settings' files): this text is what is said when that handshake does not give the reason redis-py's error gave
 _TLS_VERIFY_ADVICE = (
     (("Hostname mismatch", "IP address mismatch"),
      "the url's host is not a name or address the server's certificate holds: connect by one it lists (its subject "
@@ -705,6 +715,31 @@ def _tls_advice(text: str) -> str:
         if any(reason in text for reason in reasons):
             return f" (TLS: {advice})"
     return " (TLS: check ssl_ca_certs and that the server speaks TLS on that port)"
+
+
+_VERIFY_FAILED = "certificate verify failed"
+_CONNECTING_TO = re.compile(r"connecting to (\S+):(\d+)\.")  # redis-py's "Error 1 connecting to HOST:PORT. ..."
+
+
+def _certificate_refusal(text: str, settings: RedisSettings) -> str | None:
+    """Why the server's certificate was refused (:func:`stream.tls.certificate_refusal`, with the names or dates it
+    holds), when ``text`` (a rediss:// connection's error) gives one of :data:`_TLS_VERIFY_ADVICE`'s reasons and the
+    handshake, with these settings' files, gives the same one; None otherwise. The server is the one ``text`` names
+    (a cluster's node), else the url's."""
+    said = next((r for reasons, _ in _TLS_VERIFY_ADVICE for r in reasons if r in text), None)
+    if said is None:
+        return None
+    try:
+        if node := _CONNECTING_TO.search(text):
+            host, port = node.group(1), int(node.group(2))
+        else:
+            url = urlsplit(settings.url)
+            host, port = url.hostname or "localhost", url.port or 6379
+        ctx = _tls_context(settings)
+    except (ConfigError, ValueError):  # a file changed since the client was built, a port out of range: the text's
+        return None  # advice stands
+    reason = certificate_refusal(ctx, host, port, REFUSAL_TIMEOUT_S)
+    return reason if reason is not None and said in reason else None
 
 
 def _handshake_advice(text: str) -> str:
@@ -734,5 +769,9 @@ def describe(exc: BaseException, settings: RedisSettings) -> str:
     if isinstance(exc, redis.TimeoutError):
         return f"{where} did not answer in time ({what}){_handshake_advice(str(exc)) if settings.tls else ''}"
     if isinstance(exc, (redis.ConnectionError, OSError)):
+        if settings.tls and (refusal := _certificate_refusal(str(exc), settings)):
+            cut = what.find(_VERIFY_FAILED)  # the reason is said once, in the refusal
+            what = what[:cut + len(_VERIFY_FAILED)] if cut >= 0 else what
+            return f"{where} cannot be reached ({what}) (TLS: {refusal})"
         return f"{where} cannot be reached ({what}){_tls_advice(str(exc)) if settings.tls else ''}"
     return f"{where}: {what}"

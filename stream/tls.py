@@ -97,6 +97,7 @@ def client_context(section: str, ca: tuple[str, Path | None], cert: tuple[str, P
 # file") misleads when the CA is right and the certificate names another host or is out of date. One handshake with
 # Python's ssl says which (its verify code); for those two a second one, unverified, reads the certificate's names or
 # dates for the message. Any other outcome (an unknown CA, a handshake that works or fails otherwise) says nothing.
+REFUSAL_TIMEOUT_S = 3.0  # each step of certificate_refusal's handshakes, where its callers have no bound of their own
 _HOST_MISMATCH = (62, 64)  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
 _OUT_OF_DATE = (9, 10)  # X509_V_ERR_CERT_NOT_YET_VALID, X509_V_ERR_CERT_HAS_EXPIRED
 _SAN_OID = bytes.fromhex("0603551d11")  # the DER of OID 2.5.29.17, subjectAltName

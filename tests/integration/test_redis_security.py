@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import socket
 import ssl
 import threading
@@ -49,7 +50,7 @@ from stream.history import UserHistory
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline
 from stream.kafka import AckedProducer, ensure_topics
-from stream.redis_client import RedisAuthError, RedisFailure, connect
+from stream.redis_client import RedisAuthError, RedisFailure, connect, describe
 from stream.secrets import Secret
 from streamrec.cli import main
 from streamrec.settings import build
@@ -531,16 +532,20 @@ def test_a_rediss_url_at_a_port_without_tls_is_said_to_be_that_not_only_a_redis_
 
 
 @pytest.mark.parametrize("server, says", [
-    ({"hosts": ("redis.example",)}, r"IP address mismatch.*TLS: the url's host is not a name or address the server's "
-                                    r"certificate holds"),
-    ({"valid_days": (-3, -1)}, r"certificate has expired.*TLS: the server's certificate .* is outside its validity "
-                               r"dates: renew it"),
-    ({"valid_days": (1, 3)}, r"certificate is not yet valid.*TLS: the server's certificate .* is outside its validity "
-                             r"dates"),
+    ({"hosts": ("redis.example", "10.9.8.7")},
+     r"certificate verify failed\) \(TLS: the server's certificate does not name 127\.0\.0\.1 \(IP address mismatch"
+     r".*\): connect by a host name the certificate lists \(its names: redis\.example, 10\.9\.8\.7\) or reissue it"),
+    ({"valid_days": (-3, -1)}, r"certificate verify failed\) \(TLS: the server's certificate \(or a CA's above it\) is "
+                               r"out of date \(certificate has expired\): renew it \(valid from \d{4}-\d\d-\d\d "
+                               r"[\d:]+ to [\d: -]+ UTC\) and check the clocks"),
+    ({"valid_days": (1, 3)}, r"out of date \(certificate is not yet valid\): renew it \(valid from .* UTC\) and check "
+                             r"the clocks"),
 ], ids=["host not in the certificate", "expired", "not yet valid"])
-def test_a_server_certificate_refused_for_its_host_or_dates_names_that_fix_not_the_ca_file(
+def test_a_server_certificate_refused_for_its_host_or_dates_names_that_fix_with_its_names_or_dates(
         tmp_path: Path, server: dict[str, Any], says: str) -> None:
-    """The CA file was right: "check ssl_ca_certs" sent the operator to the wrong file; the line names what to fix."""
+    """The CA file was right: "check ssl_ca_certs" sent the operator to the wrong file; the line names what to fix,
+    with the names the certificate holds or its dates (stream.tls.certificate_refusal, the same reason Kafka gives),
+    and says OpenSSL's reason once."""
     files = make_tls_files(tmp_path / "tls", "srv", **server)
     fake = FakeTlsRedis(files)
     try:
@@ -548,9 +553,52 @@ def test_a_server_certificate_refused_for_its_host_or_dates_names_that_fix_not_t
         with pytest.raises(RedisFailure, match=says) as info:
             connect(rs, timeout_s=2, retries=0, check=True)
         assert "check ssl_ca_certs" not in str(info.value)
+        assert len(re.findall(r"mismatch|has expired|not yet valid", str(info.value))) == 1, str(info.value)
         assert_no_secret(str(info.value))
     finally:
         fake.close()
+
+
+def _verify_failed(port: int, reason: str) -> redis.ConnectionError:
+    """redis-py's error for a certificate refused at 127.0.0.1:``port`` for ``reason`` (OpenSSL's words)."""
+    return redis.ConnectionError(f"Error 1 connecting to 127.0.0.1:{port}. [SSL: CERTIFICATE_VERIFY_FAILED] "
+                                 f"certificate verify failed: {reason} (_ssl.c:1006).")
+
+
+def test_a_refused_certificate_of_a_cluster_node_is_described_with_that_nodes_dates_not_the_urls(
+        tmp_path: Path) -> None:
+    """A cluster's node that redis-py found (not the url's, which no longer answers) refused: its certificate is the
+    one read for the reason."""
+    expired = make_tls_files(tmp_path / "tls", "node", hosts=("127.0.0.1",), valid_days=(-3, -1))
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        url_port = closed.getsockname()[1]
+    node = FakeTlsRedis(expired)
+    try:
+        rs = RedisSettings(url=f"rediss://127.0.0.1:{url_port}/0", ssl_ca_certs=expired.ca)
+        line = describe(_verify_failed(node.port, "certificate has expired"), rs)
+        says = r"\(TLS: .* out of date \(certificate has expired\): renew it \(valid from .* UTC\)"
+        assert re.search(says, line), line
+    finally:
+        node.close()
+
+
+def test_a_refused_certificate_the_handshake_cannot_tell_about_keeps_the_advice_of_redis_pys_reason(
+        tmp_path: Path) -> None:
+    """No server left to ask (or one whose certificate now passes): the fix redis-py's reason names, not the CA file."""
+    files = make_tls_files(tmp_path / "tls", "srv", hosts=("127.0.0.1",))
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    rs = RedisSettings(url=f"rediss://127.0.0.1:{port}/0", ssl_ca_certs=files.ca)
+    line = describe(_verify_failed(port, "certificate has expired"), rs)
+    assert line.endswith("(TLS: the server's certificate (or a CA's above it) is outside its validity dates: renew it, "
+                         "or check the clock of this machine and of the server)"), line
+    passes = FakeTlsRedis(files)
+    try:
+        mismatch = "IP address mismatch, certificate is not valid for '127.0.0.1'."
+        line = describe(_verify_failed(passes.port, mismatch), rs)
+        assert "(TLS: the url's host is not a name or address the server's certificate holds" in line, line
+    finally:
+        passes.close()
 
 
 # -- helpers for the refresh -------------------------------------------------------------------------------
