@@ -104,13 +104,6 @@ def _left_out(count: int) -> str:
     return f"... ({count:,} more chars)" if count else ""
 
 
-def printable(text: str, limit: int = 200) -> str:
-    """``text`` from outside (a server, a file) for a message, unquoted: each character that is not printable as its
-    escape (``\\n``, ``\\x1b``: a newline it holds cannot start a forged log line), clipped to ``limit`` characters."""
-    return clip("".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text[:limit + 1]),
-                limit)
-
-
 def close_after_error(close: Callable[[], object], what: str, log: logging.Logger) -> None:
     """``close()`` on the way out of an error (an ``except BaseException:`` that re-raises): a close that fails too
     is logged, naming ``what``, not raised. Raised, it replaced the error that ended the run, and the one line a

@@ -15,7 +15,7 @@ import socket
 import ssl
 from pathlib import Path
 
-from stream.errors import ConfigError, printable
+from stream.errors import ConfigError, quoted
 from stream.files import open_regular
 
 # OpenSSL's reasons, in words an operator acts on (any other reason is shown as OpenSSL gives it)
@@ -132,7 +132,7 @@ def certificate_refusal(ctx: ssl.SSLContext, host: str, port: int, timeout_s: fl
 def _shown_names(names: list[str]) -> str:
     """A certificate's ``names`` for a message: the first :data:`_NAMES_SHOWN`, each escaped and clipped, then "and N
     more" (comment above)."""
-    shown = ", ".join(printable(name, _NAME_CHARS) for name in names[:_NAMES_SHOWN]) or "none found"
+    shown = ", ".join(quoted(name, _NAME_CHARS) for name in names[:_NAMES_SHOWN]) or "none found"
     return shown + (f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else "")
 
 
