@@ -489,7 +489,7 @@ def load_rules(path: str | Path | None = None) -> RulesConfig:
         return loads_rules(default_rules_text(), f"(packaged default) monitor/{DEFAULT_RULES}")
     p = Path(path)
     try:  # a FIFO or a device would hang the monitor or read without end: refused unread
-        text = read_regular(p, MAX_SETTINGS_FILE_BYTES).decode("utf-8")
+        text = read_regular(p, MAX_SETTINGS_FILE_BYTES).decode("utf-8-sig")  # a byte order mark (Notepad's) dropped
     except OSError as exc:
         raise RulesError(f"alert rules file {p}: cannot read it: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:

@@ -36,9 +36,10 @@ class SettingsError(ConfigError):
 def read_toml(path: Path, what: str, given: str) -> dict[str, Any]:
     """The TOML document of ``path`` (``what``: "config file"; ``given``: how it was named, "given with --config"),
     or a :class:`SettingsError` that says what is wrong with it. Read with :func:`~stream.files.read_regular`: a FIFO
-    (``<(...)`` in a shell) or a device would hang the process or read without end, refused unread."""
+    (``<(...)`` in a shell) or a device would hang the process or read without end, refused unread. A leading byte
+    order mark (Notepad saves one) is dropped: tomllib refused it as "Invalid statement" at line 1."""
     try:
-        return tomllib.loads(read_regular(path, MAX_SETTINGS_FILE_BYTES).decode("utf-8"))
+        return tomllib.loads(read_regular(path, MAX_SETTINGS_FILE_BYTES).decode("utf-8-sig"))
     except FileNotFoundError:
         raise SettingsError(f"{what} {path} does not exist ({given})") from None
     except OSError as exc:  # a directory, a FIFO, a device, no permission, too large
@@ -272,6 +273,16 @@ def check_file_sections(data: Mapping[str, Any], sections: Sequence[str], what: 
         hint = f"; did you mean [{close[0]}]?" if close else ""
         raise SettingsError(f"{what}: unknown section [{unknown[0]}]{hint} (known sections: "
                             f"{', '.join(f'[{s}]' for s in sections)})")
+
+
+def unknown_key_hint(key: str, section: str, names: Collection[str],
+                     fields: Callable[[], Mapping[str, Collection[str]]], spell: Callable[[str, str], str]) -> str:
+    """What an unknown ``key`` of ``section`` most likely meant, as ``spell(section, key)`` writes a setting: the
+    same key of the sections that have it (``fields()``: each section's keys; put under the wrong table), else the
+    closest of ``names`` (a typo). "" when nothing is like it."""
+    meant = [(s, key) for s, keys in fields().items() if s != section and key in keys]
+    meant = meant or [(section, k) for k in difflib.get_close_matches(key, names, n=1)]
+    return f"; did you mean {' or '.join(spell(s, k) for s, k in meant)}?" if meant else ""
 
 
 def check_environment_sections(environ: Mapping[str, str], prefix: str, sections: Sequence[str],

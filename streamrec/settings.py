@@ -96,9 +96,9 @@ def build(
         raise SettingsError(f"config file: [{section}] must be a table, got {shown(table)}")
     for key, raw in table.items():
         if key not in names:
-            raise SettingsError(
-                f"config file: unknown key {key!r} in [{section}]; known keys: {', '.join(sorted(names))}"
-            )
+            raise SettingsError(f"config file: unknown key {key!r} in [{section}]" + setting_values.unknown_key_hint(
+                key, section, names, _section_keys, lambda s, k: repr(k) if s == section else f"[{s}] {k}")
+                + f"; known keys: {', '.join(sorted(names))}")
         where = f"config file [{section}].{key}"
         values[key], origin[key] = coerce_field(key, hints[key], raw, where), where
 
@@ -108,10 +108,10 @@ def build(
             continue
         key = env_key[len(prefix) :].lower()
         if key not in names:
-            raise SettingsError(
-                f"environment: {env_key} does not name a [{section}] setting; "
-                f"known: {', '.join(prefix + n.upper() for n in sorted(names))}"
-            )
+            hint = setting_values.unknown_key_hint(key, section, names, _section_keys,
+                                                   lambda s, k: f"{ENV_PREFIX}{s.upper()}_{k.upper()}")
+            raise SettingsError(f"environment: {env_key} does not name a [{section}] setting{hint}; "
+                                f"known: {', '.join(prefix + n.upper() for n in sorted(names))}")
         where = f"environment {env_key}"
         layer[key], origin[key] = coerce_field(key, hints[key], raw, where), where
     values, layer = setting_values.overlay_layer(values, layer, hints, origin), {}  # its secret replaces the file's
