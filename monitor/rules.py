@@ -86,6 +86,7 @@ from stream.config import TOPIC_RULE, topic_problem
 from stream.errors import ConfigError, quoted
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
 from stream.secrets import hide_url_path
+from stream.setting_values import unknown_key_hint
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -278,7 +279,7 @@ def _rule(where: _Where, i: int, raw: Any, seen: set[str]) -> Rule:
     ctx = f'rule "{name}": ' if isinstance(name, str) and name else f"rule #{i + 1}: "
     unknown = sorted(set(raw) - set(_RULE_KEYS))
     if unknown:
-        raise where.error(ctx, f'unknown field "{unknown[0]}"; known fields: {", ".join(_RULE_KEYS)}')
+        raise where.error(ctx, _unknown("field", unknown[0], _RULE_KEYS))
     for key in ("name", "expr", "op"):
         if key not in raw:
             raise where.error(ctx, f'field "{key}": missing (required)')
@@ -342,7 +343,7 @@ def _sinks(where: _Where, raw: Any) -> SinkSettings:
         if key in _REMOVED_SINK_KEYS:
             raise where.error(ctx, f'field "{key}" is no longer used: {_REMOVED_SINK_KEYS[key]}')
     if unknown:
-        raise where.error(ctx, f'unknown field "{unknown[0]}"; known fields: {", ".join(_SINK_KEYS)}')
+        raise where.error(ctx, _unknown("field", unknown[0], _SINK_KEYS))
     kw: dict[str, Any] = {}
     if "log" in raw:
         if not isinstance(raw["log"], bool):
@@ -401,7 +402,7 @@ def _run_log(where: _Where, raw: Any) -> RunLogSettings:
     ctx = "[run_log]: "
     unknown = sorted(set(raw) - set(_RUN_LOG_KEYS))
     if unknown:
-        raise where.error(ctx, f'unknown field "{unknown[0]}"; known fields: {", ".join(_RUN_LOG_KEYS)}')
+        raise where.error(ctx, _unknown("field", unknown[0], _RUN_LOG_KEYS))
     path = _string(where, ctx, "path", raw.get("path", ""))
     if "\0" in path:
         raise where.error(ctx, 'field "path": a file name cannot hold a NUL character')
@@ -429,6 +430,12 @@ def loads_rules(text: str, origin: str = "<string>") -> RulesConfig:
     return rules_from_dict(data, origin)
 
 
+def _unknown(what: str, key: str, known: tuple[str, ...], hint: str = "") -> str:
+    """The error of an unknown ``key``, naming the closest known one (a typo: ``treshold``), else ``hint``."""
+    hint = hint or unknown_key_hint(key, "", known, dict, lambda _, k: f'"{k}"')
+    return f'unknown {what} "{key}"{hint}; known: {", ".join(known)}'
+
+
 def rules_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> RulesConfig:
     """The rules of an already parsed rules file (TOML types: tables are dicts with string keys);
     :class:`RulesError` for anything else, as :func:`loads_rules`."""
@@ -438,7 +445,7 @@ def rules_from_dict(data: Mapping[str, Any], origin: str = "<dict>") -> RulesCon
     unknown = sorted(set(data) - set(_TOP_KEYS))
     if unknown:
         hint = " (a rule is written [[rule]], not [[rules]])" if "rules" in unknown else ""
-        raise where.error("", f'unknown top-level key "{unknown[0]}"{hint}; known: {", ".join(_TOP_KEYS)}')
+        raise where.error("", _unknown("top-level key", unknown[0], _TOP_KEYS, hint))
     raw_rules = data.get("rule", [])
     if not isinstance(raw_rules, list):
         raise where.error("", "rules are written as [[rule]] tables (an array of tables)")
