@@ -167,6 +167,8 @@ def check_group_id(setting: str, group: object) -> None:
     if not isinstance(group, str) or not group.strip(" \t\n\v\f\r") or "\0" in group:
         raise ConfigError(f"{setting}: got {shown(group)}, expected a consumer group id: non-empty text, not only "
                           "spaces, without NUL")
+    if group != group.strip():  # "g\n" (a variable filled from a file) is another group than "g": its offsets not read
+        raise ConfigError(f"{setting}: got {shown(group)}, which has a space or a line ending around it: remove it")
 
 
 class Choice(str, enum.Enum):
@@ -521,6 +523,9 @@ class RedisSettings:
         if not isinstance(prefix, str) or not prefix:
             raise ConfigError(f"[redis] prefix: got {prefix!r}, expected a non-empty name every key begins with "
                               "(default 'streamrec')")
+        if prefix != prefix.strip():  # "streamrec\n" is another keyspace than the other stages' "streamrec"
+            raise ConfigError(f"[redis] prefix: got {prefix!r}, which has a space or a line ending around it: remove "
+                              "it")
         if "{" in prefix or "}" in prefix:
             raise ConfigError(f"[redis] prefix: got {prefix!r}, which holds a '{{' or '}}': Redis Cluster reads a "
                               "key's first {...} as its hash tag, and streamrec's keys carry their own after the "

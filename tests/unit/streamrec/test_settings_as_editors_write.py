@@ -11,7 +11,8 @@ import pytest
 
 from learner.config import LearnerSettings
 from monitor.rules import load_rules
-from stream.config import KafkaSettings
+from stream.config import KafkaSettings, RedisSettings
+from stream.joiner.config import JoinerSettings
 from streamrec.settings import SettingsError, build, read_config_file
 
 BOM = b"\xef\xbb\xbf"
@@ -59,3 +60,17 @@ def test_a_key_like_no_known_one_is_refused_without_a_guess() -> None:
     with pytest.raises(SettingsError, match=r"unknown key 'x' in \[learner\]; known keys: ") as err:
         build(LearnerSettings, "learner", {"learner": {"x": 1}}, {})
     assert "did you mean" not in str(err.value)
+
+
+@pytest.mark.parametrize(("section", "cls", "var", "raw"), [
+    ("learner", LearnerSettings, "STREAMREC_LEARNER_GROUP_ID", "streamrec-learner\n"),
+    ("joiner", JoinerSettings, "STREAMREC_JOINER_APP_ID", " streamrec-joiner"),
+    ("redis", RedisSettings, "STREAMREC_REDIS_PREFIX", "streamrec\n"),
+])
+def test_a_group_or_key_prefix_with_space_around_it_is_refused_not_a_new_group_or_keyspace(
+        section: str, cls: type, var: str, raw: str) -> None:
+    """A variable filled from a file (a trailing line ending) named another consumer group than the one that holds
+    the committed offsets (the learner re-read the topic from its reset point, silently), or another Redis keyspace
+    than the other stages' (serving read none of the learner's rows)."""
+    with pytest.raises(SettingsError, match=f"space or a line ending around it.*set by environment {var}"):
+        build(cls, section, {}, {var: raw})
