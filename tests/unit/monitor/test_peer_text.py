@@ -21,18 +21,23 @@ from tests.unit.monitor.test_engine_faults import Clocks, Target, monitor
 FORGED = "Oops\x1b[2J\r2026-12-07 WARNING streamrec.monitor: FORGED\x85" + "y" * 60_000
 
 
-def test_a_scrape_targets_reason_phrase_is_quoted_short_and_escaped_in_the_scrape_error() -> None:
+def scrape_error(reason: str) -> tuple[str, str]:
+    """The scrape error of a target that answers HTTP 500 with ``reason`` as its reason phrase, and the target's url."""
     def answer(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
-        h.send_response(500, FORGED)
+        h.send_response(500, reason)
         h.send_header("Connection", "close")
         h.end_headers()
 
     t = Target(answer)
     try:
-        said = Scraper({"learner": t.url}, timeout_s=10).scrape().errors["learner"]
+        return Scraper({"learner": t.url}, timeout_s=10).scrape().errors["learner"], t.url
     finally:
         t.close()
-    assert said.startswith(f"{t.url}: HTTP 500 Oops\\x1b[2J\\r") and len(said) < 200, said[:300]
+
+
+def test_a_scrape_targets_reason_phrase_is_quoted_short_and_escaped_in_the_scrape_error() -> None:
+    said, url = scrape_error(FORGED)
+    assert said.startswith(f"{url}: HTTP 500 Oops\\x1b[2J\\r") and len(said) < 200, said[:300]
     assert said.isprintable()
 
 
@@ -109,18 +114,9 @@ def test_a_stale_series_is_named_short_and_escaped_in_the_stale_samples_warning(
 
 def test_a_reason_phrase_under_its_limit_with_one_tab_is_quoted_whole_with_the_tab_escaped() -> None:
     reason = "Service\tUnavailable: the exporter is restarting, try again in a minute"  # 70 chars: under 80
-    def answer(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
-        h.send_response(500, reason)
-        h.send_header("Connection", "close")
-        h.end_headers()
-
-    t = Target(answer)
-    try:
-        said = Scraper({"learner": t.url}, timeout_s=10).scrape().errors["learner"]
-    finally:
-        t.close()
+    said, url = scrape_error(reason)
     escaped = reason.replace("\t", "\\t")
-    assert said == f"{t.url}: HTTP 500 {escaped}"  # reprlib cut it at 60 chars
+    assert said == f"{url}: HTTP 500 {escaped}"  # reprlib cut it at 60 chars
 
 
 def test_a_series_given_twice_is_quoted_escaped_and_says_how_much_of_it_was_left_out() -> None:
