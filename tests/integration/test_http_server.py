@@ -35,6 +35,7 @@ from serving.http_server import AiohttpServer, Server, ThreadedServer, make_serv
 from serving.metrics import ServingMetrics
 from serving.settings import ServeSettings
 from serving.swap import ModelHolder
+from stream.errors import quoted
 
 MAX_BODY = 1000
 KINDS = ["threading", "aiohttp"]
@@ -952,7 +953,10 @@ def test_a_request_line_is_split_on_sp_and_htab_only_so_no_other_byte_ends_its_p
             assert status in (400, 404, 505), (line, status, body[:80])
             assert headers["content-type"] == "application/json", line
             if status == 404:
-                assert json.loads(body)["error"].startswith(f"no endpoint /metrics{ws.decode('latin-1')};"), line
+                # the path as sent, quoted (stream.errors.quoted: a character that is not printable as its escape)
+                said = json.loads(body)["error"]
+                assert said.startswith(f"no endpoint {quoted('/metrics' + ws.decode('latin-1'), 200)};"), line
+                assert said.isprintable(), said
 
 
 @pytest.mark.parametrize("ws", NOT_HTTP_WHITESPACE[2:])  # (FS to US: control characters, refused as such already)
