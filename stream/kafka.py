@@ -178,7 +178,7 @@ def weakened_tls(kafka: KafkaSettings) -> str | None:
         return None
     if not kafka.verifies_certificates():
         how = "any certificate is accepted, self-signed or not"
-    elif kafka.extra.get("ssl.endpoint.identification.algorithm", "https").strip().lower() == "none":
+    elif not _checks_host(kafka):
         how = "any certificate the CA signed is accepted, whatever host it names"
     else:
         return None
@@ -195,12 +195,18 @@ def tls_context(kafka: KafkaSettings) -> ssl.SSLContext:
     ctx = client_context("kafka", ("ssl_ca_location", kafka.ssl_ca_location),
                          ("ssl_certificate_location", kafka.ssl_certificate_location),
                          ("ssl_key_location", kafka.ssl_key_location), kafka.ssl_key_password.reveal())
-    if kafka.extra.get("ssl.endpoint.identification.algorithm", "https").strip().lower() == "none":
-        ctx.check_hostname = False
     if not kafka.verifies_certificates():
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
+    elif not _checks_host(kafka):
+        ctx.check_hostname = False
     return ctx
+
+
+def _checks_host(kafka: KafkaSettings) -> bool:
+    """Whether librdkafka checks that the broker's certificate names the host connected to (``[kafka.extra]``
+    ``ssl.endpoint.identification.algorithm = none`` turns it off)."""
+    return kafka.extra.get("ssl.endpoint.identification.algorithm", "https").strip().lower() != "none"
 
 
 def _certificate_refusal(kafka: KafkaSettings) -> str | None:

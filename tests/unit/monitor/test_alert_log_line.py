@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from monitor.alerts import LogSink
+from monitor.alerts import Alert, LogSink
 from monitor.rule_engine import RuleEngine
 from monitor.rules import loads_rules
 from monitor.scrape import Snapshot
@@ -16,6 +16,16 @@ expr = "streamrec_queue_depth"
 op = ">"
 threshold = 5
 """
+
+
+def logged(text: str, caplog) -> tuple[Alert, str]:
+    """The alert the rule fires on the scraped ``text``, and the one line the log sink writes for it."""
+    (alert,) = RuleEngine(loads_rules(RULE).rules).evaluate(Snapshot.from_texts({"learner": text}), 0.0)
+    logger = logging.getLogger("test.alert_log_line")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        LogSink(logger).send([alert])
+    (line,) = [r.getMessage() for r in caplog.records]
+    return alert, line
 
 
 def test_a_scraped_label_with_a_line_break_or_a_terminal_escape_cannot_forge_a_log_line(caplog) -> None:
@@ -38,11 +48,7 @@ def test_a_scraped_label_value_of_megabytes_is_logged_shortened_with_the_alerts_
     """The Kafka and webhook sinks send such an alert shortened (:meth:`Alert.shortened`); the log sink wrote the whole
     value, a line of megabytes at every firing and resolved alert."""
     text = f'streamrec_queue_depth{{topic="{"t" * 2_000_000}"}} 9\n'
-    (alert,) = RuleEngine(loads_rules(RULE).rules).evaluate(Snapshot.from_texts({"learner": text}), 0.0)
-    logger = logging.getLogger("test.alert_log_line")
-    with caplog.at_level(logging.INFO, logger=logger.name):
-        LogSink(logger).send([alert])
-    (line,) = [r.getMessage() for r in caplog.records]
+    alert, line = logged(text, caplog)
     assert len(line) < 4000 and "(2000000 characters)" in line and f"id={alert.fingerprint}" in line
 
 
@@ -52,11 +58,7 @@ def test_a_series_of_a_hundred_thousand_labels_is_logged_shortened_saying_how_ma
     too)."""
     many = ",".join(f'l{i:06d}="v"' for i in range(100_000))
     text = f'streamrec_queue_depth{{topic="t",{many}}} 9\n'
-    (alert,) = RuleEngine(loads_rules(RULE).rules).evaluate(Snapshot.from_texts({"learner": text}), 0.0)
-    logger = logging.getLogger("test.alert_log_line")
-    with caplog.at_level(logging.INFO, logger=logger.name):
-        LogSink(logger).send([alert])
-    (line,) = [r.getMessage() for r in caplog.records]
+    alert, line = logged(text, caplog)
     assert len(line) < 40_000 and f"id={alert.fingerprint}" in line, len(line)
     left_out = 100_001 - line.count('="v"') - line.count('="t"')
     assert f'...="{left_out} more labels left out"' in line and 'l000000="v"' in line
