@@ -93,8 +93,8 @@ succeeded is not recognised as a retry.
 The caller makes the id when it first hands counts to a write and keeps it, with those counts unchanged, until the
 write succeeds; it never adds newer counts to a write that failed (Redis may have run it: retried under its id the
 newer counts would be skipped, under a new id its own counted twice). The joiner retries a failed flush's write as it
-was, before writing what came since (``stream/joiner/pipeline.py``, ``JoinPipeline._finish_flush``); serving's lookup
-counts retry a failed day and kind once, at the next flush (``serving/lookup_counts.py``).
+was, before writing what came since (``stream/joiner/day_counts.py``, ``DayCountsWriter.finish_flush``); serving's
+lookup counts retry a failed day and kind once, at the next flush (``serving/lookup_counts.py``).
 
 Cost per script call (per day and kind/event; per chunk for ``add_counts``): the marker, ~30 bytes sent, three
 commands inside the script (HEXISTS, HSET, EXPIREAT: ~5 us of server time against ~5 us per member counted), and

@@ -33,7 +33,7 @@ aggregated for ``counts_flush_s`` and written by a writer thread while the batch
 much counting; a batch's exception in either driver writes them before the exit); a failed write fails the batch
 that finds it, and its counts stay for the next flush, which retries it as it was under its write id before writing
 what came since: a write whose reply was lost after Redis ran it is counted once (``stream/counts.py``, "Retries";
-:meth:`JoinPipeline._finish_flush`). A batch's own counts join that buffer only once its state is durable: a failed
+``stream/joiner/day_counts.py``). A batch's own counts join that buffer only once its state is durable: a failed
 batch is done again, and is counted once.
 
 Message size: at start the pipeline learns what each topic it writes to takes (``stream.kafka.message_limits``: the
@@ -58,7 +58,6 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -68,11 +67,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
-import redis
 from confluent_kafka import KafkaException, TopicPartition
 
 from stream.config import KafkaSettings, RedisSettings
-from stream.counts import DailyCounts, new_write_id
+from stream.counts import DailyCounts
 from stream.dlq import DeadLetters
 from stream.errors import (
     BadMessage,
@@ -87,12 +85,12 @@ from stream.errors import (
 )
 from stream.event_batch import decode_events
 from stream.events import Click, Impression, decode_click, decode_impression
-from stream.features import hash_ids
 from stream.history import UserHistory
 from stream.idle_clock import IdleClock
 from stream.joiner import metrics as m
 from stream.joiner.backpressure import CLICKS, IMPRESSIONS, Behind, Key, click_room, hold_limits, input_of
 from stream.joiner.config import JoinerSettings, check_late_clicks_topic
+from stream.joiner.day_counts import DayCountsWriter
 from stream.joiner.engine import CLICKS as CLICK_INPUT
 from stream.joiner.engine import IMPRESSIONS as IMPRESSION_INPUT
 from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin, Pending, Sample
@@ -132,21 +130,6 @@ _ENGINE_INPUT = {IMPRESSIONS: IMPRESSION_INPUT, CLICKS: CLICK_INPUT}  # backpres
 MIN_MESSAGE_BYTES = 6144  # the least limit the joiner writes under (its samples messages and state parts ~5 kB)
 
 
-Counts = dict[tuple[str, str], tuple[list[int], list[int]]]  # (kind, event) -> (hashed ids, event times in ms)
-
-
-def _add_counts(into: Counts, counts: Counts, ahead: bool = False) -> None:
-    """Add ``counts`` to ``into``, each (kind, event)'s ids and times after those already there (``ahead``: before
-    them, for counts handed back by a failed write, which are older)."""
-    for key, (ids, ts) in counts.items():
-        got = into.setdefault(key, ([], []))
-        if ahead:
-            got[0][:0], got[1][:0] = ids, ts
-        else:
-            got[0].extend(ids)
-            got[1].extend(ts)
-
-
 # The largest reply a joiner batch reads is its history read: up to batch_max distinct users, each up to 4 x
 # history_len entries. At the defaults (5,000 users x 200 entries, ~15 MB) it took 1.5 s on a loaded 2-core machine
 # against a local Redis, within DEFAULT_TIMEOUT_S (5 s) bounding the whole reply; settings that allow a larger reply
@@ -158,18 +141,6 @@ def _redis_timeout_s(batch_max: int, max_len: int) -> float:
     """The joiner's Redis timeout (each whole reply): DEFAULT_TIMEOUT_S, longer where a batch's history read may be
     larger than the defaults allow."""
     return scaled_timeout_s(DEFAULT_TIMEOUT_S, batch_max * max_len, _HISTORY_ENTRIES_PER_TIMEOUT)
-
-
-@dataclass
-class CountsWrite:
-    """One write of day counts to Redis (:meth:`JoinPipeline._write_counts`): its counts (each kind and event removed
-    once written), the raw ids that name them, and its write id, kept across every retry of these same counts so that
-    a write whose reply was lost after Redis ran it counts once (``stream/counts.py``, "Retries")."""
-
-    counts: Counts
-    names: dict[str, set[int | str]]
-    write_id: str = field(default_factory=new_write_id)
-    sent: bool = False  # handed to Redis at least once: it may have been applied, so it is only retried as it is
 
 
 class StateTooLarge(StreamError):
@@ -252,17 +223,6 @@ def records_of(*columns: Iterable[Any]) -> list[Record]:
 
 
 _NEW_RECORD = partial(tuple.__new__, Record)
-
-
-def _named_by_hash(raws: set[int | str]) -> dict[int, int | str]:
-    """Each raw id (an impression's user or item id: int or str, ``stream.events.check_id``) by its hash, for the
-    counts writer to name what it counts. Through ``hash_ids``' cache, which the batches' joins filled with these very
-    ids (``engine.apply`` hashes them as columns): ``hash_value``'s LRU cache, keyed apart, missed nearly every one
-    and hashed it again (73 k ``stable_hash`` calls in a 220 k-event ``bench/joiner.py`` run: 0.17-0.24 s of the
-    counts writer thread's 1.0-1.3 s CPU, 0.05-0.07 s this way). The same numbers (``features.hash_column``'s
-    contract)."""
-    ids = list(raws)
-    return dict(zip(hash_ids(ids).tolist(), ids, strict=True))
 
 
 def _kept_headers(r: Record) -> Headers | None:
@@ -446,13 +406,14 @@ class JoinPipeline:
                                js.poison_after)
         # a counts write (one MULTI/EXEC) bounded as a whole, as one reply is: a trickling Redis fails the flush, and
         # the batch that finds it rewinds, within the timeout
-        self.counts = DailyCounts(self.redis, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days,
+        counts = DailyCounts(self.redis, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days,
                                   future_s=limits.future_ts_s, write_timeout_s=timeout_s)
         # Redis keeps more than history_len clicks per user: a sample emitted up to a window after its
         # impression still finds the clicks before it when the user clicked more in between.
         self.history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len,
                                    ttl_days=redis_settings.history_ttl_days)
-        self.keyspace = KeyspaceWatch(self.redis, redis_settings.prefix)  # Redis emptied under us (_check_keyspace)
+        # the day counts, written by a thread beside the batches; Redis emptied under us is checked after each write
+        self.day_counts = DayCountsWriter(counts, KeyspaceWatch(self.redis, redis_settings.prefix), js.counts_flush_s)
         self.producer = AckedProducer(kafka, **{"linger.ms": 5, "message.max.bytes": max(js.max_sample_bytes + 65_536,
                                                                                       1_000_000)})
         self.engines: dict[int, PartitionJoin] = {}
@@ -468,18 +429,6 @@ class JoinPipeline:
         # regression: ``regressed``): records below it coming again are that same replay, not asked about again
         self._ids_asked: dict[tuple[str, int], int] = {}
         self._topics_next = time.monotonic() + js.topic_check_s  # when check_topics asks the inputs' ids next
-        self._counts_buffer: Counts = {}
-        self._names_buffer: dict[str, set[int | str]] = {"item": set(), "user": set()}  # raw ids since the flush
-        # The batch in progress's counts and raw ids: added to the buffers above once its state is durable, so a
-        # batch that fails (and is done again) is counted once (_count_batch).
-        self._batch_counts: Counts = {}
-        self._batch_names: dict[str, set[int | str]] = {"item": set(), "user": set()}
-        self._counts_flushed = time.monotonic()
-        # Counts are written by one thread beside the batches (_start_flush); the writes in flight, and the write
-        # that failed after it was sent (retried as it was, under its write id, before anything newer: _finish_flush).
-        self._counts_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamrec-counts")
-        self._flushing: tuple[Future[None], list[CountsWrite]] | None = None
-        self._failed_write: CountsWrite | None = None
         self._last_click: dict[int, float] = {}  # partition -> awake time a click (or the partition) was last seen
         self.awake = awake_clock(js)  # the time this process ran, stalls left out: click_idle_s counts on it
         # Partitions whose click input the driver holds back (backpressure.py): held is not idle, or impressions
@@ -533,20 +482,13 @@ class JoinPipeline:
         is closed whatever the flush raised (it was left open, its connections with it), the flush's error raised."""
         try:
             try:
-                try:
-                    self._finish_flush()
-                except Exception as exc:
-                    if not is_infrastructure(exc):
-                        raise
-                    log.warning("a day counts write failed (%s: %s); retried with the last flush",
-                                type(exc).__name__, quoted(str(exc)))
-                self.flush_counts()
+                self.day_counts.flush_last()
             except BaseException:
                 close_after_error(self.redis.close, "closing the joiner's Redis client", log)
                 raise
             self.redis.close()
         finally:
-            self._counts_writer.shutdown(wait=True)
+            self.day_counts.shutdown()
             self.gc.close()
 
     # -- partitions ----------------------------------------------------------------------------
@@ -1094,7 +1036,7 @@ class JoinPipeline:
         results: dict[int, BatchResult] = {}
         encoded: dict[int, list[bytes]] = {}
         stage = self.totals.stage_s
-        self._batch_counts, self._batch_names = {}, {"item": set(), "user": set()}  # a failed batch's are dropped
+        self.day_counts.begin_batch()  # a failed batch's counts are dropped
         prev: _Step | None = None
         try:
             for partition, imps, clicks in batches:
@@ -1299,7 +1241,7 @@ class JoinPipeline:
         # Step 4 -> 5: every output acknowledged before the state chunks that account for it.
         with self._sized():
             self._write_state(*done)
-        self._count_batch()
+        self.day_counts.batch_done()
 
     def _write_state(self, results: dict[int, BatchResult], encoded: dict[int, list[bytes]]) -> None:
         t0 = time.monotonic()
@@ -1352,17 +1294,15 @@ class JoinPipeline:
         """History now (the next batch's impressions read it); counts aggregated for ``counts_flush_s``:
         popular ids repeat, so one ZINCRBY covers many events (a crash loses at most that much counting).
         The raw ids of ``imps`` are kept (distinct) until the flush, which names the counted hashes with them.
-        Both are kept apart for the batch until its state is durable (:meth:`_count_batch`): a batch that fails is
-        done again from its input, and its counts must not be in the buffer twice (with a Redis outage retried five
-        times, the first partition's counts were written six times). Its history appends are made now, and done
+        Both are kept apart for the batch until its state is durable (``DayCountsWriter.batch_done``): a batch that
+        fails is done again from its input, and its counts must not be in the buffer twice (with a Redis outage retried
+        five times, the first partition's counts were written six times). Its history appends are made now, and done
         again with it: an entry stored already is not pushed again (``stream/history.py``, the redo rule)."""
-        def buffer(kind: str, event: str, ids: list[int], ts: list[int]) -> None:
-            _add_counts(self._batch_counts, {(kind, event): (ids, ts)})
-
+        buffer = self.day_counts.add
         if imps:
             events = [ev for _, ev in imps]
-            self._batch_names["user"].update(map(_USER_ID, events))
-            self._batch_names["item"].update(map(_ITEM_ID, events))
+            self.day_counts.batch_names["user"].update(map(_USER_ID, events))
+            self.day_counts.batch_names["item"].update(map(_ITEM_ID, events))
         if res.new_impressions:
             ts = [p.ts for p in res.new_impressions]
             buffer("item", "impression", [p.item for p in res.new_impressions], ts)
@@ -1372,110 +1312,4 @@ class JoinPipeline:
             buffer("item", "click", [j.item for j in res.joined_clicks], ts)
             buffer("user", "click", [j.user for j in res.joined_clicks], ts)
             self.history.append_many([j.user for j in res.joined_clicks], [j.item for j in res.joined_clicks], ts)
-        if self._flushing is not None and self._flushing[0].done():
-            self._finish_flush()  # a failed write fails this batch (the worker rewinds), as a synchronous one would
-
-    def _count_batch(self) -> None:
-        """The batch's state is durable: its counts and raw ids join the buffers, and a flush starts when due."""
-        counts, names = self._batch_counts, self._batch_names
-        self._batch_counts, self._batch_names = {}, {"item": set(), "user": set()}
-        _add_counts(self._counts_buffer, counts)
-        for kind, raws in names.items():
-            self._names_buffer[kind] |= raws
-        if time.monotonic() - self._counts_flushed >= self.js.counts_flush_s:
-            self._start_flush()
-
-    def flush_counts(self) -> None:
-        """Write the buffered counts now, each counted hash with its raw id where an impression since the last flush
-        carried it (a click's hash whose impression came earlier was named then); returns when they are written."""
-        self._start_flush()
-        self._finish_flush()
-
-    def _start_flush(self) -> None:
-        """Hand the buffered counts to the writer thread and buffer afresh: the batches go on while Redis counts (its
-        server time is most of a flush). One flush at a time: the previous one is finished first. A write that failed
-        after it was sent goes first, as it was and under its own write id (:meth:`_finish_flush`), then the buffer
-        under a new one."""
-        self._finish_flush()
-        writes = [] if self._failed_write is None else [self._failed_write]
-        self._failed_write = None
-        counts, names = self._counts_buffer, self._names_buffer
-        self._counts_buffer, self._names_buffer = {}, {"item": set(), "user": set()}
-        self._counts_flushed = time.monotonic()
-        if counts:
-            writes.append(CountsWrite(counts, names))
-        if writes:
-            self._flushing = (self._counts_writer.submit(self._write_counts, writes), writes)
-
-    def _finish_flush(self) -> None:
-        """Wait for the writes in flight; if one failed, raise its error (a synchronous write failing would have), and
-        keep what was not written for the next flush (the writer removed from each write every kind and event it
-        wrote: those are not written again).
-
-        The write that failed was sent: Redis may have run it and lost only the reply, so it is kept apart, with its
-        write id, and retried exactly as it was (``stream/counts.py``, "Retries"); merged with newer counts it could
-        not be retried safely (under its id the newer counts would be skipped as written, under a new id its own
-        counted twice). A write not sent yet (behind the failed one) goes back into the buffer, ahead of what came
-        since (it is older), and is written with the next flush's buffer; so at most one write waits apart."""
-        if self._flushing is None:
-            return
-        future, writes = self._flushing
-        self._flushing = None
-        try:
-            future.result()
-        except BaseException as exc:
-            for write in writes:
-                if not write.counts:
-                    continue
-                if write.sent:
-                    self._failed_write = write
-                else:
-                    _add_counts(self._counts_buffer, write.counts, ahead=True)
-                    for kind, raws in write.names.items():
-                        self._names_buffer[kind] |= raws
-            if isinstance(exc, redis.RedisError) and not is_infrastructure(exc):
-                # Redis refused the counts themselves (a WRONGTYPE: a key of ours holding something else), the same
-                # every time: no message's fault (the write sums many batches'), so no strikes for this batch's
-                # messages (which would dead-letter good data), and no rewinding forever either.
-                reply = str(exc).rsplit("caused error: ", 1)[-1]  # Redis's own words, not the pipeline's preamble
-                raise ConfigError(f"Redis refused the day counts write under prefix {self.counts.prefix!r} "
-                                  f"({type(exc).__name__}: {quoted(reply, 300)}): a key under "
-                                  f"'{self.counts.prefix}:counts:' or '{self.counts.prefix}:names:' holds something "
-                                  f"else (another application using [redis] prefix {self.counts.prefix!r}?); delete "
-                                  f"that key or set another prefix") from exc
-            raise
-
-    def _check_keyspace(self) -> None:
-        """Redis lost its keys under the prefix since the last flush (``stream/keyspace.py``: a single node restarted
-        empty, or on a cluster the node of that tag's slot): a warning and ``streamrec_join_redis_emptied_total{tag}``
-        per tag. The joiner goes on, nothing to redo: the keys are gone, and samples from here on carry the click
-        histories recorded since (empty at first) and the day counts start again (a nightly hot set left with no counts
-        of a kind publishes with its ``hot_set`` warning); alerting on the metric is the operator's cue."""
-        try:
-            lost = self.keyspace.check()
-        except redis.RedisError as exc:  # Redis refusing (full) or gone right after the counts: the next flush checks
-            log.debug("the Redis keyspace markers were not checked: %s", exc)
-            return
-        for tag in lost:
-            m.REDIS_EMPTIED.labels(tag).inc()
-            log.warning("Redis lost the keys under prefix %r since the last counts flush (the %s marker is gone: "
-                        "restarted without persistence, flushed, or on a Redis Cluster the node of the {%s} slot "
-                        "restarted empty): users' click histories start again from empty and the %s day counts from "
-                        "now; enable persistence (appendonly) to keep them", self.counts.prefix,
-                        self.keyspace.keys[tag], tag, tag)
-
-    def _write_counts(self, writes: list[CountsWrite]) -> None:
-        """The writer thread's part of a flush: each write in turn, one DailyCounts.record per kind and event (each all
-        or nothing) under the write's id; the first failure ends it.
-
-        Each (kind, event) written is removed from its write's ``counts`` at once, so that what a failure leaves
-        (:meth:`_finish_flush`, which reads the writes only after this returned or raised) is only what was not
-        written: with the item counts written and Redis failing on the user counts, the retry wrote the item counts a
-        second time (and once more per further failure)."""
-        for write in writes:
-            names = {kind: _named_by_hash(raws) for kind, raws in write.names.items()}
-            for (kind, event), (ids, ts) in list(write.counts.items()):
-                write.sent = True
-                self.counts.record(kind, event, ids, ts, names=names[kind], write_id=write.write_id)
-                del write.counts[(kind, event)]
-        self._check_keyspace()  # after the counts: a failure of it fails no write
+        self.day_counts.check()  # a failed write fails this batch (the worker rewinds), as a synchronous one would

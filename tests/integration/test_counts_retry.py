@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -29,7 +28,8 @@ from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DAY_MS, DAY_S, DailyCounts, day_of, new_write_id
 from stream.errors import ConfigError
 from stream.joiner.config import JoinerSettings
-from stream.joiner.pipeline import JoinPipeline, _add_counts, _redis_timeout_s
+from stream.joiner.day_counts import DayCountsWriter, add_counts
+from stream.joiner.pipeline import JoinPipeline, _redis_timeout_s
 from stream.keyspace import KeyspaceWatch
 from stream.strikes import is_infrastructure
 from streamrec.stack import LocalStack
@@ -45,16 +45,9 @@ def prefix(redis_client: redis.Redis) -> Iterator[str]:
         redis_client.delete(*keys)
 
 
-def joiner_counting(counts: DailyCounts) -> JoinPipeline:
-    """Only the counting part of a joiner pipeline (its writer thread and buffers), on ``counts``."""
-    p = JoinPipeline.__new__(JoinPipeline)
-    p.counts = counts
-    p._counts_buffer, p._names_buffer = {}, {"item": set(), "user": set()}
-    p._counts_flushed = time.monotonic()
-    p._counts_writer = ThreadPoolExecutor(max_workers=1)
-    p._flushing, p._failed_write = None, None
-    p.keyspace = KeyspaceWatch(counts.client, counts.prefix)
-    return p
+def joiner_counting(counts: DailyCounts) -> DayCountsWriter:
+    """The counting part of a joiner pipeline (its writer thread and buffers), on ``counts``."""
+    return DayCountsWriter(counts, KeyspaceWatch(counts.client, counts.prefix), flush_s=3600)
 
 
 def test_a_flush_retried_after_redis_refused_part_of_it_counts_what_was_written_once(
@@ -66,7 +59,7 @@ def test_a_flush_retried_after_redis_refused_part_of_it_counts_what_was_written_
     p = joiner_counting(counts)
     now_ms = int(time.time() * 1000)
     for kind in ("item", "user"):
-        p._counts_buffer[(kind, "impression")] = ([1, 2, 2], [now_ms] * 3)
+        p.buffered[(kind, "impression")] = ([1, 2, 2], [now_ms] * 3)
     real_record, maxmemory = counts.record, str(redis_client.config_get("maxmemory")["maxmemory"])
 
     def record_refused_for_users(kind: str, event: str, ids: Any, ts: Any, **kwargs: Any) -> None:
@@ -82,14 +75,14 @@ def test_a_flush_retried_after_redis_refused_part_of_it_counts_what_was_written_
         monkeypatch.setattr(counts, "record", record_refused_for_users)
         for _ in range(2):  # two flushes fail (the joiner's batches that find them fail and are done again)
             with pytest.raises(redis.ResponseError, match="maxmemory"):
-                p.flush_counts()
-        assert p._failed_write is not None  # only what was not written is retried
-        assert p._failed_write.counts == {("user", "impression"): ([1, 2, 2], [now_ms] * 3)}
+                p.flush()
+        assert p.failed_write is not None  # only what was not written is retried
+        assert p.failed_write.counts == {("user", "impression"): ([1, 2, 2], [now_ms] * 3)}
         monkeypatch.undo()
-        p.flush_counts()
+        p.flush()
     finally:
         redis_client.config_set("maxmemory", maxmemory)
-        p._counts_writer.shutdown(wait=True)
+        p.shutdown()
     day = day_of(now_ms)
     for kind in ("item", "user"):
         assert counts.top(kind, day=day, k=10) == [("2", 2.0), ("1", 1.0)], kind
@@ -159,21 +152,21 @@ def test_a_joiner_counts_write_trickled_past_its_redis_timeout_fails_the_flush_a
     with TrickleProxy(stack.s.redis_port, gap_s=timeout_s / 900) as proxy:
         p = JoinPipeline(kafka, RedisSettings(url=proxy.url, prefix=prefix), JoinerSettings(app_id=group_id))
         try:
-            p._counts_buffer[("item", "impression")] = ([5] * days, ts)
-            p.flush_counts()  # healthy: the script loaded, the keyspace markers set
-            p._counts_buffer[("item", "impression")] = ([7] * days, ts)
+            p.day_counts.buffered[("item", "impression")] = ([5] * days, ts)
+            p.day_counts.flush()  # healthy: the script loaded, the keyspace markers set
+            p.day_counts.buffered[("item", "impression")] = ([7] * days, ts)
             proxy.trickling = True
             try:
                 with pytest.raises(redis.TimeoutError):
-                    p.flush_counts()
+                    p.day_counts.flush()
             finally:
                 proxy.trickling = False
-            assert p._failed_write is not None  # kept, under its write id, for the retry
-            p.flush_counts()  # the retry: Redis may have run the EXEC whose reply trickled
+            assert p.day_counts.failed_write is not None  # kept, under its write id, for the retry
+            p.day_counts.flush()  # the retry: Redis may have run the EXEC whose reply trickled
         finally:
             p.close()
     for day in {day_of(t) for t in ts}:
-        assert scores(redis_client, p.counts.key("item", "impression", day)) == {"5": 1.0, "7": 1.0}, day
+        assert scores(redis_client, p.day_counts.counts.key("item", "impression", day)) == {"5": 1.0, "7": 1.0}, day
 
 
 class LoseExecReply(redis.Connection):
@@ -221,19 +214,19 @@ def test_a_joiner_flush_whose_reply_was_lost_after_redis_ran_it_counts_once_when
     p = joiner_counting(counts)
     now_ms = int(time.time() * 1000)
     yesterday, today = now_ms - DAY_MS, now_ms
-    p._counts_buffer[("item", "impression")] = ([1, 2, 2, 3], [yesterday, yesterday, today, today])
-    p._counts_buffer[("user", "click")] = ([7], [today])
+    p.buffered[("item", "impression")] = ([1, 2, 2, 3], [yesterday, yesterday, today, today])
+    p.buffered[("user", "click")] = ([7], [today])
     LoseExecReply.lose = 1
     try:
         with pytest.raises(redis.ConnectionError, match="lost before the reply"):
-            p.flush_counts()
+            p.flush()
         assert not LoseExecReply.lose  # the reply was lost
         item_key = counts.key("item", "impression", day_of(today))
         assert scores(redis_client, item_key) == {"2": 1.0, "3": 1.0}  # Redis ran it
-        _add_counts(p._counts_buffer, {("item", "impression"): ([3], [today])})  # counted since the failed flush
-        p.flush_counts()  # the retry, then the new counts
+        add_counts(p.buffered, {("item", "impression"): ([3], [today])})  # counted since the failed flush
+        p.flush()  # the retry, then the new counts
     finally:
-        p._counts_writer.shutdown(wait=True)
+        p.shutdown()
     assert scores(redis_client, counts.key("item", "impression", day_of(yesterday))) == {"1": 1.0, "2": 1.0}
     assert scores(redis_client, item_key) == {"2": 1.0, "3": 2.0}
     assert scores(redis_client, counts.key("user", "click", day_of(today))) == {"7": 1.0}
@@ -316,15 +309,15 @@ def test_an_event_dropped_as_future_is_counted_once_however_often_the_joiner_ret
     counts = DailyCounts(redis_client, prefix=prefix, future_s=3600)
     p = joiner_counting(counts)
     now_ms = int(time.time() * 1000)
-    p._counts_buffer[("item", "impression")] = ([1, 2], [now_ms, now_ms + 30 * DAY_MS])
+    p.buffered[("item", "impression")] = ([1, 2], [now_ms, now_ms + 30 * DAY_MS])
     try:
         for _ in range(3):
             with redis_full(redis_client), pytest.raises(redis.ResponseError, match="maxmemory"):
-                p.flush_counts()
+                p.flush()
             assert counts.future_dropped == 1
-        p.flush_counts()
+        p.flush()
     finally:
-        p._counts_writer.shutdown(wait=True)
+        p.shutdown()
     assert counts.future_dropped == 1
     assert scores(redis_client, counts.key("item", "impression", day_of(now_ms))) == {"1": 1.0}
     assert not redis_client.exists(counts.key("item", "impression", day_of(now_ms + 30 * DAY_MS)))
@@ -429,13 +422,13 @@ def test_a_day_counts_key_holding_another_type_stops_the_joiner_with_a_config_er
     counts = DailyCounts(redis_client, prefix=prefix)
     p = joiner_counting(counts)
     now_ms = int(time.time() * 1000)
-    p._counts_buffer[("item", "impression")] = ([1, 2], [now_ms] * 2)
+    p.buffered[("item", "impression")] = ([1, 2], [now_ms] * 2)
     redis_client.set(counts.key("item", "impression", day_of(now_ms)), "someone else's")
     try:
         with pytest.raises(ConfigError, match=f"prefix '{prefix}'.*WRONGTYPE") as info:
-            p.flush_counts()
+            p.flush()
     finally:
-        p._counts_writer.shutdown(wait=True)
+        p.shutdown()
     assert not is_infrastructure(info.value)  # the worker stops (exit 2); the pipeline gives ConfigErrors no strikes
 
 

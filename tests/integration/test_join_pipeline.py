@@ -524,7 +524,7 @@ def test_close_closes_redis_when_its_last_flush_fails_and_raises_the_flushs_erro
         if close_fails:
             raise OSError("close failed")
 
-    monkeypatch.setattr(p, "flush_counts", flush_fails)
+    monkeypatch.setattr(p.day_counts, "flush", flush_fails)
     monkeypatch.setattr(p.redis, "close", spy)
     with caplog.at_level(logging.ERROR, logger="streamrec.join"), pytest.raises(redis.ConnectionError,
                                                                                 match="Redis is down"):

@@ -319,7 +319,7 @@ def test_the_joiner_records_names_that_counts_top_prints(
     assert [(r["name"], r["count"]) for r in clicks["top"]] == [("i1", 1.0)]
     users, _ = counts_top(capsys, cfg, "--kind", "user")
     assert [(r["name"], r["count"]) for r in users["top"]] == [("u2", 2.0), ("u1", 1.0)]
-    assert p._names_buffer == {"item": set(), "user": set()}  # cleared by the flush: kept no longer than that
+    assert p.day_counts.names == {"item": set(), "user": set()}  # cleared by the flush: kept no longer than that
 
 
 def test_counts_top_escapes_unprintable_raw_ids(

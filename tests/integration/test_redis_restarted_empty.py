@@ -54,8 +54,8 @@ def flush(p: JoinPipeline) -> None:
     """One counts flush of ``p`` with an item and a user count."""
     now_ms = int(time.time() * 1000)
     for kind in ("item", "user"):
-        p._counts_buffer[(kind, "impression")] = ([1, 2], [now_ms] * 2)
-    p.flush_counts()
+        p.buffered[(kind, "impression")] = ([1, 2], [now_ms] * 2)
+    p.flush()
 
 
 def test_a_joiner_flush_after_its_redis_restarted_empty_warns_and_counts_the_loss_once_per_tag(
@@ -75,7 +75,7 @@ def test_a_joiner_flush_after_its_redis_restarted_empty_warns_and_counts_the_los
                 flush(p)
             flush(p)  # counted once: the markers are set again
         finally:
-            p._counts_writer.shutdown(wait=True)
+            p.shutdown()
     assert {tag: emptied(tag) - before[tag] for tag in before} == {"item": 1.0, "user": 1.0}
     lost = [r.getMessage() for r in caplog.records if "lost the keys" in r.getMessage()]
     assert len(lost) == 2 and all(prefix in m and "click histories" in m for m in lost), lost
@@ -112,7 +112,7 @@ def test_serving_says_once_per_loss_that_the_redis_it_reads_histories_from_resta
             assert sorted(svc.emptied.check()) == ["item", "user"]
             assert svc.emptied.check() == []
         finally:
-            p._counts_writer.shutdown(wait=True)
+            p.shutdown()
             svc.stop()
     # two losses, each said once per tag
     said = [r.getMessage() for r in caplog.records if "lost the keys" in r.getMessage() and r.name == "streamrec.serve"]
@@ -138,7 +138,7 @@ def test_a_joiner_flush_after_the_cluster_node_of_one_kinds_counts_restarted_emp
             flush(p)
         flush(p)
     finally:
-        p._counts_writer.shutdown(wait=True)
+        p.shutdown()
         client.close()
     assert {tag: emptied(tag) - before[tag] for tag in before} == {"item": 1.0, "user": 0.0}
     assert sum("lost the keys" in r.getMessage() for r in caplog.records) == 1

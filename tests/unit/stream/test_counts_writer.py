@@ -1,17 +1,17 @@
-"""stream/joiner/pipeline.py: day counts written by the writer thread; a failed write is kept apart, with its write id,
-and retried as it was before newer counts (tests/integration/test_counts_retry.py: the same against a real Redis)."""
+"""stream/joiner/day_counts.py: day counts written by the writer thread; a failed write is kept apart, with its write
+id, and retried as it was before newer counts (tests/integration/test_counts_retry.py: the same against a real
+Redis)."""
 
 from __future__ import annotations
 
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
 import redis
 
 from stream.features import hash_value
+from stream.joiner.day_counts import DayCountsWriter
 from stream.joiner.pipeline import JoinPipeline
 
 
@@ -33,23 +33,25 @@ class FakeCounts:
         self.ids.append(write_id)
 
 
-def pipeline_with(counts: FakeCounts) -> JoinPipeline:
-    """Only the counting part of a pipeline (no broker, no Redis)."""
-    p = JoinPipeline.__new__(JoinPipeline)
-    p.counts = counts  # type: ignore[assignment]
-    p._counts_buffer, p._names_buffer = {}, {"item": set(), "user": set()}
-    p._counts_flushed = time.monotonic()
-    p._counts_writer = ThreadPoolExecutor(max_workers=1)
-    p._flushing, p._failed_write = None, None
-    p.keyspace = SimpleNamespace(check=list)  # type: ignore[assignment]  # Redis never emptied (stream/keyspace.py)
-    return p
+def pipeline_with(counts: FakeCounts) -> DayCountsWriter:
+    """The joiner's day counts writer on fake counts (no broker, no Redis); Redis never emptied (stream/keyspace.py)."""
+    return DayCountsWriter(counts, SimpleNamespace(check=list), flush_s=3600)  # type: ignore[arg-type]
 
 
-def buffer(p: JoinPipeline, ids: list[int], ts: list[int], raw: str) -> None:
-    got = p._counts_buffer.setdefault(("item", "impression"), ([], []))
+def pipeline_closing(p: DayCountsWriter) -> JoinPipeline:
+    """A pipeline holding only ``p`` and what its close() touches besides (Redis, the collector's pacing)."""
+    pipeline = JoinPipeline.__new__(JoinPipeline)
+    pipeline.day_counts = p
+    pipeline.redis = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
+    pipeline.gc = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
+    return pipeline
+
+
+def buffer(p: DayCountsWriter, ids: list[int], ts: list[int], raw: str) -> None:
+    got = p.buffered.setdefault(("item", "impression"), ([], []))
     got[0].extend(ids)
     got[1].extend(ts)
-    p._names_buffer["item"].add(raw)
+    p.names["item"].add(raw)
 
 
 def test_counts_are_written_by_the_writer_thread_with_their_names() -> None:
@@ -58,14 +60,14 @@ def test_counts_are_written_by_the_writer_thread_with_their_names() -> None:
     try:
         written_by_the_writer(p, counts)
     finally:
-        p._counts_writer.shutdown(wait=True)
+        p.shutdown()
 
 
 def written_by_the_writer(p: JoinPipeline, counts: FakeCounts) -> None:
     buffer(p, [1, 2], [10, 20], "a")
-    p._start_flush()
-    assert p._counts_buffer == {} and p._names_buffer == {"item": set(), "user": set()}  # buffering afresh
-    p.flush_counts()
+    p.start_flush()
+    assert p.buffered == {} and p.names == {"item": set(), "user": set()}  # buffering afresh
+    p.flush()
     assert counts.calls == [("item", "impression", [1, 2], [10, 20], {hash_value("a"): "a"})]
     assert threading.get_ident() not in counts.threads
 
@@ -78,22 +80,22 @@ def test_a_failed_write_is_retried_as_it_was_under_its_write_id_before_newer_cou
     try:
         failed_then_retried_apart(p, counts)
     finally:
-        p._counts_writer.shutdown(wait=True)
+        p.shutdown()
 
 
 def failed_then_retried_apart(p: JoinPipeline, counts: FakeCounts) -> None:
     buffer(p, [1, 2], [10, 20], "a")
-    p._start_flush()
+    p.start_flush()
     buffer(p, [3], [30], "b")  # counted while the write was in flight
     with pytest.raises(redis.ConnectionError):
-        p._finish_flush()
-    assert p._counts_buffer == {("item", "impression"): ([3], [30])}  # not merged into the failed write
-    assert p._failed_write is not None and p._failed_write.counts == {("item", "impression"): ([1, 2], [10, 20])}
-    p.flush_counts()
+        p.finish_flush()
+    assert p.buffered == {("item", "impression"): ([3], [30])}  # not merged into the failed write
+    assert p.failed_write is not None and p.failed_write.counts == {("item", "impression"): ([1, 2], [10, 20])}
+    p.flush()
     assert [c[2] for c in counts.calls] == [[1, 2], [3]]  # each written once, nothing lost
     assert counts.ids[0] == counts.failed_ids[0] and counts.ids[1] != counts.ids[0]
     assert [c[4] for c in counts.calls] == [{hash_value("a"): "a"}, {hash_value("b"): "b"}]  # names go with them
-    assert p._failed_write is None
+    assert p.failed_write is None
 
 
 def test_a_write_behind_a_failed_retry_was_never_sent_and_goes_back_to_the_buffer() -> None:
@@ -104,16 +106,16 @@ def test_a_write_behind_a_failed_retry_was_never_sent_and_goes_back_to_the_buffe
     try:
         buffer(p, [1], [10], "a")
         with pytest.raises(redis.ConnectionError):
-            p.flush_counts()
+            p.flush()
         buffer(p, [2], [20], "b")
         with pytest.raises(redis.ConnectionError):
-            p.flush_counts()  # the retry of [1] fails again; [2] not sent
+            p.flush()  # the retry of [1] fails again; [2] not sent
         assert counts.failed_ids[0] == counts.failed_ids[1]
-        assert p._counts_buffer == {("item", "impression"): ([2], [20])} and p._names_buffer["item"] == {"b"}
+        assert p.buffered == {("item", "impression"): ([2], [20])} and p.names["item"] == {"b"}
         buffer(p, [3], [30], "c")
-        p.flush_counts()
+        p.flush()
     finally:
-        p._counts_writer.shutdown(wait=True)
+        p.shutdown()
     assert [c[2] for c in counts.calls] == [[1], [2, 3]]
     assert counts.ids[0] == counts.failed_ids[0] != counts.ids[1]
 
@@ -124,13 +126,11 @@ def test_close_retries_a_write_that_failed_in_flight_and_writes_the_counts_buffe
     raise the in-flight failure at once and lose both (exit 1 with every batch's state durable)."""
     counts = FakeCounts(fail=1)
     p = pipeline_with(counts)
-    p.redis = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
-    p.gc = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
     buffer(p, [1], [10], "a")
-    p._start_flush()  # in flight: fails
-    p._flushing[0].exception()  # type: ignore[index]  # (waits for it)
+    p.start_flush()  # in flight: fails
+    p.flushing[0].exception()  # type: ignore[index]  # (waits for it)
     buffer(p, [2], [20], "b")  # a later batch's counts
-    p.close()
+    pipeline_closing(p).close()
     assert [c[2] for c in counts.calls] == [[1], [2]]
     assert counts.ids[0] == counts.failed_ids[0] != counts.ids[1]
 
@@ -138,35 +138,33 @@ def test_close_retries_a_write_that_failed_in_flight_and_writes_the_counts_buffe
 def test_close_still_raises_when_the_last_flush_fails_too() -> None:
     counts = FakeCounts(fail=2)
     p = pipeline_with(counts)
-    p.redis = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
-    p.gc = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
     buffer(p, [1], [10], "a")
-    p._start_flush()
+    p.start_flush()
     with pytest.raises(redis.ConnectionError):
-        p.close()
+        pipeline_closing(p).close()
     assert counts.calls == [] and counts.failed_ids[0] == counts.failed_ids[1]
 
 
 def test_the_writer_names_each_raw_id_by_its_hash_value_ints_strings_and_a_shared_text_alike() -> None:
-    from stream.joiner.pipeline import _named_by_hash
+    from stream.joiner.day_counts import named_by_hash
 
     raws: set[int | str] = {0, 7, 2**63 - 1, "a", "é-user", "123", 123, "x" * 256}
-    got = _named_by_hash(raws)
+    got = named_by_hash(raws)
     assert got == {hash_value(raw): raw for raw in raws}  # 123 and "123" share one hash: one of them names it
     assert set(got.values()) <= raws and len(got) == len(raws) - 1
-    assert _named_by_hash(set()) == {}
+    assert named_by_hash(set()) == {}
 
 
 def test_the_writer_looks_up_the_ids_the_join_hashed_instead_of_hashing_them_again(monkeypatch) -> None:
     # the join hashes a batch's user and item ids through hash_ids' cache (engine.apply: hash_column); the writer's
     # names are those ids: through hash_value's own LRU cache every one missed and was hashed a second time
     import stream.features as sf
-    from stream.joiner.pipeline import _named_by_hash
+    from stream.joiner.day_counts import named_by_hash
 
     monkeypatch.setattr(sf, "_ID_CACHE", {})
     raws = [f"user-{i}" for i in range(300)] + list(range(10**12, 10**12 + 300))
     sf.hash_column([v for v in raws if isinstance(v, str)])  # what the join did with the batch's columns
     sf.hash_column([v for v in raws if isinstance(v, int)])
     misses = sf.hash_value.cache_info().misses
-    assert _named_by_hash(set(raws)) == {sf.stable_hash(v): v for v in raws}
+    assert named_by_hash(set(raws)) == {sf.stable_hash(v): v for v in raws}
     assert sf.hash_value.cache_info().misses == misses

@@ -4,6 +4,8 @@ message of the same batch must not find its impression closed already)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from stream.config import KafkaSettings
@@ -36,6 +38,7 @@ def _pipeline() -> tuple[JoinPipeline, Sent]:
     p.sample_bytes = p.state_bytes = p.late_click_bytes = 1 << 20
     p.producer = sent = Sent()
     p._record_redis = lambda res, imps: None  # type: ignore[method-assign]
+    p.day_counts = SimpleNamespace(begin_batch=lambda: None)  # type: ignore[assignment]  # nothing counted here
     p._read_histories = lambda res: None  # type: ignore[method-assign]
     return p, sent
 
