@@ -11,7 +11,7 @@ the aiokafka consumer thread, group membership and rebalance callbacks, pause/re
 Its ``_drain_messages`` fetches as faust does (``_wait_next_records``: the active partitions, up to
 ``broker_max_poll_records``), keeps faust's record of what its fetcher handed on (read offsets, the gaps of
 offsets the log does not hold), gathers fetches into a batch of up to ``max_records`` records (``_gather``),
-hands the batch to :attr:`BatchDelivery.process` as a list of :class:`~stream.joiner.pipeline.Record`, and when
+hands the batch to :attr:`BatchDelivery.process` as a list of :class:`~stream.joiner.records.Record`, and when
 that returns, acknowledges the offsets it reports processed in the consumer's own ledger (what ``Consumer.ack``
 writes: ``_acked``, ``_acked_index``), the one faust's commit reads. So faust still commits, on its timer, every
 ``broker_commit_every`` acknowledgements, at a revocation and at shutdown; it can only ever commit offsets of
@@ -90,7 +90,7 @@ from mode import ServiceT
 from mode.utils.futures import notify
 
 from stream.joiner.header_keys import checked, read_leniently
-from stream.joiner.pipeline import Record, records_of
+from stream.joiner.records import Record, records_of
 from stream.kafka import BATCH_MESSAGES
 from stream.retention import account_for_retention, lost_in_gap, not_checked, past_said
 

@@ -69,7 +69,8 @@ from stream.joiner.backpressure import (
 )
 from stream.joiner.config import JoinerSettings
 from stream.joiner.metrics import ASSIGN_RETRIES
-from stream.joiner.pipeline import JoinPipeline, Record, records_of
+from stream.joiner.pipeline import JoinPipeline
+from stream.joiner.records import Record, records_of
 from stream.kafka import (
     BATCH_MESSAGES,
     Headers,

@@ -96,7 +96,8 @@ from stream.idle_clock import IdleClock
 from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Unfetched, never_fetched, topic_of, unread
 from stream.joiner.config import JoinerSettings
 from stream.joiner.faust_delivery import BatchConsumer, BatchDelivery, Processed, install
-from stream.joiner.pipeline import JoinPipeline, Record
+from stream.joiner.pipeline import JoinPipeline
+from stream.joiner.records import Record
 from stream.kafka import heartbeat_interval_s, tls_context
 from stream.strikes import RECOVERY_BACKOFF_S, is_infrastructure
 

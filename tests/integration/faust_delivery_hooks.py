@@ -29,7 +29,8 @@ import redis
 from faust.events import Event
 
 from stream.joiner import faust_delivery
-from stream.joiner.pipeline import JoinPipeline, Record
+from stream.joiner.pipeline import JoinPipeline
+from stream.joiner.records import Record
 
 _LOG = open(os.environ["STREAMREC_TEST_DELIVERY_LOG"], "a", buffering=1)  # noqa: SIM115 - lives with the process
 _FAIL_AT = int(os.environ.get("STREAMREC_TEST_FAIL_BATCH", "0"))

@@ -26,7 +26,8 @@ from stream.dlq import DeadLetter
 from stream.errors import ConfigError, MessageLimitError
 from stream.joiner import pipeline as pipeline_module
 from stream.joiner.config import JoinerSettings
-from stream.joiner.pipeline import JoinPipeline, Record
+from stream.joiner.pipeline import JoinPipeline
+from stream.joiner.records import Record
 from stream.joiner.state_log import state_topic
 from stream.kafka import MessageLimit, admin_config
 from stream.limits import DEFAULT_LIMITS, EventLimits

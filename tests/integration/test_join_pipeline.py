@@ -30,7 +30,8 @@ from stream.events import Click, Impression
 from stream.features import hash_value
 from stream.history import UserHistory
 from stream.joiner.config import JoinerSettings
-from stream.joiner.pipeline import JoinPipeline, Record
+from stream.joiner.pipeline import JoinPipeline
+from stream.joiner.records import Record
 from stream.samples import SampleBatch, watermark_of
 from tests.bounded_teardown import close_all
 from tests.kafka_io import read_topic

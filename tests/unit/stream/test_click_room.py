@@ -11,7 +11,8 @@ from stream.events import Click, Impression
 from stream.joiner.backpressure import IMPRESSIONS, click_room
 from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import JoinConfig, PartitionJoin
-from stream.joiner.pipeline import JoinPipeline, JoinTotals, Record
+from stream.joiner.pipeline import JoinPipeline, JoinTotals
+from stream.joiner.records import Record
 
 KAFKA = KafkaSettings()
 CAP = 10

@@ -122,7 +122,7 @@ def test_records_the_join_keeps_are_acknowledged_only_once_a_later_batch_process
     from faust.types import TP
 
     from stream.joiner.faust_delivery import BatchConsumer
-    from stream.joiner.pipeline import Record
+    from stream.joiner.records import Record
 
     tp = TP("impressions", 0)
     turns = iter([({("impressions", 0): 2}, {("impressions", 0): 3}),  # 0, 1 joined; 2-4 held past the frontier
@@ -156,7 +156,7 @@ def test_unprocessed_records_the_join_does_not_keep_are_read_again_from_the_firs
     from faust.types import TP
 
     from stream.joiner.faust_delivery import BatchConsumer
-    from stream.joiner.pipeline import Record
+    from stream.joiner.records import Record
 
     tp = TP("impressions", 0)
     # 3, 4 kept from before; this batch (5-7) processes nothing and the join says it holds only 2 (not the 5 left)
@@ -215,7 +215,7 @@ def test_a_partition_whose_last_records_wait_in_the_carry_still_has_more_to_read
     from faust.types import TP
 
     from stream.joiner.faust_delivery import BatchConsumer
-    from stream.joiner.pipeline import Record
+    from stream.joiner.records import Record
 
     clicks, imps, unfetched = TP("clicks", 0), TP("impressions", 0), TP("clicks", 1)
     highs = {clicks: 40, imps: 10}
@@ -540,7 +540,7 @@ def test_an_input_made_again_that_is_revoked_while_its_first_offset_is_asked_is_
     from faust.types import TP
 
     from stream.joiner.faust_delivery import BatchConsumer
-    from stream.joiner.pipeline import Record
+    from stream.joiner.records import Record
 
     remade = TP("impressions", 0)
     fake, done = _delivering(lambda records: {}, lambda: {})
@@ -580,7 +580,7 @@ def test_an_input_made_again_with_records_past_the_old_committed_offset_is_read_
     from faust.types import TP
 
     from stream.joiner.faust_delivery import BatchConsumer
-    from stream.joiner.pipeline import Record
+    from stream.joiner.records import Record
 
     remade = TP("impressions", 0)
     fake, done = _delivering(lambda records: {}, lambda: {})

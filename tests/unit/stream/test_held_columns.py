@@ -1,4 +1,4 @@
-"""The records a batch holds past the frontier stay in ``pipeline.Held``, with their event times as a column: with the
+"""The records a batch holds past the frontier stay in ``records.Held``, with their event times as a column: with the
 next batches only the new records' events are read and the held ones are neither walked nor copied, however long they
 wait (on a replayed ML-1M ~75 k records wait per batch; reading each one's time again, or copying the held lists, with
 every batch cost seconds)."""
@@ -12,7 +12,8 @@ import numpy as np
 from stream.config import KafkaSettings
 from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import JoinConfig, PartitionJoin
-from stream.joiner.pipeline import Held, JoinPipeline, JoinTotals, Record
+from stream.joiner.pipeline import JoinPipeline, JoinTotals
+from stream.joiner.records import Held, Record
 
 KAFKA = KafkaSettings()
 S = 1000  # ms

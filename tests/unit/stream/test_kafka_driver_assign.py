@@ -130,7 +130,7 @@ class _Committed:
 
 
 def _fetched(topic: str, offsets: range) -> list[Any]:
-    from stream.joiner.pipeline import records_of
+    from stream.joiner.records import records_of
 
     n = len(offsets)
     return records_of([topic] * n, [0] * n, list(offsets), [b"k"] * n, [b"{}"] * n, [-1] * n, [()] * n)
