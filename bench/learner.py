@@ -651,7 +651,8 @@ def produce(args, ids: np.ndarray, labels: np.ndarray) -> tuple[Any, dict[str, A
     import uuid
 
     from stream.config import KafkaSettings
-    from stream.kafka import AckedProducer, ensure_topics
+    from stream.kafka_producer import AckedProducer
+    from stream.kafka_topics import ensure_topics
     from streamrec.stack import LocalStack, StackSettings, free_port
 
     stack = None

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from confluent_kafka import Producer  # noqa: E402
 
 from stream.config import KafkaSettings
-from stream.kafka import ensure_topics, producer_config  # noqa: E402
+from stream.kafka import producer_config  # noqa: E402
+from stream.kafka_topics import ensure_topics  # noqa: E402
 from stream.replay.config import ClickDelay
 from stream.replay.movielens import load_movielens  # noqa: E402
 from stream.replay.publisher import publish, replay_order  # noqa: E402

@@ -645,7 +645,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         stack.up()
         kafka = KafkaSettings(bootstrap_servers=stack.bootstrap_servers)
-        from stream.kafka import ensure_topics
+        from stream.kafka_topics import ensure_topics
 
         ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic, kafka.samples_topic])
         env = dict(os.environ, STREAMREC_KAFKA_BOOTSTRAP_SERVERS=stack.bootstrap_servers,

@@ -238,8 +238,8 @@ def mistyped(meta: Mapping[str, Any]) -> str | None:
 
 def same_topic(recorded: Mapping[str, Any], now: Mapping[str, str], topic: str) -> bool:
     """Whether the checkpoint's offsets are of ``topic`` as it is now: ``recorded`` (:func:`topic_recorded`) against
-    ``now`` (``stream.kafka.topic_identity``, what a save records): False, said as an ERROR naming both ids, when both
-    give a topic id and they differ. The topic was deleted and created again since, or the broker is another
+    ``now`` (``stream.kafka_topics.topic_identity``, what a save records): False, said as an ERROR naming both ids,
+    when both give a topic id and they differ. The topic was deleted and created again since, or the broker is another
     cluster's: resuming at the saved offsets of a new topic already written past them skipped every record below them
     without a word (a shorter one is told by its end: ``learner.kafka_dataset._start_over_past_end``). A checkpoint
     written before topic ids were recorded, or a broker that gives none, passes (resumed as before)."""

@@ -74,7 +74,8 @@ from stream.features import MISSING
 from stream.files import NotDurable, describe_os_error
 from stream.idle_clock import IdleClock
 from stream.joiner.partitions import ensure_samples
-from stream.kafka import headers_of, new_consumer, topic_identity
+from stream.kafka import headers_of, new_consumer
+from stream.kafka_topics import topic_identity
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.samples import CTX_PREFIX, DELAYED_POSITIVE, DENSE_PREFIX, SampleBatch
 from stream.stop_signals import put_back_signals, take_stop_signals

@@ -142,7 +142,8 @@ from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError, close_after_error, shown
 from stream.files import NotDurable, describe_os_error, write_atomic
 from stream.joiner.partitions import ensure_samples
-from stream.kafka import new_consumer, topic_identity
+from stream.kafka import new_consumer
+from stream.kafka_topics import topic_identity
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.samples import DELAYED_POSITIVE
 from stream.stop_signals import put_back_signals, take_stop_signals
@@ -224,7 +225,8 @@ def check_same_settings(kafka: KafkaSettings, ls: LearnerSettings, rank: int,
 
 def check_same_cluster(bootstrap_servers: str, identity: dict[str, str]) -> None:
     """Collective, every rank before it reads: the same ConfigError on EVERY rank unless all read one Kafka cluster's
-    samples topic. ``identity``: this rank's ``stream.kafka.topic_identity``, asked of its own ``bootstrap_servers``.
+    samples topic. ``identity``: this rank's ``stream.kafka_topics.topic_identity``, asked of its own
+    ``bootstrap_servers``.
     The offsets a checkpoint restores (and rank 0's topic-id check of them, ``_partitions``) are of rank 0's cluster;
     a rank started against another cluster (its host's config file or environment) read its partitions there from
     offsets that mean nothing in it: records below them skipped, others trained twice, all without a word."""
@@ -558,7 +560,7 @@ class ShardedLearner:
     # -- the loop ----------------------------------------------------------------------------------
     def _partitions(self) -> list[int]:
         """Collective: the samples topic's partitions as rank 0 lists them at the start. Every rank asks the topic's
-        ids (``stream.kafka.topic_identity``) of its own broker, and they must name one cluster
+        ids (``stream.kafka_topics.topic_identity``) of its own broker, and they must name one cluster
         (:func:`check_same_cluster`); rank 0 also asks whether the checkpoint's offsets are of this topic
         (:func:`checkpoint.same_topic`, said and counted once), and every rank takes its answer: on each, the offsets
         dropped for another topic's (``run``), the ids the next checkpoints record (the broker giving none: the

@@ -59,7 +59,8 @@ from typing import Any, Protocol
 from monitor.http_deadline import check_http_url, post_json, time_left
 from stream.config import KafkaSettings
 from stream.errors import StreamrecError, quoted, shown
-from stream.kafka import ACCESS_CHECK_S, KafkaAccessError, admin_config, check_access
+from stream.kafka import admin_config
+from stream.kafka_access import ACCESS_CHECK_S, KafkaAccessError, check_access
 from stream.secrets import hide_url_path, redact, redacted_repr
 
 log = logging.getLogger("streamrec.alerts")

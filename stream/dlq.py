@@ -33,8 +33,8 @@ sized with its name, value and 10 bytes of length framing: beside a value cut to
 stay); otherwise dropped, counted in ``dlq.headers_dropped``, and the key and value
 sized as if there had been none (the event's bytes matter more to whoever fixes it than the headers).
 
-Size: a dead-letter topic's limit is learned like the joiner's other topics' (``stream.kafka.message_limits``: the
-topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller), given by the
+Size: a dead-letter topic's limit is learned like the joiner's other topics' (``stream.kafka_limits.message_limits``:
+the topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller), given by the
 process that learned it at start (the joiner) or learned here at the first dead letter to that topic (the learner,
 the event reader, the replay), and every record is sized under it before it is sent: a value over the room the key
 and headers leave is cut, with ``dlq.value_truncated_from``. A limit that leaves no room for the headers
@@ -53,15 +53,9 @@ from dataclasses import dataclass
 
 from stream.config import KafkaSettings
 from stream.errors import BadMessage, ConfigError, MessageTooLarge, shown
-from stream.kafka import (
-    AckedProducer,
-    Headers,
-    MessageLimit,
-    message_limits,
-    raise_limit,
-    refused_as_too_large,
-    usable_bytes,
-)
+from stream.kafka import Headers
+from stream.kafka_limits import MessageLimit, message_limits, raise_limit, refused_as_too_large, usable_bytes
+from stream.kafka_producer import AckedProducer
 from stream.metrics import DLQ_MESSAGES
 
 TRUNCATED_BYTES = 65_536
@@ -74,7 +68,7 @@ _TOPIC_BYTES = 249  # Kafka's longest topic name
 HEADER_BYTES = REASON_BYTES + _KIND_BYTES + _TOPIC_BYTES + 8 * 32 + 6 * 20
 _HEADER_FRAMING = 10  # a record header's two length varints at their largest
 OriginalHeaders = Headers
-MIN_DLQ_BYTES = HEADER_BYTES + 1024  # usable bytes (stream.kafka.usable_bytes) a dead-letter topic must leave
+MIN_DLQ_BYTES = HEADER_BYTES + 1024  # usable bytes (stream.kafka_limits.usable_bytes) a dead-letter topic must leave
 
 
 def _bounded(text: str, n: int) -> bytes:

@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILED
     except (StreamrecError, KafkaException, TimeoutError) as exc:
-        from stream.kafka import describe_error  # a broker that cannot be reached: which one, and the setting
+        from stream.kafka_access import describe_error  # a broker that cannot be reached: which one, and the setting
 
         text = describe_error(exc) if isinstance(exc, KafkaException) else str(exc)
         print(f"streamrec {args.command}: error: {redact(text)}", file=sys.stderr)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from confluent_kafka.admin import AdminClient
 
 from stream.config import KafkaSettings
-from stream.kafka import admin_config, ensure_topics, read_to_end
+from stream.kafka import admin_config, read_to_end
+from stream.kafka_topics import ensure_topics
 
 
 @dataclass(frozen=True)

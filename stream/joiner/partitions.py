@@ -26,7 +26,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 
 from stream.config import KafkaSettings
 from stream.errors import ConfigError
-from stream.kafka import ensure_compacted, ensure_topics, partition_counts
+from stream.kafka_topics import ensure_compacted, ensure_topics, partition_counts
 
 log = logging.getLogger("streamrec.join")
 

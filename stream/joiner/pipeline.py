@@ -108,16 +108,10 @@ from stream.joiner.state_log import (
     next_claim,
     state_topic,
 )
-from stream.kafka import (
-    AckedProducer,
-    ensure_topics,
-    message_limits,
-    new_consumer,
-    raise_limit,
-    refused_as_too_large,
-    topic_identities,
-    usable_bytes,
-)
+from stream.kafka import new_consumer
+from stream.kafka_limits import message_limits, raise_limit, refused_as_too_large, usable_bytes
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics, topic_identities
 from stream.keyspace import KeyspaceWatch
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.redis_client import DEFAULT_TIMEOUT_S, connect, eviction_advice, scaled_timeout_s

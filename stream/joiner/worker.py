@@ -98,7 +98,8 @@ from stream.joiner.config import JoinerSettings
 from stream.joiner.faust_delivery import BatchConsumer, BatchDelivery, Processed, install
 from stream.joiner.pipeline import JoinPipeline
 from stream.joiner.records import Record
-from stream.kafka import heartbeat_interval_s, tls_context
+from stream.kafka import heartbeat_interval_s
+from stream.kafka_access import tls_context
 from stream.strikes import RECOVERY_BACKOFF_S, is_infrastructure
 
 log = logging.getLogger("streamrec.join")

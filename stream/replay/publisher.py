@@ -28,14 +28,14 @@
 - The message values are built column-wise, a chunk of the order at a time (``stream/replay/encoding.py``:
   byte for byte what ``stream/events.py`` encodes); unpaced, a chunk goes out in a loop that calls only
   ``produce``, and counts, polls and progress are per chunk.
-- Message size: at start the replay learns what each topic it writes takes (``stream.kafka.message_limits``: the
+- Message size: at start the replay learns what each topic it writes takes (``stream.kafka_limits.message_limits``: the
   topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller), and checks
   each chunk's messages against it before sending the chunk (one Arrow pass per kind); an event over it is a
   :class:`~stream.errors.MessageLimitError` (a ConfigError, exit 2) naming the topic, the event's size, the limit
   and what to raise, and nothing of its chunk is sent (an event cannot be cut; the earlier chunks were). A message
   refused as too large all the same (by the producer, or by the broker at delivery: its limit lower than it reported,
   or lowered since) is a :class:`~stream.errors.MessageLimitError` too, in the joiner's and the dead letters' words
-  (``stream.kafka.refused_as_too_large``), not a generic failure (exit 1) that a rerun repeats. Dead letters are
+  (``stream.kafka_limits.refused_as_too_large``), not a generic failure (exit 1) that a rerun repeats. Dead letters are
   sized under their topic's limit by ``stream/dlq.py``.
 """
 
@@ -58,16 +58,9 @@ from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BrokerUnreachable, ConfigError, MessageLimitError, MessageTooLarge, shown
 from stream.joiner.partitions import ensure_inputs
-from stream.kafka import (
-    AckedProducer,
-    DeliveryReport,
-    MessageLimit,
-    ensure_topics,
-    message_limits,
-    raise_limit,
-    refused_as_too_large,
-    usable_bytes,
-)
+from stream.kafka_limits import MessageLimit, message_limits, raise_limit, refused_as_too_large, usable_bytes
+from stream.kafka_producer import AckedProducer, DeliveryReport
+from stream.kafka_topics import ensure_topics
 from stream.metrics import EVENTS
 from stream.replay.config import BROKER_WAIT_S
 from stream.replay.encoding import EventEncoder, to_bytes

@@ -27,7 +27,8 @@ from stream.config import KafkaSettings
 from stream.joiner.backpressure import CLICKS, IMPRESSIONS, UNFETCHED_GRACE_S
 from stream.joiner.config import JoinerSettings
 from stream.joiner.kafka_driver import KafkaJoinWorker
-from stream.kafka import ensure_topics, producer_config
+from stream.kafka import producer_config
+from stream.kafka_topics import ensure_topics
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic

@@ -19,7 +19,8 @@ import numpy as np
 
 from monitor.alerts import Alert, AlertState
 from stream.config import KafkaSettings
-from stream.kafka import AckedProducer, ensure_topics
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from stream.samples import SampleBatch
 from streamrec.stack import free_port
 from tests.bounded_teardown import kill_and_reap

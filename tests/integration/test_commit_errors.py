@@ -16,7 +16,8 @@ import pytest
 from confluent_kafka import KafkaException, TopicPartition
 
 from stream.config import KafkaSettings
-from stream.kafka import ensure_topics, new_consumer
+from stream.kafka import new_consumer
+from stream.kafka_topics import ensure_topics
 
 
 def test_a_commit_with_one_failing_partition_raises_and_commits_the_others(kafka: KafkaSettings) -> None:

@@ -10,7 +10,8 @@ from stream.config import KafkaSettings
 from stream.dlq import DeadLetter
 from stream.event_reader import EventReader
 from stream.events import Click, Impression, decode_click, decode_impression
-from stream.kafka import AckedProducer, ensure_topics
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
@@ -158,7 +159,7 @@ def test_a_missing_column_is_a_usage_error_naming_it(tmp_path, capsys: pytest.Ca
 
 def test_unreachable_broker_surfaces_delivery_errors() -> None:
     from stream.errors import DeliveryFailed
-    from stream.kafka import AckedProducer
+    from stream.kafka_producer import AckedProducer
 
     dead = KafkaSettings(bootstrap_servers=f"127.0.0.1:{__import__('streamrec.stack').stack.free_port()}")
     p = AckedProducer(dead, **{"message.timeout.ms": 1500})
@@ -206,7 +207,7 @@ def test_dead_letters_of_any_process_are_sized_under_the_dead_letter_topic_limit
     too (``dlq.key_truncated_from``)."""
     from stream.dlq import DeadLetters
     from stream.errors import BadMessage
-    from stream.kafka import MessageLimit
+    from stream.kafka_limits import MessageLimit
 
     topic = _dlq_topic_of(kafka, 8000)
     dlq = DeadLetters(kafka)

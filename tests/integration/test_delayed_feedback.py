@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from stream.config import KafkaSettings
-from stream.kafka import AckedProducer, ensure_topics
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from stream.samples import DELAYED_POSITIVE, OBSERVED, SampleBatch, watermark_header
 
 

@@ -21,7 +21,8 @@ import torch
 from learner import sharded_checkpoint
 from learner.checkpoint import Checkpoint, load_latest
 from stream.config import KafkaSettings
-from stream.kafka import AckedProducer, ensure_topics
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from stream.samples import SampleBatch
 from streamrec.stack import LocalStack
 from tests.integration.test_learner import sample_batch
@@ -535,7 +536,7 @@ def test_two_ranks_restored_onto_a_samples_topic_made_again_past_their_offsets_t
     created again and written to offset 5 before the restart, the ranks resumed at offset 2 of the new topic, and
     its records 0-1 of each partition were never trained. Now rank 0 compares the checkpoint's topic id with the
     topic's, says it once, and every rank trains its partitions from their first record."""
-    from stream.kafka import topic_identity
+    from stream.kafka_topics import topic_identity
     from tests.integration.test_learner import make_again
 
     produce(kafka, messages=2 * PARTITIONS)

@@ -395,7 +395,7 @@ def learner_env(kafka: KafkaSettings, disk_full_flag: Path) -> dict[str, str]:
 
 def test_a_full_checkpoint_disk_is_survived_and_every_sample_trained_once(kafka: KafkaSettings,
                                                                           tmp_path: Path, reaper: Reaper) -> None:
-    from stream.kafka import ensure_topics
+    from stream.kafka_topics import ensure_topics
 
     ensure_topics(kafka, [kafka.samples_topic])
     full = tmp_path / "disk-full"
@@ -422,7 +422,7 @@ def test_a_full_checkpoint_disk_is_survived_and_every_sample_trained_once(kafka:
 def test_sigkill_of_the_learner_while_its_disk_is_full_trains_every_sample_once(kafka: KafkaSettings,
                                                                                 tmp_path: Path,
                                                                                 reaper: Reaper) -> None:
-    from stream.kafka import ensure_topics
+    from stream.kafka_topics import ensure_topics
 
     ensure_topics(kafka, [kafka.samples_topic])
     full = tmp_path / "disk-full"
@@ -539,7 +539,7 @@ def produce_more_samples(kafka: KafkaSettings, batches: int, rows: int, prefix: 
     learner's duplicate filter would drop a second call's."""
     import numpy as np
 
-    from stream.kafka import AckedProducer
+    from stream.kafka_producer import AckedProducer
     from tests.integration.test_learner import sample_batch
 
     rng = np.random.default_rng(8)
@@ -562,7 +562,7 @@ def test_a_learner_frozen_past_its_session_mid_stream_trains_every_sample_once(k
     idleness, the first poll after it came back empty and it exited at once, "input idle", the samples of the stall
     untrained (now a stall is no idleness: learner/kafka_dataset.py). Out of CI (``-m slow``): ~40 s; CI has the
     unit tests of the idle clock (tests/unit/learner/test_sample_dataset.py)."""
-    from stream.kafka import ensure_topics
+    from stream.kafka_topics import ensure_topics
 
     ensure_topics(kafka, [kafka.samples_topic])
     stall_s = 2 * kafka.session_timeout_ms / 1000

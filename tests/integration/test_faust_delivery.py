@@ -149,7 +149,8 @@ def test_faust_drain_at_exit_expires_the_impressions_of_an_assigned_partition_th
     brought no record, and drained only those it held: their pending impressions never got a sample (the kafka
     driver's case: tests/integration/test_join_recovery.py). Each impression is its own record batch here."""
     from stream.events import Impression
-    from stream.kafka import AckedProducer, ensure_topics
+    from stream.kafka_producer import AckedProducer
+    from stream.kafka_topics import ensure_topics
     from tests.integration.test_joiner import join_cmd, read_samples
 
     ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic])

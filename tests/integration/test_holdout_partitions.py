@@ -10,7 +10,8 @@ import numpy as np
 
 from cache_refresh import validate
 from stream.config import KafkaSettings
-from stream.kafka import AckedProducer, ensure_topics
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from tests.integration.test_refresh import sample_batch
 
 

@@ -20,7 +20,8 @@ import redis
 from confluent_kafka import Consumer, TopicPartition
 
 from stream.config import KafkaSettings
-from stream.kafka import AckedProducer, ensure_topics
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from stream.config import KafkaSettings
-from stream.kafka import ensure_topics
+from stream.kafka_topics import ensure_topics
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic

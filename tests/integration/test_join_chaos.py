@@ -44,7 +44,9 @@ import orjson
 import pytest
 
 from stream.config import KafkaSettings
-from stream.kafka import AckedProducer, ensure_topics, read_to_end
+from stream.kafka import read_to_end
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED, SampleBatch
 from tests.bounded_teardown import Reaper
 from tests.integration.test_joiner import join_env

@@ -15,7 +15,7 @@ import pytest
 
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetter
-from stream.kafka import AckedProducer
+from stream.kafka_producer import AckedProducer
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic

@@ -29,7 +29,8 @@ from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline
 from stream.joiner.records import Record
 from stream.joiner.state_log import state_topic
-from stream.kafka import MessageLimit, admin_config
+from stream.kafka import admin_config
+from stream.kafka_limits import MessageLimit
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.samples import SampleBatch
 from tests.bounded_teardown import close_all

@@ -13,7 +13,7 @@ import pytest
 from stream.config import KafkaSettings
 from stream.errors import ConfigError
 from stream.joiner.partitions import ensure_layout
-from stream.kafka import ensure_topics, partition_counts
+from stream.kafka_topics import ensure_topics, partition_counts
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic

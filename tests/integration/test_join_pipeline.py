@@ -205,7 +205,8 @@ def test_a_producer_clock_years_ahead_stamping_create_time_and_ts_alike_is_futur
     negative and its click was late. The bound is capped at the joiner's wall clock."""
     from confluent_kafka import TIMESTAMP_CREATE_TIME, Message, Producer
 
-    from stream.kafka import ensure_topics, producer_config, read_to_end
+    from stream.kafka import producer_config, read_to_end
+    from stream.kafka_topics import ensure_topics
 
     ahead = int(time.time() * 1000) + 10 * 365 * 86_400_000
     ensure_topics(kafka, [kafka.impressions_topic])
@@ -265,7 +266,8 @@ def test_a_malformed_event_the_kafka_driver_reads_is_dead_lettered_with_its_kafk
     from confluent_kafka import Consumer, TopicPartition
 
     from stream.joiner.kafka_driver import _records
-    from stream.kafka import AckedProducer, consumer_config
+    from stream.kafka import consumer_config
+    from stream.kafka_producer import AckedProducer
 
     original = [("trace-id", b"t-1"), ("dlq.reason", b"forged")]
     producer = AckedProducer(kafka)

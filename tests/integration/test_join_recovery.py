@@ -35,7 +35,9 @@ from stream.errors import ConfigError, PartitionLost
 from stream.features import hash_value
 from stream.joiner.kafka_driver import KafkaJoinWorker, _records
 from stream.joiner.state_log import FENCE_SPAN, StateLogError, chunk_key, claim_key, encode_chunk, state_topic
-from stream.kafka import AckedProducer, admin_config, consumer_config, ensure_topics, topic_identity
+from stream.kafka import admin_config, consumer_config
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics, topic_identity
 from stream.strikes import STRIKES_TTL_S
 from tests.integration.test_join_pipeline import T0, click, imp, make, prefix, sample_rows, settings  # noqa: F401
 from tests.integration.test_joiner import join_cmd, join_env
@@ -299,7 +301,8 @@ def test_a_state_log_that_takes_longer_than_the_stall_bound_to_read_still_restor
     handle and the bound is 0.3 s of no progress, while the whole read takes ~2 s; a bound on the whole read of the
     same 0.3 s fails it."""
     from stream.joiner import state_log
-    from stream.kafka import ensure_topics, read_to_end
+    from stream.kafka import read_to_end
+    from stream.kafka_topics import ensure_topics
 
     topic = f"state-{time.monotonic_ns()}"
     ensure_topics(kafka, [topic], partitions=1)
@@ -614,7 +617,7 @@ def test_a_renewed_producer_keeps_the_acknowledgements_counted_before_its_fatal_
     """``acked_total`` (the join's ``records_acked``) counts what the broker confirmed over the producer's life: a
     renewal after a fatal error forgets only what the old producer held unacknowledged, not the three messages a
     flush before it confirmed."""
-    from stream.kafka import ensure_topics
+    from stream.kafka_topics import ensure_topics
 
     topic = kafka.samples_topic
     ensure_topics(kafka, [topic], partitions=1)
@@ -654,7 +657,7 @@ def test_messages_a_run_gave_the_producer_a_fatal_error_replaced_are_not_claimed
         kafka: KafkaSettings) -> None:
     """send_run counts its messages at its end: two messages given to the old producer before its fatal error were
     counted as sent by the new one, and its next flush reported them acknowledged although none was delivered."""
-    from stream.kafka import ensure_topics
+    from stream.kafka_topics import ensure_topics
 
     topic = kafka.samples_topic
     ensure_topics(kafka, [topic], partitions=1)
@@ -836,13 +839,13 @@ def test_a_restore_asks_the_broker_for_both_inputs_topic_ids_with_one_admin_clie
     """Every restore (each assignment, and a partition read again mid-batch) asks which topics the inputs are now:
     one admin client and one metadata round trip per input made two clients, each listing every topic of the cluster
     for a cluster id the joiner does not use; with the broker slow that was up to 4 x 10 s before the first batch."""
-    import stream.kafka as kafka_module
+    import stream.kafka_topics as kafka_topics
 
     ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic], partitions=2)
     p = make()
     made: list[object] = []
-    real = kafka_module.AdminClient
-    monkeypatch.setattr(kafka_module, "AdminClient", lambda conf: made.append(conf) or real(conf))
+    real = kafka_topics.AdminClient
+    monkeypatch.setattr(kafka_topics, "AdminClient", lambda conf: made.append(conf) or real(conf))
     p.restore({0, 1})
     assert len(made) == 1
     ids = [topic_identity(kafka, t)["topic_id"] for t in (kafka.impressions_topic, kafka.clicks_topic)]

@@ -340,7 +340,7 @@ def test_the_join_state_topic_is_created_compacted_and_an_existing_one_is_made_c
     from stream.joiner.config import JoinerSettings
     from stream.joiner.pipeline import JoinPipeline
     from stream.joiner.state_log import state_topic
-    from stream.kafka import ensure_topics
+    from stream.kafka_topics import ensure_topics
 
     admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
 
@@ -364,7 +364,8 @@ def test_a_join_state_topic_compacted_and_deleted_by_retention_is_made_compacted
     they are retention.ms old, and a restore without them loses their impressions and the fencing."""
     from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
-    from stream.kafka import admin_config, ensure_compacted
+    from stream.kafka import admin_config
+    from stream.kafka_topics import ensure_compacted
 
     admin = AdminClient(admin_config(kafka))
     topic = f"{kafka.client_id}-join-state"

@@ -26,7 +26,9 @@ from learner.batch import TensorBatch
 from learner.kafka_dataset import KafkaSampleDataset
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetter
-from stream.kafka import AckedProducer, admin_config, ensure_topics, producer_config
+from stream.kafka import admin_config, producer_config
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from stream.limits import EventLimits
 from stream.samples import SampleBatch
 from tests.integration.test_learner import CFG, sample_batch

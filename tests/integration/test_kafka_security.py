@@ -27,15 +27,10 @@ from confluent_kafka import KafkaException
 
 from stream.config import KafkaSettings, SaslMechanism, SecurityProtocol
 from stream.errors import ConfigError
-from stream.kafka import (
-    AckedProducer,
-    KafkaAccessError,
-    admin_config,
-    check_access,
-    consumer_config,
-    ensure_topics,
-    producer_config,
-)
+from stream.kafka import admin_config, consumer_config, producer_config
+from stream.kafka_access import KafkaAccessError, check_access
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from stream.secrets import Secret
 from streamrec.settings import build
 from streamrec.stack import LocalStack, free_port

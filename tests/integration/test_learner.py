@@ -25,7 +25,8 @@ from learner.optim import RowWiseAdagrad, make_optimizers
 from learner.progressive import ProgressiveMetrics, auc
 from learner.trainer import Trainer
 from stream.config import KafkaSettings
-from stream.kafka import AckedProducer, ensure_topics
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from stream.samples import SampleBatch
 from streamrec.stack import free_port
 from tests.bounded_teardown import Reaper
@@ -608,7 +609,7 @@ def test_a_samples_topic_made_again_and_written_past_the_checkpoints_offsets_is_
     from learner import checkpoint
     from learner.config import Device, LearnerSettings
     from learner.daemon import Learner
-    from stream.kafka import topic_identity
+    from stream.kafka_topics import topic_identity
 
     topic, rows = kafka.samples_topic, 10
     ensure_topics(kafka, [topic], partitions=2)

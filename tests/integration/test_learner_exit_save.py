@@ -14,7 +14,7 @@ from learner import checkpoint
 from learner.config import LearnerSettings
 from learner.daemon import Learner
 from stream.config import KafkaSettings
-from stream.kafka import ensure_topics
+from stream.kafka_topics import ensure_topics
 from streamrec.cli import main
 from tests.integration.test_learner import produce_samples
 

@@ -18,7 +18,8 @@ import pytest
 
 from learner.checkpoint import latest_meta
 from stream.config import KafkaSettings
-from stream.kafka import AckedProducer, ensure_topics
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from stream.samples import SampleBatch
 from tests.bounded_teardown import Reaper
 from tests.integration.test_learner import produce_samples, sample_batch, train_cmd

@@ -49,7 +49,8 @@ from stream.features import hash_value
 from stream.history import UserHistory
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline
-from stream.kafka import AckedProducer, ensure_topics
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from stream.redis_client import RedisAuthError, RedisFailure, connect, describe
 from stream.secrets import Secret
 from streamrec.cli import main

@@ -44,7 +44,8 @@ from serving.settings import EmbeddingStore
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from stream.ids import stable_hash
-from stream.kafka import AckedProducer, ensure_topics
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from stream.samples import SampleBatch
 from streamrec.cli import main
 from streamrec.stack import free_port

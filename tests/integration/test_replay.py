@@ -26,12 +26,14 @@ import pytest
 from confluent_kafka import KafkaError
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from stream import kafka as kafka_module
+from stream import kafka_producer
 from stream.config import KafkaSettings
 from stream.errors import BrokerUnreachable, ConfigError
 from stream.event_reader import EventReader
 from stream.events import decode_click, decode_impression
-from stream.kafka import AckedProducer, admin_config, ensure_topics
+from stream.kafka import admin_config
+from stream.kafka_producer import AckedProducer
+from stream.kafka_topics import ensure_topics
 from stream.metrics import EVENTS
 from stream.replay import publisher as publisher_module
 from stream.replay.column_map import ColumnMap
@@ -477,8 +479,8 @@ def test_the_replays_last_flush_says_what_it_waits_for_and_how_many_stay_unanswe
     are still unanswered every few seconds. Here the broker is frozen (SIGSTOP) with ten messages unanswered, and
     thawed at the first "still waiting" line: the flush then ends with every message acknowledged. (The quiet
     and telling intervals are shortened; without the lines the flush would run out its 20 s delivery timeout.)"""
-    monkeypatch.setattr(kafka_module, "FLUSH_QUIET_S", 0.2, raising=False)
-    monkeypatch.setattr(kafka_module, "FLUSH_TELL_S", 0.2, raising=False)
+    monkeypatch.setattr(kafka_producer, "FLUSH_QUIET_S", 0.2)
+    monkeypatch.setattr(kafka_producer, "FLUSH_TELL_S", 0.2)
     with _own_broker(kafka) as (broker, own):
         topic = own.impressions_topic
         ensure_topics(own, [topic])

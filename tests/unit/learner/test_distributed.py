@@ -963,7 +963,7 @@ def test_a_sharded_checkpoint_in_place_whose_directory_fsync_failed_counts_as_wr
     from learner import sharded_checkpoint
     from learner.config import LearnerSettings
     from learner.sharded_daemon import ShardedLearner
-    from stream.kafka import ensure_topics
+    from stream.kafka_topics import ensure_topics
 
     ensure_topics(kafka, [kafka.samples_topic], partitions=1)
     ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,
@@ -1015,7 +1015,7 @@ def test_a_first_sharded_checkpoint_whose_lineage_files_directory_fsync_fails_is
     from learner import sharded_checkpoint
     from learner.config import LearnerSettings
     from learner.sharded_daemon import ShardedLearner
-    from stream.kafka import ensure_topics
+    from stream.kafka_topics import ensure_topics
 
     ensure_topics(kafka, [kafka.samples_topic], partitions=1)
     ls = LearnerSettings(checkpoint_dir=tmp_path / "ckpt", mlp="8", buckets=16, ctx_buckets=8, embedding_dim=4,

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-import stream.kafka as kafka_module
+from stream import kafka_producer
 from stream.config import KafkaSettings
 from stream.errors import DeliveryFailed
-from stream.kafka import AckedProducer
+from stream.kafka_producer import AckedProducer
 
 FATAL = KafkaError(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, "Fatal idempotent producer error", fatal=True)
 
@@ -95,8 +95,8 @@ class FakeClient:
 @pytest.fixture
 def producer(monkeypatch: pytest.MonkeyPatch) -> AckedProducer:
     FakeClient.made = []
-    monkeypatch.setattr(kafka_module, "producer_config", lambda kafka, **extra: {"bootstrap.servers": "fake:9092"})
-    monkeypatch.setattr(kafka_module, "Producer", FakeClient)
+    monkeypatch.setattr(kafka_producer, "producer_config", lambda kafka, **extra: {"bootstrap.servers": "fake:9092"})
+    monkeypatch.setattr(kafka_producer, "Producer", FakeClient)
     return AckedProducer(KafkaSettings())
 
 

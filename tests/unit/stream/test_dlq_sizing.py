@@ -5,7 +5,7 @@ from __future__ import annotations
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
 from stream.errors import BadMessage
-from stream.kafka import MessageLimit, usable_bytes
+from stream.kafka_limits import MessageLimit, usable_bytes
 
 LIMIT = 8000
 

@@ -10,9 +10,10 @@ import socket
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException
 
-from stream import kafka as K
+from stream import kafka_access, kafka_topics
 from stream.config import KafkaSettings
-from stream.kafka import consumer_config, describe_error, librdkafka_log
+from stream.kafka import consumer_config
+from stream.kafka_access import describe_error, librdkafka_log
 
 
 def closed_port() -> int:
@@ -53,9 +54,9 @@ def test_librdkafka_lines_go_through_logging_with_repeats_held_back(capfd: pytes
 
 
 def test_a_held_back_line_passes_again_after_the_interval_with_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    hold = K._HoldRepeats()
+    hold = kafka_access._HoldRepeats()
     now = [1000.0]
-    monkeypatch.setattr(K.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(kafka_access.time, "monotonic", lambda: now[0])
 
     def record(client: str, after: str) -> logging.LogRecord:
         return logging.LogRecord("x", logging.ERROR, __file__, 1, "%s", (f"FAIL [rdkafka#{client}] [thrd:b]: b: "
@@ -64,7 +65,7 @@ def test_a_held_back_line_passes_again_after_the_interval_with_the_count(monkeyp
 
     assert hold.filter(record("consumer-1", "0"))
     assert not any(hold.filter(record(f"consumer-{i}", str(i))) for i in range(5))
-    now[0] += K.REPEAT_EVERY_S
+    now[0] += kafka_access.REPEAT_EVERY_S
     again = record("consumer-9", "3")
     assert hold.filter(again) and again.getMessage().endswith("(5 more like it held back)")
 
@@ -110,24 +111,24 @@ class _Admin:
 
 def test_topic_ids_that_cannot_be_read_are_said_once_until_read_again(monkeypatch: pytest.MonkeyPatch,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(K, "AdminClient", _Admin)
-    monkeypatch.setattr(K, "admin_config", lambda kafka: {})
-    monkeypatch.setattr(K, "_ids_unread", set(), raising=False)  # (none said before)
+    monkeypatch.setattr(kafka_topics, "AdminClient", _Admin)
+    monkeypatch.setattr(kafka_topics, "admin_config", lambda kafka: {})
+    monkeypatch.setattr(kafka_topics, "_ids_unread", set())  # (none said before)
     kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")  # never contacted
     _Admin.down = True
 
     def warnings() -> list[str]:
         return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
-    with caplog.at_level(logging.DEBUG, logger=K.log.name):
+    with caplog.at_level(logging.DEBUG, logger=kafka_topics.log.name):
         for _ in range(3):  # a joiner's periodic check while the broker is down
-            assert K.topic_identities(kafka, ["imps", "clicks"]) == {"imps": {}, "clicks": {}}
+            assert kafka_topics.topic_identities(kafka, ["imps", "clicks"]) == {"imps": {}, "clicks": {}}
         assert len(warnings()) == 1 and "imps, clicks" in warnings()[0] and "said once" in warnings()[0]
         _Admin.down = False
-        assert K.topic_identities(kafka, ["imps", "clicks"]) == {"imps": {"cluster_id": "c"},
-                                                                 "clicks": {"cluster_id": "c"}}
+        assert kafka_topics.topic_identities(kafka, ["imps", "clicks"]) == {"imps": {"cluster_id": "c"},
+                                                                            "clicks": {"cluster_id": "c"}}
         assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
             "the id of topic imps is read again", "the id of topic clicks is read again"]
         _Admin.down = True  # down again: said again
-        K.topic_identities(kafka, ["imps", "clicks"])
+        kafka_topics.topic_identities(kafka, ["imps", "clicks"])
         assert len(warnings()) == 2

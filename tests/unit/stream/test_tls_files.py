@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import serialization
 
 from stream.config import KafkaSettings, SecurityProtocol
 from stream.errors import ConfigError
-from stream.kafka import tls_context
+from stream.kafka_access import tls_context
 from stream.secrets import Secret
 from stream.tls import _certificate_facts, certificate_refusal
 from tests.secure_redis import TlsFiles, make_tls_files
@@ -116,7 +116,7 @@ def test_both_join_drivers_read_certificate_verification_as_librdkafka_does_and_
     import confluent_kafka
 
     from stream.joiner.worker import broker_credentials
-    from stream.kafka import _security, weakened_tls
+    from stream.kafka_access import _security, weakened_tls
 
     prop = "enable.ssl.certificate.verification"
     try:  # the table is librdkafka's: it takes exactly the spellings read as True or False here
