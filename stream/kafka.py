@@ -21,7 +21,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from stream.config import KafkaSettings, check_group_id
 from stream.errors import BadMessage, quoted
-from stream.kafka_access import _security, _servers_in_use, check_access, librdkafka_log
+from stream.kafka_access import check_access, librdkafka_log, security_properties, servers_in_use
 from stream.retention import account_for_retention
 
 Headers = Sequence[tuple[str, bytes | None]]  # a header value may be null
@@ -29,12 +29,12 @@ log = logging.getLogger("streamrec.kafka")
 
 
 def _client(kafka: KafkaSettings, conf: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    """``conf``, then the caller's ``extra`` properties, then the security ones (see :func:`_security`),
+    """``conf``, then the caller's ``extra`` properties, then the security ones (see :func:`security_properties`),
     after :func:`check_access` found that the broker takes them. librdkafka's log lines go to
     ``streamrec.kafka.librdkafka`` (repeats held back) unless ``extra`` names its own ``logger``."""
-    security = _security(kafka)
+    security = security_properties(kafka)
     check_access(kafka)
-    _servers_in_use[:] = [kafka.bootstrap_servers]
+    servers_in_use[:] = [kafka.bootstrap_servers]
     conf["logger"] = librdkafka_log
     conf.update(extra)
     conf.update(security)

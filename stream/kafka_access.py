@@ -1,8 +1,8 @@
-"""Whether and how a Kafka broker can be reached with the [kafka] settings: the security properties every client
-gets (:func:`_security`), the check that the broker takes them before the first client is built (:func:`check_access`,
-:class:`KafkaAccessError` naming the settings to fix), the Python TLS context librdkafka's settings amount to
-(:func:`tls_context`, :func:`weakened_tls`), and a broker that cannot be reached: librdkafka's log lines with repeats
-held back (``librdkafka_log``) and the error line a command ends in (:func:`describe_error`).
+"""Whether and how a Kafka broker can be reached with the [kafka] settings: the security properties every
+client gets (:func:`security_properties`), the check that the broker takes them before the first client is built
+(:func:`check_access`, :class:`KafkaAccessError` naming the settings to fix), the Python TLS context librdkafka's
+settings amount to (:func:`tls_context`, :func:`weakened_tls`), and a broker that cannot be reached: librdkafka's log
+lines with repeats held back (``librdkafka_log``) and the error line a command ends in (:func:`describe_error`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from stream.tls import REFUSAL_TIMEOUT_S, certificate_refusal, check_file, clien
 log = logging.getLogger("streamrec.kafka")
 
 
-def _security(kafka: KafkaSettings) -> dict[str, Any]:
+def security_properties(kafka: KafkaSettings) -> dict[str, Any]:
     """The security properties of every client (producer, consumer, admin): ``security.protocol``, SASL
     credentials, TLS files, then ``[kafka.extra]`` (applied last; it may not name a property a setting gives).
 
@@ -82,7 +82,7 @@ def _access_key(kafka: KafkaSettings) -> tuple[Any, ...]:
             kafka.ssl_key_location, kafka.ssl_key_password.reveal(), tuple(sorted(kafka.extra.items())))
 
 
-def _who(kafka: KafkaSettings) -> str:
+def principal(kafka: KafkaSettings) -> str:
     p = kafka.security_protocol
     how = str(p)
     if p.sasl:
@@ -119,11 +119,11 @@ def _probe(conf: dict[str, Any], timeout_s: float, extra: Collection[str] = ()) 
         except KafkaException:
             pass
         admin.poll(0)
-        if _refusal(errors) or _unreachable(errors) or _dropped(errors) or time.monotonic() > deadline:
+        if _refusal(errors) or never_connected(errors) or _dropped(errors) or time.monotonic() > deadline:
             return False, errors
 
 
-def _text(err: KafkaError) -> str:
+def error_text(err: KafkaError) -> str:
     return _PREFIX.sub("", _AFTER.sub("", err.str()))
 
 
@@ -132,7 +132,7 @@ def _refusal(errors: list[KafkaError]) -> KafkaError | None:
                  or "SSL handshake failed" in e.str()), None)
 
 
-def _unreachable(errors: list[KafkaError]) -> bool:
+def never_connected(errors: list[KafkaError]) -> bool:
     """No connection at all: refused, timed out or not resolved (the broker is down or elsewhere)."""
     return any(e.code() == KafkaError._RESOLVE or (e.code() == KafkaError._TRANSPORT and "Connect to " in e.str())
                for e in errors)
@@ -142,7 +142,7 @@ def _dropped(errors: list[KafkaError]) -> bool:
     """The broker took the connection and closed it (all brokers down, or disconnected, yet no connect error)."""
     return (any(e.code() == KafkaError._ALL_BROKERS_DOWN
                 or (e.code() == KafkaError._TRANSPORT and "Disconnected" in e.str()) for e in errors)
-            and not _unreachable(errors))
+            and not never_connected(errors))
 
 
 def weakened_tls(kafka: KafkaSettings) -> str | None:
@@ -212,7 +212,7 @@ def check_access(kafka: KafkaSettings, timeout_s: float = ACCESS_CHECK_S) -> Non
             _weakened_warned.add(key)
             log.warning("%s", weakened)
         base = {"bootstrap.servers": kafka.bootstrap_servers, "client.id": f"{kafka.client_id}-access-check"}
-        ok, errors = _probe({**base, **_security(kafka)}, timeout_s, kafka.extra)
+        ok, errors = _probe({**base, **security_properties(kafka)}, timeout_s, kafka.extra)
         if ok:
             _access_ok.add(key)
             _unreached.pop(kafka.bootstrap_servers, None)
@@ -220,7 +220,7 @@ def check_access(kafka: KafkaSettings, timeout_s: float = ACCESS_CHECK_S) -> Non
         refused = _refusal(errors)
         p = kafka.security_protocol
         if refused is not None:
-            text = _text(refused)
+            text = error_text(refused)
             if refused.code() == KafkaError._AUTHENTICATION:
                 fix = ("check [kafka] sasl_username and sasl_password (or sasl_password_file / sasl_password_env) "
                        "and sasl_mechanism")
@@ -232,10 +232,10 @@ def check_access(kafka: KafkaSettings, timeout_s: float = ACCESS_CHECK_S) -> Non
             else:
                 fix = ("check [kafka] ssl_ca_location (the CA that signed the broker's certificate) and "
                        "ssl_certificate_location / ssl_key_location if the broker wants a client certificate")
-            raise KafkaAccessError(f"{_who(kafka)} refused the connection: {text}; {fix}")
+            raise KafkaAccessError(f"{principal(kafka)} refused the connection: {text}; {fix}")
         if not _dropped(errors):
             _access_undecided[key] = time.monotonic()  # down, unreachable or slow: not ours to judge
-            why = next((re.sub(r"^[^ ]+/bootstrap: ", "", _text(e)) for e in errors if _unreachable([e])), None)
+            why = next((re.sub(r"^[^ ]+/bootstrap: ", "", error_text(e)) for e in errors if never_connected([e])), None)
             if why:  # ... but the error line a caller's timeout ends in says it (describe_error)
                 _unreached[kafka.bootstrap_servers] = why
             return
@@ -249,7 +249,8 @@ def check_access(kafka: KafkaSettings, timeout_s: float = ACCESS_CHECK_S) -> Non
                 diagnosis = (f"the listener speaks TLS and closed the {p} connection; set [kafka] security_protocol "
                              "= SSL or SASL_SSL (with ssl_ca_location, and sasl_* for SASL_SSL)")
         if diagnosis is None and not p.sasl:
-            sasl_conf = {**base, **_security(kafka), "security.protocol": "SASL_SSL" if p.tls else "SASL_PLAINTEXT",
+            sasl_conf = {**base, **security_properties(kafka),
+                         "security.protocol": "SASL_SSL" if p.tls else "SASL_PLAINTEXT",
                          "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "streamrec-access-check",
                          "sasl.password": uuid.uuid4().hex}
             _, sasl_errors = _probe(sasl_conf, 1.0)
@@ -264,11 +265,11 @@ def check_access(kafka: KafkaSettings, timeout_s: float = ACCESS_CHECK_S) -> Non
                          "require a client certificate? set [kafka] ssl_certificate_location and ssl_key_location")
         if diagnosis is None:
             return
-        ok, errors = _probe({**base, **_security(kafka)}, 1.0)
+        ok, errors = _probe({**base, **security_properties(kafka)}, 1.0)
         if ok:
             _access_ok.add(key)
         elif _dropped(errors) and _refusal(errors) is None:
-            raise KafkaAccessError(f"{_who(kafka)}: {diagnosis}")
+            raise KafkaAccessError(f"{principal(kafka)}: {diagnosis}")
 
 
 # -- a broker that cannot be reached ---------------------------------------------------------------------------
@@ -277,7 +278,7 @@ def check_access(kafka: KafkaSettings, timeout_s: float = ACCESS_CHECK_S) -> Non
 # So clients log through Python logging (served when they are polled), where repeats are held back, and the
 # error line that reaches the command line says which broker, why, and what to set (describe_error).
 _unreached: dict[str, str] = {}  # bootstrap servers the access check could not connect to -> why
-_servers_in_use: list[str] = []  # of the last client built here
+servers_in_use: list[str] = []  # of the last client built here
 _UNREACHED_CODES = (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE, KafkaError._TIMED_OUT)
 REPEAT_EVERY_S = 60.0
 # what differs between two reports of one failure: the client's name, the timing, librdkafka's own count
@@ -317,9 +318,9 @@ def describe_error(exc: KafkaException) -> str:
     failure, all brokers down, a name that does not resolve, a timeout) names the bootstrap servers, what the access
     check saw when it tried to connect, and the setting; any other as it is."""
     err = exc.args[0] if exc.args else None
-    if not isinstance(err, KafkaError) or err.code() not in _UNREACHED_CODES or not _servers_in_use:
+    if not isinstance(err, KafkaError) or err.code() not in _UNREACHED_CODES or not servers_in_use:
         return str(exc)
-    servers = _servers_in_use[-1]
+    servers = servers_in_use[-1]
     why = f" cannot be reached ({_unreached[servers]})" if servers in _unreached else ""
     return (f"Kafka at {servers}{why}: {err.str()}; is the broker up, and is that the right address? "
             "([kafka] bootstrap_servers / --bootstrap-servers)")

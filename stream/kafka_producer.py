@@ -18,7 +18,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from stream.config import KafkaSettings
 from stream.errors import DeliveryFailed, DeliveryRefused, MessageTooLarge, PartitionMissing
 from stream.kafka import Headers, producer_config
-from stream.kafka_access import _text, _unreachable, _who
+from stream.kafka_access import error_text, never_connected, principal
 from stream.kafka_limits import LIBRDKAFKA_MESSAGE_BYTES
 
 log = logging.getLogger("streamrec.kafka")
@@ -31,7 +31,7 @@ _DENIED = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_A
 
 def _denied_writes(err: KafkaError, topic: str | None, who: str) -> DeliveryRefused:
     """The :class:`DeliveryRefused` for ``err`` (one of :data:`_DENIED`) on a write to ``topic`` by ``who``
-    (``_who``): names the topic, the principal and the ACL to grant."""
+    (``principal``): names the topic, the principal and the ACL to grant."""
     where = f"topic {topic}" if topic else "its topics"
     return DeliveryRefused(
         f"the broker denied {who} writes to {where} ({err.str()}); sending again is denied again: grant the principal "
@@ -86,7 +86,7 @@ class AckedProducer:
         self._fatal: KafkaError | None = None  # a fatal error the callbacks just served reported (_renew_if_fatal)
         self._producer = self._client()
         self._bootstrap = kafka.bootstrap_servers
-        self._who = _who(kafka)
+        self._who = principal(kafka)
         # the largest message produce() takes (librdkafka refuses bigger ones at once), and the setting that says it
         self.max_message_bytes = int(conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_BYTES))
         self.max_message_setting = ("[kafka.extra] message.max.bytes" if "message.max.bytes" in kafka.extra
@@ -128,10 +128,10 @@ class AckedProducer:
         The reason given is the last connection refused or not resolved, where one came: one such alone is one broker
         of several (a cluster with a broker down, a bootstrap list naming one), and the others acknowledge."""
         self._on_fatal(err)
-        if _unreachable([err]):
-            self._refused = _text(err)
+        if never_connected([err]):
+            self._refused = error_text(err)
         if err.code() == KafkaError._ALL_BROKERS_DOWN:
-            self.unreachable = self._refused or _text(err)
+            self.unreachable = self._refused or error_text(err)
 
     def delivered(self) -> tuple[int, int]:
         """``(delivered, outstanding)``: messages of the current client acknowledged so far (produced, not held, not

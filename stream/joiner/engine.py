@@ -193,7 +193,7 @@ class StateChunk:
     # ``topic_max`` k times, which holds the watermark back until k newer times come: a click late before the restart
     # could join after it.
     topic_top: tuple[list[int], list[int]] = ([], [])
-    # Which (impressions, clicks) topics ``offsets`` are of, by topic id (``stream.kafka.topic_identity``; None: a
+    # Which (impressions, clicks) topics ``offsets`` are of, by topic id (``kafka_topics.topic_identity``; None: a
     # chunk written before ids were kept, or a broker that gives none): a restore onto a topic of that name made again
     # drops the old topic's offset instead of skipping the new one's records below it (``pipeline.JoinPipeline``).
     topic_ids: tuple[str | None, str | None] = (None, None)

@@ -36,7 +36,7 @@ what came since: a write whose reply was lost after Redis ran it is counted once
 ``stream/joiner/day_counts.py``). A batch's own counts join that buffer only once its state is durable: a failed
 batch is done again, and is counted once.
 
-Message size: at start the pipeline learns what each topic it writes to takes (``stream.kafka.message_limits``: the
+Message size: at start the pipeline learns what each topic it writes to takes (``kafka_limits.message_limits``: the
 topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller): samples, state,
 late clicks and the dead-letter topics. It cuts samples messages and state parts under it (``sample_bytes``,
 ``state_bytes``), so a limit below the 900 kB it writes by default costs more, smaller messages, not failures; dead
@@ -444,7 +444,7 @@ class JoinPipeline:
     def _follow_topics(self, eng: PartitionJoin, now: list[str | None], followed: tuple[str | None, str | None]
                        ) -> list[int]:
         """Each input of ``eng`` read from its first record where its restored offsets are of another topic than the
-        one of that name ``now`` (ids as ``stream.kafka.topic_identity`` gives them): deleted and created again since
+        one of that name ``now`` (ids as ``kafka_topics.topic_identity`` gives them): deleted and created again since
         (or another cluster), its records up to the old offset were skipped as redelivered, in silence. Said as an
         ERROR naming both ids and counted; a chunk without an id (written before) or a broker that gives none keeps
         the offsets. The ids now are what the partition's next chunks record. A change this pipeline said already is

@@ -116,7 +116,7 @@ def test_both_join_drivers_read_certificate_verification_as_librdkafka_does_and_
     import confluent_kafka
 
     from stream.joiner.worker import broker_credentials
-    from stream.kafka_access import _security, weakened_tls
+    from stream.kafka_access import security_properties, weakened_tls
 
     prop = "enable.ssl.certificate.verification"
     try:  # the table is librdkafka's: it takes exactly the spellings read as True or False here
@@ -134,7 +134,8 @@ def test_both_join_drivers_read_certificate_verification_as_librdkafka_does_and_
             settings()
         return
     k = settings()
-    assert _security(k)[prop] == raw and (weakened_tls(k) is None) is verifies  # the kafka driver (librdkafka)
+    # the kafka driver (librdkafka)
+    assert security_properties(k)[prop] == raw and (weakened_tls(k) is None) is verifies
     context = broker_credentials(k).context  # type: ignore[union-attr]  # the faust driver
     assert (context.verify_mode, context.check_hostname) == ((ssl.CERT_REQUIRED, True) if verifies else
                                                              (ssl.CERT_NONE, False))
