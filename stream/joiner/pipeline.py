@@ -59,11 +59,9 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from itertools import compress, groupby, islice, repeat
 from operator import attrgetter, is_, itemgetter
-from typing import Any
 
 import numpy as np
 import orjson
@@ -108,6 +106,7 @@ from stream.joiner.state_log import (
     next_claim,
     state_topic,
 )
+from stream.joiner.totals import JoinTotals
 from stream.kafka import new_consumer
 from stream.kafka_limits import message_limits, raise_limit, refused_as_too_large, usable_bytes
 from stream.kafka_producer import AckedProducer
@@ -153,19 +152,6 @@ _TOPIC_PARTITION = itemgetter(0, 1)  # of a Record
 _HEADERS = itemgetter(6)  # of a Record
 
 
-def _peak_rss_mb() -> float | None:
-    """This process's peak resident memory (MB) since it started, from ``VmHWM`` (Linux; None elsewhere). Not
-    ``getrusage``'s ``ru_maxrss``: that carries the peak of the process it was forked from across ``exec``."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return round(int(line.split()[1]) / 1024, 1)  # kB
-    except (OSError, ValueError):
-        pass
-    return None
-
-
 def awake_clock(js: JoinerSettings) -> IdleClock:
     """The time the joiner ran, stalls left out (``stream/idle_clock.py``): ``click_idle_s`` counts on it. On the wall
     clock a stall (SIGSTOP, a long GC pause, a paused VM) counted as click idleness, and the first batch after it that
@@ -200,57 +186,6 @@ class _Step:
         except Exception:
             if not quiet:
                 raise
-
-
-@dataclass
-class JoinTotals:
-    """Counters of one worker run, printed as the summary at exit."""
-
-    counts: Counter[str] = field(default_factory=Counter)
-    started: float = field(default_factory=time.monotonic)
-    busy_s: float = 0.0  # time spent in process(): the join's own throughput
-    first_batch: float | None = None  # when the first batch arrived ...
-    last_batch: float | None = None  # ... and the last one was done: events_per_s spans these
-    stage_s: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # seconds per stage
-
-    def summary(self) -> dict[str, Any]:
-        c = self.counts
-        events = c["impressions"] + c["clicks"] + c["dead_lettered"]
-        return {
-            "events": events,
-            "impressions": c["impressions"],
-            "clicks": c["clicks"],
-            "samples": c["samples"],
-            "positives": c["positives"],
-            "negatives": c["samples"] - c["positives"],
-            "delayed_positives": c["delayed_positives"],  # fake_negative / es_dfm: clicks after an observed 0
-            "late_clicks": c["late_clicks"],
-            "orphan_clicks": c["orphan_clicks"],
-            "duplicate_clicks": c["duplicate_clicks"],
-            "clicks_before_impression": c["before_impression_clicks"],
-            "duplicate_impressions": c["duplicate_impressions"],
-            "redelivered_skipped": c["redelivered"],
-            "dead_lettered": c["dead_lettered"],
-            "samples_too_large": c["samples_too_large"],
-            "state_too_large": c["state_too_large"],  # impressions dead-lettered: their join state alone too large
-            "late_clicks_too_large": c["late_clicks_too_large"],  # late click records dead-lettered: too large
-            "evicted_impressions": c["evicted_impressions"],
-            "snapshots": c["snapshots"],  # state chunks written holding a partition's whole state (engine._compact)
-            "overflow_clicks": c["overflow_clicks"],
-            # records set aside past the event-time frontier, counted once per batch they wait (how much waiting
-            # happened); of them, clicks the waiting cap had no room for; the most held at once (the hold's memory)
-            "held_back": c["held_back"],
-            "clicks_held_at_cap": c["clicks_held_at_cap"],
-            "held_peak": c["held_peak"],
-            "click_coverage": round(c["joined_clicks"] / c["clicks"], 6) if c["clicks"] else None,
-            "pending_impressions": c["pending_impressions"],
-            "elapsed_s": round(time.monotonic() - self.started, 3),
-            "max_rss_mb": _peak_rss_mb(),
-            "process_s": round(self.busy_s, 3),
-            "events_per_s": round(events / span) if (span := (self.last_batch or 0) - (self.first_batch or 0)) > 0
-            else None,
-            "stage_s": {k: round(v, 3) for k, v in sorted(self.stage_s.items())},
-        }
 
 
 def running_check_timeout_s(kafka: KafkaSettings) -> float:

@@ -11,8 +11,9 @@ from stream.events import Click, Impression
 from stream.joiner.backpressure import IMPRESSIONS, click_room
 from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import JoinConfig, PartitionJoin
-from stream.joiner.pipeline import JoinPipeline, JoinTotals
+from stream.joiner.pipeline import JoinPipeline
 from stream.joiner.records import Record
+from stream.joiner.totals import JoinTotals
 
 KAFKA = KafkaSettings()
 CAP = 10

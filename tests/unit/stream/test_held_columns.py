@@ -12,8 +12,9 @@ import numpy as np
 from stream.config import KafkaSettings
 from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import JoinConfig, PartitionJoin
-from stream.joiner.pipeline import JoinPipeline, JoinTotals
+from stream.joiner.pipeline import JoinPipeline
 from stream.joiner.records import Held, Record
+from stream.joiner.totals import JoinTotals
 
 KAFKA = KafkaSettings()
 S = 1000  # ms

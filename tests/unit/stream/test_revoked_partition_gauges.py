@@ -22,7 +22,8 @@ from stream.joiner.backpressure import CLICKS
 from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin
 from stream.joiner.kafka_driver import KafkaJoinWorker
-from stream.joiner.pipeline import JoinPipeline, JoinTotals
+from stream.joiner.pipeline import JoinPipeline
+from stream.joiner.totals import JoinTotals
 from stream.joiner.worker import FaustJoinWorker
 
 KAFKA = KafkaSettings(bootstrap_servers="127.0.0.1:9")

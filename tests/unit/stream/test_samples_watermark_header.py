@@ -13,7 +13,8 @@ from stream.errors import BadMessage
 from stream.events import Click, Impression
 from stream.joiner.config import JoinerSettings
 from stream.joiner.engine import JoinConfig, PartitionJoin
-from stream.joiner.pipeline import JoinPipeline, JoinTotals, awake_clock
+from stream.joiner.pipeline import JoinPipeline, awake_clock
+from stream.joiner.totals import JoinTotals
 from stream.samples import NO_WATERMARK, WATERMARK_HEADER, SampleBatch, watermark_header, watermark_of
 
 KAFKA = KafkaSettings()

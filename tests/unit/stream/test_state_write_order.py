@@ -12,8 +12,9 @@ from prometheus_client import REGISTRY
 from stream.events import Click
 from stream.joiner import metrics as m
 from stream.joiner.engine import PartitionJoin
-from stream.joiner.pipeline import JoinPipeline, JoinTotals
+from stream.joiner.pipeline import JoinPipeline
 from stream.joiner.state_log import chunk_key, encode_chunk
+from stream.joiner.totals import JoinTotals
 from streamrec.commands.common import kv_lines
 from tests.unit.stream.test_join_engine import STALL, Feed, imp
 
