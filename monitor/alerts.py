@@ -44,8 +44,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import functools
 import hashlib
 import http.client
+import itertools
 import json
 import logging
 import math
@@ -233,9 +235,15 @@ class Alert:
                    fingerprint=fingerprint)
 
     def weight(self) -> int:
-        """About the bytes this alert holds: the characters of its message and labels, and a little for the rest (what
-        a sink's queue counts against ``queue_max_bytes``)."""
-        return 256 + len(self.message) + sum(len(k) + len(v) for k, v in self.labels.items())
+        """About the bytes this alert holds: its message's and labels' bytes as UTF-8 (what every sink sends; a label
+        of emoji is four times its characters), and a little for the rest: what a sink's queue counts against
+        ``queue_max_bytes``. Counted once per alert (a queue's bound sums its alerts at every send)."""
+        return self._weight
+
+    @functools.cached_property
+    def _weight(self) -> int:
+        return 256 + sum(len(text.encode("utf-8", "surrogatepass"))
+                         for text in (self.message, *itertools.chain.from_iterable(self.labels.items())))
 
     def shortened(self, limit: int = 1024) -> Alert:
         """This alert with its message and each label name and value cut to ``limit`` characters (saying how long

@@ -411,6 +411,24 @@ def test_a_queue_holds_alerts_with_huge_labels_shortened_and_at_most_queue_max_b
     assert sink.wait_idle(5) and sink.close(1) == 0
 
 
+def test_queue_max_bytes_counts_an_alerts_text_in_utf8_bytes_not_characters() -> None:
+    """A scraped label of emoji is four bytes a character: counted in characters, three such alerts of ~8 kB each
+    weighed ~2.3 kB each and a queue bound of 20 kB held all three (~25 kB), four times the bound for text of 4-byte
+    characters. Counted in UTF-8 bytes (what a sink sends), the oldest goes."""
+    wide = [dataclasses.replace(alert(i), labels={"path": "\U0001F600" * 2_000}) for i in range(1, 4)]
+    assert wide[0].weight() >= 8_000 and len(wide[0].labels["path"]) == 2_000
+    blocked = ListSink(block=True)
+    sink = QueuedSink(blocked, SinkSettings(queue_size=1000, queue_max_bytes=20_000))
+    sink.send([alert(0)])
+    assert blocked.entered.wait(5)  # alert 0 is being sent; the queue fills behind it
+    for a in wide:
+        sink.send([a])
+    queued = sink.waiting()[1:]
+    assert [a.message for a in queued] == ["alert 2", "alert 3"] and sink.stats.dropped == {"overflow": 1}
+    blocked.release.set()
+    assert sink.wait_idle(5) and sink.close(1) == 0
+
+
 def test_an_alert_heavier_than_queue_max_bytes_alone_is_queued_and_delivered_not_dropped() -> None:
     """One alert over queue_max_bytes (but under the webhook's body limit, so not shortened) into an empty queue was
     dropped as overflow at once: the queue held nothing else, and that alert, sent again at each evaluation while it
