@@ -12,7 +12,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from stream.errors import ConfigError, shown
@@ -292,6 +292,9 @@ class KafkaSettings:
     # may hash alike, which a frozen dataclass allows.
     extra: dict[str, str] = field(default_factory=dict, hash=False)
     __repr__ = redacted_repr  # a credential in extra (sasl.oauthbearer.client.secret ...): never shown
+    # the files that hold the client's private key (a certificate file may hold it too): warned of at settings load
+    # when other users can read them, as a password file is (stream.setting_values.warn_loose_key_files)
+    KEY_FILES: ClassVar[tuple[str, ...]] = ("ssl_key_location", "ssl_certificate_location")
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -448,6 +451,7 @@ class RedisSettings:
     ssl_keyfile: Path | None = None  # ... and its private key (PEM; default: inside ssl_certfile)
     cluster: bool = False  # url names one node of a Redis Cluster: every client is a redis-py RedisCluster
     __repr__ = redacted_repr  # the url's user-info (redis://user:password@host): never shown
+    KEY_FILES: ClassVar[tuple[str, ...]] = ("ssl_keyfile", "ssl_certfile")  # as KafkaSettings.KEY_FILES
 
     def __post_init__(self) -> None:
         if not isinstance(self.password, Secret):  # a plain str from code: masked like every credential

@@ -15,7 +15,7 @@ import types
 import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from stream.errors import ConfigError, shown
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular, read_regular_stat
@@ -27,6 +27,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class SettingsError(ConfigError):
@@ -129,11 +130,14 @@ def resolve_secrets(cls: type, section: str, hints: dict[str, Any], values: dict
             values[name] = Secret(secret_text(environ[var]))
 
 
-def _warn_loose_mode(setting: str, path: Path, mode: int) -> None:
+def _warn_loose_mode(setting: str, path: Path, mode: int,
+                     gives: tuple[str, str] = (" (and log in as this service)",
+                                               " (and choose the credential it sends)")) -> None:
     """A WARNING (once per file and mode in a process: settings are built more than once) when the secret file
-    ``setting`` names lets users other than its owner read or write it (:func:`~stream.secrets.loose_mode`). Used all
-    the same: a secret volume mounted 0644 must still start, as a signing key file on one does."""
-    risks = loose_mode(mode, " (and log in as this service)", " (and choose the credential it sends)")
+    ``setting`` names lets users other than its owner read or write it (:func:`~stream.secrets.loose_mode`, with
+    ``gives``: what reading and writing it give them). Used all the same: a secret volume mounted 0644 must still
+    start, as a signing key file on one does."""
+    risks = loose_mode(mode, *gives)
     if risks and (str(path), mode) not in _LOOSE_WARNED:
         _LOOSE_WARNED.add((str(path), mode))
         log.warning("%s: %s has mode %04o: %s; %s", setting, path, stat.S_IMODE(mode), " and ".join(risks),
@@ -141,6 +145,27 @@ def _warn_loose_mode(setting: str, path: Path, mode: int) -> None:
 
 
 _LOOSE_WARNED: set[tuple[str, int]] = set()
+_PRIVATE_KEY = re.compile(rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")  # PEM: PKCS#8, RSA, EC, ENCRYPTED
+
+
+def warn_loose_key_files(settings: T, section: str) -> T:
+    """:func:`_warn_loose_mode` for the TLS files of ``settings`` (its class's ``KEY_FILES``: the settings that name a
+    client's private key, or a certificate file that may hold it too) that hold a PEM private key: a credential as a
+    password file is (whoever reads it is this service to the broker or Redis). A file that cannot be read is left
+    to the client's build, which names it (:func:`stream.tls.check_file`). Returns ``settings``."""
+    for name in getattr(type(settings), "KEY_FILES", ()):
+        path = getattr(settings, name)
+        if path is None:
+            continue
+        try:
+            raw, st = read_regular_stat(Path(path), MAX_SETTINGS_FILE_BYTES, "a TLS key file")
+        except OSError:
+            continue
+        if _PRIVATE_KEY.search(raw):
+            _warn_loose_mode(f"[{section}] {name}", Path(path), st.st_mode,
+                             (" (and present this service's client certificate as its own)",
+                              " (and replace the key this service presents)"))
+    return settings
 
 
 def coerce_field(key: str, tp: Any, raw: Any, where: str) -> Any:

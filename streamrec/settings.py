@@ -125,7 +125,8 @@ def build(
         layer[key], origin[key] = coerce_field(key, hints[key], raw, flag), flag
     values = setting_values.overlay_layer(values, layer, hints, origin)
     resolve_secrets(cls, section, hints, values, environ)
-    return setting_values.construct(cls, values, origin)  # the class's own checks: one error type, naming sources
+    # the class's own checks (one error type, naming sources); then a TLS private key others can read is warned of
+    return setting_values.warn_loose_key_files(setting_values.construct(cls, values, origin), section)
 
 
 @dataclass(frozen=True)

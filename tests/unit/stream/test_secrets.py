@@ -561,3 +561,48 @@ def test_a_sources_name_is_a_label_not_a_password_pair(argv: list[str], flags: l
     from stream.secrets import command_line_secrets
 
     assert command_line_secrets(argv) == flags
+
+
+_KEY_PEM = "-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQg\n-----END PRIVATE KEY-----\n"
+_CERT_PEM = "-----BEGIN CERTIFICATE-----\nMIIBfTCCASOgAwIBAgIUb3Jn\n-----END CERTIFICATE-----\n"
+
+
+@pytest.mark.parametrize("section, cls, table, setting, pem, mode, warned", [
+    ("kafka", KafkaSettings, {"security_protocol": "SSL", "ssl_certificate_location": "{cert}",
+                              "ssl_key_location": "{f}"}, "ssl_key_location", _KEY_PEM, 0o644, True),
+    ("kafka", KafkaSettings, {"security_protocol": "SSL", "ssl_certificate_location": "{cert}",
+                              "ssl_key_location": "{f}"}, "ssl_key_location", _KEY_PEM, 0o620, True),
+    ("kafka", KafkaSettings, {"security_protocol": "SSL", "ssl_certificate_location": "{cert}",
+                              "ssl_key_location": "{f}"}, "ssl_key_location", _KEY_PEM, 0o600, False),
+    ("redis", RedisSettings, {"url": "rediss://127.0.0.1:6380/0", "ssl_certfile": "{cert}", "ssl_keyfile": "{f}"},
+     "ssl_keyfile", _KEY_PEM, 0o604, True),
+    ("redis", RedisSettings, {"url": "rediss://127.0.0.1:6380/0", "ssl_certfile": "{f}"},
+     "ssl_certfile", _CERT_PEM + _KEY_PEM, 0o644, True),
+    ("redis", RedisSettings, {"url": "rediss://127.0.0.1:6380/0", "ssl_certfile": "{f}", "ssl_keyfile": "{key}"},
+     "ssl_certfile", _CERT_PEM, 0o644, False),
+], ids=["kafka key o+r", "kafka key g+w", "kafka key 0600", "redis key o+rw", "redis combined cert+key o+r",
+        "redis certificate alone o+r"])
+def test_a_tls_private_key_file_other_users_can_read_or_write_is_warned_of_as_a_password_file_is(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, section: str, cls: type, table: dict[str, str],
+        setting: str, pem: str, mode: int, warned: bool) -> None:
+    """A client's TLS private key (``[kafka] ssl_key_location``, ``[redis] ssl_keyfile``, or a ``[redis] ssl_certfile``
+    that holds the key too) mounted 0644 was loaded in silence, while a password file so mounted was warned of: any
+    local user who reads the key is this service to the broker or Redis. The same warning, from the same rule (its
+    setting, the file, its mode, who can read it, chmod 600); a certificate without a key is public, no warning."""
+    f, cert, key = tmp_path / f"{setting}-{mode:o}.pem", tmp_path / "client.crt", tmp_path / "client.key"
+    f.write_text(pem)
+    f.chmod(mode)
+    cert.write_text(_CERT_PEM)
+    key.write_text(_KEY_PEM)
+    key.chmod(0o600)
+    given = {k: v.format(f=f, cert=cert, key=key) for k, v in table.items()}
+    with caplog.at_level(logging.WARNING, logger="stream.setting_values"):
+        for _ in range(2):
+            build(cls, section, {section: given}, {})
+    lines = [r.getMessage() for r in caplog.records if r.name == "stream.setting_values"]
+    assert len(lines) == warned, lines
+    if warned:
+        assert f"[{section}] {setting}: {f} has mode 0{mode:o}" in lines[0], lines[0]
+        assert "chmod 600" in lines[0] and "PRIVATE" not in lines[0]
+        assert ("every local user can read it" in lines[0]) is bool(mode & 0o004), lines[0]
+        assert ("users other than its owner can write it" in lines[0]) is bool(mode & 0o022), lines[0]
