@@ -106,21 +106,46 @@ def check_ports(section: str, settings: Any, *, lowest: int = 0) -> None:
         taken[value] = name
 
 
-def check_bootstrap_servers(servers: str) -> None:
-    """``[kafka] bootstrap_servers``: comma-separated ``host:port`` entries (``[v6 address]:port`` too), each with a
-    host and a port 1-65535, no scheme (the joiner's faust driver adds ``kafka://`` itself). A ``ConfigError``
-    otherwise, at start, rather than a client that retries an unparsable or empty address for ever."""
-    for entry in str(servers).split(","):
-        host, _, port = entry.strip().rpartition(":")
+def checked_bootstrap_servers(servers: str, protocol: str) -> str:
+    """``[kafka] bootstrap_servers`` checked, in its one written form: comma-separated ``host:port`` entries (``[v6
+    address]:port`` too), each a host and a port 1-65535, the white space around each dropped and a ``PROTOCOL://``
+    prefix (librdkafka's form, ``SSL://kafka-1:9093``) dropped when it is ``protocol``, the client's security
+    protocol, which it then only repeats (the faust driver puts ``kafka://`` before each entry itself). A
+    ``ConfigError`` naming the entry and the fix otherwise, at start: librdkafka drops an entry with any other prefix
+    (``kafka://``, or ``SSL://`` under PLAINTEXT) and reads a port that is no number as 0 and 70000 as 4464, and its
+    client waited for a broker until its timeout, then said only "Broker transport failure"."""
+    text, out = str(servers), []
+    at = "@" in text  # a password may hold a comma: then no entry is quoted, the one before it leaks
+    entries = text.split(",")
+    for n, raw in enumerate(entries, 1):
+        entry = raw.strip()
+        name = "an entry" if at else shown(entry)
+        scheme, sep, rest = entry.partition("://")
+        if entry and sep and not at:
+            given = scheme.upper()
+            if given not in {p.value for p in SecurityProtocol}:
+                raise ConfigError(f"[kafka] bootstrap_servers: {name} begins with {shown(scheme + sep)}, which is no "
+                                  "prefix librdkafka takes (it drops the entry): give host:port, or a prefix of "
+                                  f"security_protocol ({protocol}://host:port), got {_shown_servers(text)}")
+            if given != str(protocol):
+                raise ConfigError(f"[kafka] bootstrap_servers: {name} says {given}:// but [kafka] security_protocol "
+                                  f"is {protocol} (librdkafka drops the entry): set security_protocol = \"{given}\" "
+                                  f"or leave the prefix out, got {_shown_servers(text)}")
+            entry = rest
+        host, _, port = entry.rpartition(":")
         bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not entry and len(entries) > 1:
+            raise ConfigError(f"[kafka] bootstrap_servers: entry {n} of {len(entries)} is empty (two commas in a row, "
+                              f"or one at an end): remove the comma, got {_shown_servers(text)}")
         if not (bare.strip() and "/" not in bare and "@" not in bare and not any(c.isspace() for c in bare)
                 and port.isascii() and port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
-            at = "@" in str(servers)  # a password may hold a comma: then no entry is quoted, the one before it leaks
             userinfo = "; a user:password@ has no place here: give them as [kafka] sasl_username and " \
                        "sasl_password_file" if at else ""
-            raise ConfigError(f"[kafka] bootstrap_servers: {'an entry' if at else shown(entry.strip())} is not "
-                              f"host:port (a host, a port 1-65535); give comma-separated entries like "
-                              f"\"kafka-1:9092,kafka-2:9092\", got {_shown_servers(str(servers))}{userinfo}")
+            raise ConfigError(f"[kafka] bootstrap_servers: {name} is not host:port (a host, a port 1-65535); give "
+                              f"comma-separated entries like \"kafka-1:9092,kafka-2:9092\", got "
+                              f"{_shown_servers(text)}{userinfo}")
+        out.append(entry)
+    return ",".join(out)
 
 
 def _shown_servers(text: str) -> str:
@@ -320,7 +345,7 @@ class KafkaSettings:
                 raise ConfigError(f"[kafka.extra] {k}: the setting [kafka] {_OWNED_PROPERTIES[k.strip().lower()]} "
                                   "gives this property (the faust driver reads only that one): set it there, and "
                                   "leave it out of [kafka.extra]")
-        check_bootstrap_servers(self.bootstrap_servers)
+        set_(self, "bootstrap_servers", checked_bootstrap_servers(self.bootstrap_servers, protocol))
         for name in ("impressions_topic", "clicks_topic", "samples_topic"):
             check_topic(f"[kafka] {name}", getattr(self, name))
         # One topic for two of the pipeline's streams: each reader validates a topic as one kind of record (the audit
@@ -477,6 +502,9 @@ class RedisSettings:
         if parts.scheme != "unix" and not unquote(parts.hostname or "").strip():
             raise ConfigError(f"[redis] url: {redact(self.url)!r} names no host: expected "
                               f"{parts.scheme}://host:port/db (a unix socket: unix:///path/to/socket)")
+        if parts.scheme != "unix" and parts.port == 0:  # redis-py connected to port 0: "Connection refused" each try
+            raise ConfigError(f"[redis] url: {redact(self.url)!r} names port 0: give the port Redis listens on "
+                              "(1-65535), or leave it out for 6379")
         # redis-py reads the path as the db number and silently takes db 0 for one that is not a number ("/abc")
         if parts.scheme != "unix" and not re.fullmatch(r"/?[0-9]*", unquote(parts.path)):
             raise ConfigError(f"[redis] url: the path of {redact(self.url)!r} is not a database number: expected "

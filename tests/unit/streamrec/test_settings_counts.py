@@ -157,18 +157,67 @@ def test_refresh_metrics_port_is_range_checked(port: int) -> None:
 
 # -- [kafka] bootstrap_servers and [redis] url --
 
-@pytest.mark.parametrize("servers", ["127.0.0.1:19092", "kafka-1:9092, kafka-2:9092", "[::1]:9092", "env:2",
+@pytest.mark.parametrize("servers", ["127.0.0.1:19092", "kafka-1:9092,kafka-2:9092", "[::1]:9092", "env:2",
                                      "broker.example.com:65535"])
 def test_bootstrap_servers_of_host_port_entries_are_accepted(servers: str) -> None:
     assert KafkaSettings(bootstrap_servers=servers).bootstrap_servers == servers
 
 
+@pytest.mark.parametrize("servers, protocol, written", [
+    (" kafka-1:9092 , kafka-2:9092\n", "PLAINTEXT", "kafka-1:9092,kafka-2:9092"),
+    ("PLAINTEXT://kafka-1:9092,kafka-2:9092", "PLAINTEXT", "kafka-1:9092,kafka-2:9092"),
+    ("SSL://kafka-1:9093, ssl://[::1]:9093", "SSL", "kafka-1:9093,[::1]:9093"),
+    ("SASL_SSL://kafka-1:9094", "SASL_SSL", "kafka-1:9094"),
+    ("sasl_plaintext://kafka-1:9095", "SASL_PLAINTEXT", "kafka-1:9095"),
+], ids=["white space around entries", "PLAINTEXT://", "SSL:// any case, ipv6", "SASL_SSL://", "sasl_plaintext://"])
+def test_bootstrap_servers_as_librdkafka_takes_them_are_kept_in_one_written_form(servers: str, protocol: str,
+                                                                                 written: str) -> None:
+    """librdkafka takes a PROTOCOL:// prefix that is the client's security.protocol, and white space around entries;
+    streamrec refused the prefix as "not host:port", and passed the white space on (the faust driver, the learner's
+    same-cluster check and the client's name compare the text). Both are written out in one form every reader
+    shares (the sasl settings are given only so that the protocol's own checks pass)."""
+    sasl = {"sasl_username": "u", "sasl_password": "pw-of-u"} if protocol.startswith("SASL") else {}
+    got = KafkaSettings(bootstrap_servers=servers, security_protocol=protocol, **sasl)
+    assert got.bootstrap_servers == written
+
+
 @pytest.mark.parametrize("servers", ["", " ", "kafka", "kafka:", ":9092", "kafka:0", "kafka:70000", "kafka:-1",
-                                     "a:1,,b:2", "a:1,", "kafka://h:9092", "h:abc", "my host:9092", "[]:9092",
-                                     "h:\u0661\u0662"])
+                                     "h:abc", "my host:9092", "[]:9092", "h:\u0661\u0662", "PLAINTEXT://h",
+                                     "PLAINTEXT://"])
 def test_bootstrap_servers_that_are_not_host_port_entries_are_refused(servers: str) -> None:
     with pytest.raises(ConfigError, match=r"^\[kafka\] bootstrap_servers: .* is not host:port"):
         KafkaSettings(bootstrap_servers=servers)
+
+
+@pytest.mark.parametrize("servers, protocol, said", [
+    ("a:1,,b:2", "PLAINTEXT", "entry 2 of 3 is empty (two commas in a row, or one at an end): remove the comma"),
+    ("a:1,", "PLAINTEXT", "entry 2 of 2 is empty"),
+    (",a:1", "PLAINTEXT", "entry 1 of 2 is empty"),
+    ("kafka://h:9092", "PLAINTEXT", "'kafka://h:9092' begins with 'kafka://', which is no prefix librdkafka takes (it "
+                                    "drops the entry): give host:port, or a prefix of security_protocol "
+                                    "(PLAINTEXT://host:port)"),
+    ("SSL://h:9093", "PLAINTEXT", "'SSL://h:9093' says SSL:// but [kafka] security_protocol is PLAINTEXT (librdkafka "
+                                  "drops the entry): set security_protocol = \"SSL\" or leave the prefix out"),
+    ("SSL://h:9093,SASL_SSL://g:9094", "SSL", "'SASL_SSL://g:9094' says SASL_SSL:// but [kafka] security_protocol is "
+                                              "SSL"),
+], ids=["two commas", "a comma at the end", "a comma at the start", "kafka://", "another protocol's prefix",
+        "two protocols"])
+def test_bootstrap_servers_that_librdkafka_would_drop_or_misread_are_refused_naming_the_entry_and_the_fix(
+        servers: str, protocol: str, said: str) -> None:
+    """librdkafka skips an entry whose prefix is no protocol or another than security.protocol (a "parse error" in
+    its log) and empty entries: the client then waited for a broker until its timeout and said only "Broker
+    transport failure". Each is refused at start naming the entry and what to change."""
+    with pytest.raises(ConfigError) as bad:
+        KafkaSettings(bootstrap_servers=servers, security_protocol=protocol)
+    assert str(bad.value).startswith(f"[kafka] bootstrap_servers: {said}"), str(bad.value)
+    assert str(bad.value).endswith(f"got {servers!r}"), str(bad.value)
+
+
+def test_a_redis_url_naming_port_0_is_refused() -> None:
+    """redis-py took port 0 and every connection was refused, retried as an outage."""
+    with pytest.raises(ConfigError, match=r"^\[redis\] url: 'redis://h:0/0' names port 0: give the port Redis "
+                                          r"listens on \(1-65535\), or leave it out for 6379"):
+        RedisSettings(url="redis://h:0/0")
 
 
 @pytest.mark.parametrize("url", ["redis://127.0.0.1:47001/abc", "redis://h:1/-1", "redis://h:1/3/4",
