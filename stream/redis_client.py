@@ -585,14 +585,28 @@ def _client_options(settings: RedisSettings, timeout_s: float, connect_timeout_s
     return options
 
 
+# A Lua script of no keys (any node of a cluster runs it): loaded and run by verify, as the history's and the day
+# counts' scripts are (SCRIPT LOAD, EVALSHA: redis-py's Script), to ask the ACL for +@scripting at start
+_PROBE_SCRIPT = "return 1"
+_WHY_SCRIPTING = ("checked at start: streamrec's history and day counts are Lua scripts (README, Security), which a "
+                  "user that passes PING without +@scripting failed at the first one")
+
+
 def verify(client: Any, settings: RedisSettings, *, reachable: bool = True) -> bool:
-    """PING once: whether the login works. Refused credentials raise :class:`RedisAuthError`; any other failure
-    raises a :class:`RedisFailure` with ``reachable=True``, else returns False (the caller's retries deal with
-    an outage). A NOPERM answer to PING counts as logged in (the commands that matter say more)."""
+    """PING once, then load and run a script of no keys (:data:`_PROBE_SCRIPT`): whether the login works and the ACL
+    user may run the scripts the stages' Redis use needs (``+@scripting``). Refused credentials or scripts raise
+    :class:`RedisAuthError` (naming the user and the grant); any other failure raises a :class:`RedisFailure` with
+    ``reachable=True``, else returns False (the caller's retries deal with an outage). A NOPERM answer to PING
+    counts as logged in (the commands that matter say more)."""
     try:
-        client.ping()
-    except NoPermissionError:  # logged in; an ACL without PING says nothing about the commands that matter
-        return True
+        with contextlib.suppress(NoPermissionError):  # logged in; an ACL without PING says nothing more
+            client.ping()
+        try:
+            client.evalsha(client.script_load(_PROBE_SCRIPT), 0)
+        except redis.ResponseError as exc:
+            if acl_denied(exc):
+                raise RedisAuthError(f"{describe(exc, settings)}; {_WHY_SCRIPTING}") from exc
+            raise
     except (redis.RedisError, OSError) as exc:
         err = failure(exc, settings)
         if isinstance(err, RedisAuthError) or reachable:

@@ -504,7 +504,7 @@ def test_a_command_the_acl_denies_is_described_with_the_grant_that_fixes_it(
     admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all", denied)
     try:
         rs = RedisSettings(url=srv.url, username=user, password=Secret(password), prefix=prefix)
-        client = connect(rs, retries=0, check=True)  # PING is granted: logged in
+        client = connect(rs, retries=0)  # a command denied in use (denied at start: the test below)
         try:
             with pytest.raises(redis.RedisError) as info:
                 call(client, prefix)
@@ -514,6 +514,35 @@ def test_a_command_the_acl_denies_is_described_with_the_grant_that_fixes_it(
         assert isinstance(err, RedisAuthError), (type(err), str(err))
         assert f"grant it in the Redis ACL ({grant}; keys ~{prefix}:*" in str(err), str(err)
         assert password not in str(err)
+    finally:
+        admin.execute_command("ACL", "DELUSER", user)
+
+
+@pytest.mark.parametrize("denied", ["-@scripting", "-evalsha"])
+def test_an_acl_user_without_scripting_is_refused_at_start_naming_the_user_and_the_grant(
+        srv: SecureRedis, admin: redis.Redis, prefix: str, denied: str) -> None:
+    """A user without +@scripting passed the start's PING (the joiner started, serving said nothing) and failed at its
+    first script: every counts write and history read. The start's check (connect(check=True): the joiner; verify:
+    serving and the refresh) now loads and runs a script of no keys and refuses, naming the user and the grant."""
+    from stream.redis_client import verify
+
+    user, password = f"u-{prefix}", f"pw-{uuid.uuid4().hex}"
+    admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all", denied)
+    try:
+        rs = RedisSettings(url=srv.url, username=user, password=Secret(password), prefix=prefix)
+        with pytest.raises(RedisAuthError) as refused:
+            connect(rs, retries=0, check=True)
+        text = str(refused.value)
+        assert f"ACL user {user!r} lacks a permission this needs" in text, text
+        assert f"grant it in the Redis ACL (+@scripting; keys ~{prefix}:*" in text, text
+        assert "checked at start: streamrec's history and day counts are Lua scripts" in text, text
+        assert password not in text
+        client = connect(rs, retries=0)  # serving's and the refresh's probe: refused, not taken for an outage
+        try:
+            with pytest.raises(RedisAuthError, match=r"\+@scripting"):
+                verify(client, rs, reachable=False)
+        finally:
+            client.close()
     finally:
         admin.execute_command("ACL", "DELUSER", user)
 
