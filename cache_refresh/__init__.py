@@ -3,8 +3,9 @@
 Owns: the hot set chosen from Redis day counts (``hot_set.py``), the checks an artifact passes
 before it is published (``validate.py``: probe scores equal the learner's, holdout quality no worse
 than the live model's), the only writer of a publish root (``publish.py``: publish, rollback and the
-pin, pruning, the refresh lock, cleanup of killed runs), one run (``job.py``), its schedule
-(``scheduler.py``) and its settings (``settings.py``).
+pin, pruning, the refresh lock, cleanup of killed runs), one run (``job.py``), its record in the publish root
+(``run_records.py``: ``last_run.json``), its Redis client (``redis_client.py``), the layered rows it cleans up
+(``stored_rows.py``), ``--status`` (``status.py``), its schedule (``scheduler.py``) and its settings (``settings.py``).
 
 May import: ``stream/``, ``learner/`` (checkpoints, the artifact format), ``serving.model`` (to load
 what it built exactly as serving will), ``serving.embedding_store`` and ``serving.settings`` (the layered mode's

@@ -82,7 +82,6 @@ root fired it (``RefreshAlerts.resolve_firing``, ``cache_refresh/alerts.py``).
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import logging
 import shutil
@@ -97,8 +96,27 @@ import redis
 
 from cache_refresh import hot_set, metrics, validate
 from cache_refresh.alerts import FAILED_RULE, RefreshAlerts
-from cache_refresh.publish import TRASH, PinHeld, RefreshBusy, clean_leftovers, publish, refresh_lock, unfinished
+from cache_refresh.publish import PinHeld, RefreshBusy, clean_leftovers, publish, refresh_lock
+from cache_refresh.redis_client import _redis, redis_timeout_s
+from cache_refresh.run_records import (
+    LAST_RUN,
+    _record_ran,
+    _record_success,
+    _record_warnings,
+    restore_last_success,
+    write_pin_held,
+)
 from cache_refresh.settings import RefreshSettings
+from cache_refresh.status import _current_name
+from cache_refresh.stored_rows import (
+    _delete_abandoned,
+    _delete_unfinished,
+    _discard_stored,
+    _may_be_live,
+    _may_hold,
+    _owner,
+    _prune_stored,
+)
 from learner import artifact
 from learner import checkpoint as ckpt_io
 from learner.features import FeatureConfig
@@ -108,16 +126,14 @@ from serving import embedding_store
 from serving.model import ScoringModel
 from serving.settings import EmbeddingStore
 from stream.config import KafkaSettings, RedisSettings
-from stream.counts import TOP_PAGE
 from stream.errors import ConfigError, StreamrecError
-from stream.files import MAX_STATE_FILE_BYTES, describe_os_error, finite_json, read_regular, write_atomic
-from stream.redis_client import RedisAuthError, connect, describe, scaled_timeout_s, verify
+from stream.files import describe_os_error
+from stream.redis_client import RedisAuthError, connect, describe, verify
 from stream.secrets import redact
 
 log = logging.getLogger("streamrec.refresh")
 T = TypeVar("T")
 
-LAST_RUN = "last_run.json"
 ALERT_RULE = FAILED_RULE  # "refresh_failed"
 PIN_RULE = "refresh_pinned"
 SKIP_RULE = "refresh_skipped"  # did nothing: another run was going (skipped())
@@ -137,204 +153,7 @@ def notify_channel(rs: RefreshSettings, rds: RedisSettings) -> str:
     return rs.notify_channel or f"{rds.prefix}:model-updates"
 
 
-# -- last successful run -------------------------------------------------------------------------
-# How far in the future a recorded time (last_run.json's last_success, the live manifest's created) may lie and still
-# be believed: clocks of the hosts that write and read a publish root differ by a little (NTP keeps them within
-# seconds). Beyond it the time is untrusted (clock skew, a root copied from another host, a hand edit): believed, it
-# kept the last-success gauge ahead of now, and the staleness alert on it silent, for as long as it was ahead.
-MAX_CLOCK_SKEW_S = metrics.MAX_CLOCK_SKEW_S  # (the gauge is held to it too: metrics._set_last_success)
-
-
-def _in_future(when: float, now: float | None = None) -> bool:
-    return when > (time.time() if now is None else now) + MAX_CLOCK_SKEW_S
-
-
-def _when(t: float) -> str:
-    """``t`` (epoch seconds) for a log line: UTC, or the number when no date has it."""
-    try:
-        return _utc(t)
-    except (OverflowError, ValueError, OSError):
-        return f"{t!r} (epoch seconds)"
-
-
-def read_last_success(root: Path, now: float | None = None) -> dt.datetime | None:
-    """When the last refresh succeeded (UTC), from ``<publish_root>/last_run.json``; None if never.
-
-    A file that cannot be read or does not hold a usable time (not JSON, not an object, ``last_success``
-    missing, null, not a number, out of range) is no record either, with a warning naming the file: the
-    scheduler then starts as if no run had succeeded (it may catch up one run), ``--status`` shows none. So is one
-    that is not a regular file (a FIFO there hung the scheduler's start) or holds more than
-    :data:`~stream.files.MAX_STATE_FILE_BYTES`. So is a time more than :data:`MAX_CLOCK_SKEW_S` after ``now``
-    (default: the clock), with a warning naming the file and the time: it was believed, and the staleness alert
-    stayed silent until the clock caught up with it.
-    """
-    path = Path(root) / LAST_RUN
-    try:
-        raw = read_regular(path, MAX_STATE_FILE_BYTES, "a last-run record")
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        log.warning("cannot read %s (%s); treated as no record of a successful refresh", path,
-                    describe_os_error(exc))
-        return None
-    try:
-        when = json.loads(raw.decode("utf-8"))["last_success"]
-        if isinstance(when, bool) or not isinstance(when, (int, float, str)):
-            raise TypeError(f"last_success is {type(when).__name__}, not a number")
-        last = dt.datetime.fromtimestamp(float(when), tz=dt.timezone.utc)
-    except (KeyError, IndexError, TypeError, ValueError, OverflowError, OSError, RecursionError) as exc:
-        log.warning("%s does not hold a usable last success (%s: %s); treated as no record of a successful "
-                    "refresh", path, type(exc).__name__, str(exc)[:200])
-        return None
-    if _in_future(last.timestamp(), now):
-        log.warning("%s records a last success at %s, in the future (more than %g s ahead of this host's clock: "
-                    "clock skew, a publish root copied from another host, a hand edit); not trusted, treated as no "
-                    "record of a successful refresh", path, last.isoformat(timespec="seconds"), MAX_CLOCK_SKEW_S)
-        return None
-    return last
-
-
-def live_published_at(root: Path, now: float | None = None) -> float | None:
-    """When the live version was published, as the publish root itself tells (without ``last_run.json``): its
-    manifest's ``created`` (set when the artifact was built, moments before its publish; it travels with the version,
-    and after a rollback it is the rolled-back model's age), else, when the manifest cannot be read, the modification
-    time of ``CURRENT`` (written by the publish or rollback). None when nothing is live: nothing published, or a
-    ``CURRENT`` that is malformed or names a version that is gone (serving has no model to start with either). A time
-    more than :data:`MAX_CLOCK_SKEW_S` in the future is not trusted either (a warning naming it): the next one, or
-    None."""
-    try:
-        current = artifact.read_current(root)
-    except artifact.ArtifactError:
-        return None
-    if current is None:
-        return None
-    try:
-        created = float(artifact.read_manifest(current)["created"])
-        if not _in_future(created, now):
-            return created
-        log.warning("the live version's manifest (%s) says it was created at %s, in the future (more than %g s "
-                    "ahead of this host's clock); not trusted: its publish time is taken from %s's modification time",
-                    current / artifact.MANIFEST, _when(created), MAX_CLOCK_SKEW_S, Path(root) / artifact.CURRENT)
-    except artifact.ArtifactError as exc:
-        log.warning("the live version's manifest cannot be read (%s); its publish time is taken from %s's "
-                    "modification time", exc, Path(root) / artifact.CURRENT)
-    try:
-        mtime = (Path(root) / artifact.CURRENT).stat().st_mtime
-    except OSError:
-        return None
-    if _in_future(mtime, now):
-        log.warning("%s was modified at %s, in the future (more than %g s ahead of this host's clock); not trusted: "
-                    "the live version's publish time is unknown", Path(root) / artifact.CURRENT, _when(mtime),
-                    MAX_CLOCK_SKEW_S)
-        return None
-    return mtime
-
-
-def restore_last_success(root: Path) -> dt.datetime | None:
-    """:func:`read_last_success`, also set as ``streamrec_refresh_last_success_timestamp_seconds``
-    (``metrics.restore_last_success``): called when the scheduler starts and when a run starts, so the gauge says how
-    old the published model is from the first scrape, not 0 until this process publishes. Without a usable record
-    (``last_run.json`` missing or unreadable: a fresh state dir, a deleted file, a new container with the publish root
-    mounted) the gauge is set from the live version's publish time (:func:`live_published_at`); it stays 0 only when
-    nothing is live (with a staleness alert on it, that alert fired at once although a version was serving). Returns
-    the latest recorded run, for the scheduler's catch-up at start (``scheduler.missed_run``): the last success, or a
-    later scheduled run that ran without publishing (failed or held by the pin, :func:`read_last_ran`: it was not
-    missed; before, only a publish counted and a restart ran it again). A record in the future (beyond
-    :data:`MAX_CLOCK_SKEW_S`) is no record (:func:`read_last_success`): the gauge then comes from the live version,
-    and the catch-up counts no success."""
-    when = read_last_success(root)
-    ran = read_last_ran(root)
-    if when is not None:
-        metrics.restore_last_success(when.timestamp())
-        return max(when, ran) if ran is not None else when
-    published = live_published_at(root)
-    if published is not None:
-        log.info("no usable %s in %s; the last success is the live version's publish time, %s", LAST_RUN, root,
-                 _utc(published))
-        metrics.restore_last_success(published)
-    return ran
-
-
-def read_last_run(root: Path) -> dict[str, Any]:
-    """``<publish_root>/last_run.json`` as written (``{}`` when absent or unreadable: not a regular file, larger than
-    :data:`~stream.files.MAX_STATE_FILE_BYTES`)."""
-    try:
-        data = json.loads(read_regular(Path(root) / LAST_RUN, MAX_STATE_FILE_BYTES, "a last-run record"))
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _utc(when: float) -> str:
-    return dt.datetime.fromtimestamp(when, tz=dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def write_last_success(root: Path, when: float, version: str,
-                       lineage_switched: dict[str, Any] | None = None) -> None:
-    """A publish: replaces the whole record (a ``pin_held`` of earlier runs ends with the publish).
-    ``lineage_switched``: the publish replaced a version of another training run (:func:`_lineage_switch`), else
-    null."""
-    write_atomic(Path(root) / LAST_RUN, json.dumps({
-        "last_success": when, "version": version, "last_success_utc": _utc(when),
-        "lineage_switched": lineage_switched}).encode())
-
-
-def write_pin_held(root: Path, when: float, built: str, pin: artifact.Pin) -> None:
-    """A scheduled run that did not publish because of a rollback pin: added to the record, which keeps
-    the last success (and the catch-up at start counts the run as ran: :func:`_record_ran`)."""
-    data = read_last_run(root)
-    data["pin_held"] = {"at": when, "at_utc": _utc(when), "built": built, "pinned": pin.version,
-                        "rolled_back_from": pin.rolled_back_from, "problem": pin.problem}
-    write_atomic(Path(root) / LAST_RUN, json.dumps(finite_json(data), allow_nan=False).encode())  # a NaN read back
-
-
-def _record_ran(root: Path, began: float) -> None:
-    """``last_ran``: when a scheduled run that did not publish (failed, or held by the pin) began; best effort."""
-    data = read_last_run(root)
-    data["last_ran"], data["last_ran_utc"] = began, _utc(began)
-    try:
-        write_atomic(Path(root) / LAST_RUN, json.dumps(finite_json(data), allow_nan=False).encode())
-    except OSError as exc:
-        log.warning("could not record the run in %s (%s); a restart within misfire_grace_s runs it again",
-                    Path(root) / LAST_RUN, describe_os_error(exc))
-
-
-def read_last_ran(root: Path, now: float | None = None) -> dt.datetime | None:
-    """``last_ran`` of ``last_run.json`` (:func:`_record_ran`); None when none is recorded or it is not a usable time
-    (a number, finite, not in the future beyond :data:`MAX_CLOCK_SKEW_S`)."""
-    when = read_last_run(root).get("last_ran")
-    if isinstance(when, bool) or not isinstance(when, (int, float)) or _in_future(when, now):
-        return None
-    try:
-        return dt.datetime.fromtimestamp(when, tz=dt.timezone.utc)
-    except (OverflowError, ValueError, OSError):  # (NaN, out of range)
-        return None
-
-
 # -- the job -------------------------------------------------------------------------------------
-# The largest reply a refresh reads is a top-ids read of the hot set (DailyCounts.top: ZREVRANGE of up to twice
-# hot_items members, ZMSCORE of as many; a window's page reads, up to days x TOP_PAGE members). At the defaults
-# (200,000 members) it takes ~0.7 s on a loaded 2-core machine against a local Redis (measured: 100,000 members 0.35 s,
-# 1,000,000 3.4 to 5.4 s), within redis_timeout_s (5 s) bounding the whole reply; larger settings grow it in proportion.
-_REPLY_MEMBERS_PER_TIMEOUT = 200_000
-
-
-def redis_timeout_s(rs: RefreshSettings) -> float:
-    """The refresh's Redis timeout, bounding each whole reply: ``redis_timeout_s``, longer where ``hot_items``,
-    ``hot_users`` or ``days`` allow a larger top-ids reply than the defaults."""
-    members = max(2 * max(rs.hot_items, rs.hot_users), rs.days * TOP_PAGE)
-    return scaled_timeout_s(rs.redis_timeout_s, members, _REPLY_MEMBERS_PER_TIMEOUT)
-
-
-def _redis(rds: RedisSettings, rs: RefreshSettings) -> Any:
-    """A client with the [redis] credentials and TLS (a Redis Cluster's with ``[redis] cluster`` or its older alias
-    ``[refresh] embedding_store_cluster``); each whole reply bounded by :func:`redis_timeout_s`
-    (``stream/redis_deadline.py``: a Redis trickling its replies fails the run's Redis step as a timeout instead of
-    holding the run, and its lock, for as long as it trickles; the job's own ``hot_set.with_retries`` retries outages
-    and timeouts; refused credentials are never retried)."""
-    return connect(rds.clustered(rs.embedding_store_cluster), timeout_s=redis_timeout_s(rs), whole_reply=True)
-
-
 def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sleep: Any = time.sleep,
            on_retry: Callable[[str], None] | None = None) -> int | None:
     """PUBLISH the new version to serving (best effort, retried; ``on_retry``: each retry's warning, the run's
@@ -846,49 +665,6 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     return summary
 
 
-def _may_be_live(root: Path, version: str) -> bool:
-    """Whether ``CURRENT`` names ``version``, or cannot be read (not known): a failed run then keeps the version's
-    embedding-store rows. publish() raises nothing once ``CURRENT`` names its version, but a run's failure path must
-    never delete what the live version needs on the word of an exception alone: rows kept for a version that is not
-    live are deleted by the next publish (:func:`_prune_stored`: the version is not in the publish root)."""
-    try:
-        live = artifact.current_version(root) == version
-    except artifact.ArtifactError as exc:
-        log.warning("refresh: %s; the rows of %s are kept in the embedding store (the next publish deletes them if "
-                    "it is not live)", exc, version)
-        return True
-    if live:
-        log.error("refresh: the run failed, but CURRENT names %s: it is live, and its embedding store rows are "
-                  "kept", version)
-    return live
-
-
-def _record_success(root: Path, version: str, lineage_switched: dict[str, Any] | None = None) -> bool:
-    """``last_run.json`` after a publish; False (with a warning) when it cannot be written."""
-    try:
-        write_last_success(root, time.time(), version, lineage_switched)
-        return True
-    except OSError as exc:
-        log.warning("published %s but could not record it in %s (%s); the scheduler may run a missed run again "
-                    "at its next start", version, root / LAST_RUN, describe_os_error(exc))
-        return False
-
-
-def _record_warnings(root: Path, version: str, warnings: list[str]) -> None:
-    """Add a published run's warnings to ``last_run.json`` (``warnings``; ``--status`` shows them as
-    ``last_run_warnings``): published with warnings, not a clean publish. The next publish's record replaces them.
-    Best effort: each was alerted already (``refresh_degraded``), a failure here is logged."""
-    data = read_last_run(root)
-    if data.get("version") != version:  # not this run's record (unreadable, or another run's since)
-        return
-    data["warnings"] = [w[:1000] for w in warnings]
-    try:
-        write_atomic(Path(root) / LAST_RUN, json.dumps(finite_json(data), allow_nan=False).encode())
-    except OSError as exc:
-        log.warning("published %s with warnings, but could not record them in %s (%s)", version, root / LAST_RUN,
-                    describe_os_error(exc))
-
-
 class _AfterPublish:
     """The steps of a run after ``CURRENT`` names its version: the run has published, whatever they do.
 
@@ -930,11 +706,6 @@ def _pin_held(alerts: RefreshAlerts, root: Path, built: str, held: PinHeld,
             "current": _current_name(root), **summary}
 
 
-def _owner(rs: RefreshSettings) -> str:
-    """Who wrote a version's rows: this publish root (a refresh prunes only its own versions' rows)."""
-    return str(Path(rs.publish_root).resolve())
-
-
 def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
                 on_error: Callable[[str], None] | None = None, between: Callable[[], object] = lambda: None,
                 ) -> dict[str, Any]:
@@ -965,198 +736,6 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
             raise
     finally:
         client.close()
-
-
-def _may_hold(client: Any, rds: RedisSettings, version: str, exc: BaseException) -> bool:
-    """Whether Redis may hold keys of ``version`` after its write raised ``exc``. After a Redis error reply (OOM at
-    maxmemory, NOPERM) every command sent before it was applied, and no row is written before the writer marker: no
-    marker, nothing of it. Else (the connection lost, a timeout, any other error), or not known: it may."""
-    try:
-        return not isinstance(exc, redis.ResponseError) or bool(
-            client.exists(embedding_store.writer_key(rds.prefix, version)))
-    except Exception:  # noqa: BLE001 - not known: the delete decides
-        return True
-
-
-def _cleanup_failed(message: str, on_error: Callable[[str], None] | None) -> None:
-    """A best-effort Redis cleanup's error: logged, and given to ``on_error`` (the run's ``RunProgress.saw``: these
-    steps and the ones after them wait up to redis_timeout_s a command on that Redis, and a run a stop abandoned
-    there said "last error it saw: none"). None in a failed run's cleanup: its failure stays what it saw."""
-    log.warning("%s", message)
-    if on_error is not None:
-        on_error(message)
-
-
-def _delete_unfinished(client: Any, rds: RedisSettings, version: str, why: str = "whose write failed",
-                       on_error: Callable[[str], None] | None = None) -> None:
-    """Best effort: delete the rows a failed write left. Rows without ``meta`` are never served, and never pruned
-    either (pruning finds a version by its meta), so without this each failed run would leak a table into Redis."""
-    try:
-        n = embedding_store.delete_version(client, rds.prefix, version)
-        log.info("refresh: deleted %d embedding store keys of %s, %s", n, version, why)
-    except Exception as exc:  # noqa: BLE001 - Redis is failing anyway: say what is left behind
-        _cleanup_failed(f"refresh: could not delete the rows of {version}, {why} ({exc}); delete the keys "
-                        f"{embedding_store.version_prefix(rds.prefix, version)}* by hand (they are never served)",
-                        on_error)
-
-
-def _delete_abandoned(client: Any, rds: RedisSettings, owner: str, on_error: Callable[[str], None] | None = None,
-                      between: Callable[[], object] = lambda: None, published: frozenset[str] | set[str] = frozenset(),
-                      ) -> None:
-    """Best effort, before this run writes its rows: delete the rows of this publish root's versions that a killed run
-    began to write and never finished (``embedding_store.unfinished_versions``: a writer marker, no meta). Their
-    writer is gone: this run holds the publish root's lock, so no other refresh of this root is writing. Without this
-    they stayed in Redis for ever (no meta, so pruning never found them), a table per killed run. ``between`` (the
-    run's stop check) after each version's delete, which stays whole: a stop ends the cleanup between versions.
-    ``published``: the versions the publish root holds, never deleted here: a marker and no meta there is a published
-    version whose meta Redis evicted (read once, at load: allkeys-lru evicts it first), which rankers may serve; once
-    its files are pruned it is deleted here like any other."""
-    try:
-        for version in sorted(embedding_store.unfinished_versions(client, rds.prefix, owner) - published):
-            _delete_unfinished(client, rds, version, "a killed refresh began to write and never finished", on_error)
-            between()
-    except Exception as exc:  # noqa: BLE001 - not this run's rows: nothing here may fail it
-        _cleanup_failed(f"refresh: could not look for rows killed refreshes left in the embedding store ({exc}); the "
-                        "next layered run looks again", on_error)
-
-
-def _discard_stored(rs: RefreshSettings, rds: RedisSettings, version: str, why: str,
-                    on_error: Callable[[str], None] | None = None) -> None:
-    """Best effort: delete the rows this run wrote for ``version`` when it did not publish it (a scheduled run held by
-    a rollback pin, a publish that failed). No ranker ever loads such a version; its rows were otherwise left in
-    Redis, a whole table each night a pin lasted, until a later run published and pruned them."""
-    try:
-        client = _redis(rds, rs)
-    except Exception as exc:  # noqa: BLE001 - nothing here may mask the run's own outcome
-        _cleanup_failed(f"refresh: could not delete the rows of {version}, {why} ({exc}); the next publish prunes "
-                        "them", on_error)
-        return
-    try:
-        _delete_unfinished(client, rds, version, why, on_error)
-    finally:
-        client.close()
-
-
-def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path, previous: str | None,
-                  on_error: Callable[[str], None] | None = None) -> None:
-    """Delete the embedding store's rows of this publish root's versions that it no longer holds (pruned; best
-    effort: logged). Versions another publish root wrote under the same prefix are left alone.
-
-    ``previous`` (the version CURRENT named before this publish) keeps its rows even when ``keep_versions``
-    pruned its files: rankers serve it until they have loaded the new version, and a ranker whose rows were
-    deleted under it would serve hash-bucket fallbacks (and fire ``embedding_store_errors``) meanwhile. The
-    next refresh deletes them. ``on_error``: its error (:func:`_cleanup_failed`)."""
-    try:
-        client = _redis(rds, rs)
-        try:
-            keep = set(artifact.list_versions(root)) | ({previous} if previous else set())
-            for version in sorted(embedding_store.stored_versions(client, rds.prefix, owner=_owner(rs)) - keep):
-                n = embedding_store.delete_version(client, rds.prefix, version)
-                log.info("refresh: deleted %d embedding store keys of pruned version %s", n, version)
-        finally:
-            client.close()
-    except Exception as exc:  # noqa: BLE001 - published already: nothing here may fail the run
-        _cleanup_failed(f"refresh: could not delete pruned versions' rows from the embedding store ({exc}); the "
-                        "next refresh tries again", on_error)
-
-
-def _current_name(root: Path) -> str | None:
-    try:
-        return artifact.current_version(root)
-    except artifact.ArtifactError:
-        return None
-
-
-def status(root: Path) -> dict[str, Any]:
-    """``streamrec refresh --status``: the live version and its manifest summary, the rollback pin, the last run it
-    held back, the versions that never were current (``never_current``: a publish killed between moving a version
-    into place and writing ``CURRENT``; a rollback skips them), the one a publish running now has moved into place
-    and not yet made current (``publishing``; ``publish.unfinished``); ``error`` says why there is no live version where
-    something is wrong (a missing publish root, a CURRENT naming a version that is gone, a broken artifact), None for
-    a root where nothing is published yet, or one it may not read (the reason: a traceback, before)."""
-    def failed(error: str) -> dict[str, Any]:
-        return {"publish_root": str(root), "current": None, "versions": [], "last_success": None, "pinned": None,
-                "last_pin_held": None, "error": error}
-
-    try:  # (is_dir too: a root in a directory it may not search is a PermissionError, not False)
-        if not root.is_dir():
-            return failed(f"publish root {root} {'is not a directory' if root.exists() else 'does not exist'}: "
-                          "check --publish-root / [refresh] publish_root (nothing was published there)")
-        return _status(root)
-    except OSError as exc:
-        return failed(f"cannot read the publish root {root}: {describe_os_error(exc)}; run the status as a user who "
-                      "may read it")
-
-
-def _status(root: Path) -> dict[str, Any]:
-    last = read_last_success(root)
-    pin = artifact.read_pin(root)
-    last_run = read_last_run(root)
-    held = last_run.get("pin_held")
-    versions = artifact.list_versions(root)
-    out: dict[str, Any] = {"publish_root": str(root), "current": None,
-                           "versions": versions,
-                           "last_success": last.isoformat() if last else None, "pinned": None,
-                           "last_pin_held": held if isinstance(held, dict) else None, "error": None}
-    if (warned := last_run.get("warnings")) and isinstance(warned, list):  # the last publish's: published with them
-        out["last_run_warnings"] = warned
-    if leftovers := _leftovers(root, versions):  # said, never hidden: they hold disk and were once mistaken
-        out["not_versions"] = leftovers
-    try:  # moved into place by a publish that never made them current (never a rollback target), or one running now
-        never, publishing = unfinished(root)
-    except artifact.ArtifactError as exc:
-        never, publishing, out["history_error"] = None, None, str(exc)
-    if never:
-        out["never_current"] = never
-    if publishing:
-        out["publishing"] = publishing
-    try:
-        current = artifact.read_current(root)
-        out["error"] = dangling_current(root)  # CURRENT naming a version that is gone: read_current says None
-        if current is not None:
-            m = artifact.read_manifest(current)
-            out["current"] = current.name
-            out["manifest"] = {"version": m["version"], "created_utc": m["created_utc"], "format": m["format"],
-                               "source": {k: m["source"].get(k)
-                                          for k in ("checkpoint", "samples_trained", "offsets", "lineage")},
-                               "hot_set": m["hot_set"], "bytes": {n: f["bytes"] for n, f in m["files"].items()}}
-    except artifact.ArtifactError as exc:  # the status of a broken publish root is that error
-        out["current"], out["error"] = None, str(exc)
-    if pin is not None and (pin.problem is not None or (out["current"] is not None and pin.holds(out["current"]))):
-        out["pinned"] = {"version": pin.version, "rolled_back_from": pin.rolled_back_from, "problem": pin.problem,
-                         "deltas": "paused until an operator publishes (`streamrec refresh --now`)",
-                         "scheduled_runs": "build and validate but do not publish while the pin holds"}
-    return out
-
-
-def _leftovers(root: Path, versions: list[str]) -> dict[str, str]:
-    """The entries of ``versions/`` that are no complete version (name, escaped -> what it is): a version directory
-    without a manifest (half-written, or not a refresh's: pruning and rollback skip it, nothing deletes it), and
-    anything else but a pruned version being removed. At most 50 named."""
-    d = artifact.versions_dir(root)
-    found: dict[str, str] = {}
-    for name in versions:
-        if not (d / name / artifact.MANIFEST).is_file():
-            found[ascii(name)] = f"no {artifact.MANIFEST}: half-written, or not a refresh's; skipped, not deleted"
-    try:
-        others = sorted(p.name for p in d.iterdir() if p.name not in versions and not p.name.startswith(TRASH))
-    except OSError:
-        others = []
-    for name in others:
-        found[ascii(name)] = "not a version directory (another name, a file or a link elsewhere); ignored"
-    return dict(list(found.items())[:50])
-
-
-def dangling_current(root: Path) -> str | None:
-    """Why there is no live version although ``CURRENT`` names one (the version is gone), else None."""
-    try:
-        name = artifact.current_version(root)
-    except artifact.ArtifactError:
-        return None  # a malformed CURRENT: read_current says so itself
-    if name is None or (artifact.versions_dir(root) / name).is_dir():
-        return None
-    return (f"{Path(root) / artifact.CURRENT} names {name}, which is not in {artifact.versions_dir(root)}: a "
-            "restarting server has no model; publish with `streamrec refresh --now`")
 
 
 def _live_model(root: Path, key: SigningKey | None = None) -> tuple[ScoringModel | None, str | None]:

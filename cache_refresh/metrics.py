@@ -44,7 +44,7 @@ HOT_SHARE = Gauge("streamrec_refresh_hot_share_of_table", "Share of the embeddin
 
 
 _last_success = 0.0  # what LAST_SUCCESS holds: it only moves forward, unless it is in the future
-# (cache_refresh.job.MAX_CLOCK_SKEW_S is this: a recorded time further ahead than it is not trusted)
+# (cache_refresh.run_records.MAX_CLOCK_SKEW_S is this: a recorded time further ahead than it is not trusted)
 MAX_CLOCK_SKEW_S = 300.0
 
 
@@ -74,7 +74,7 @@ def _utc(t: float) -> str:
 
 def restore_last_success(when: float) -> None:
     """The last success on record (``last_run.json``, else the live version's publish time:
-    ``cache_refresh.job.restore_last_success``), read when the scheduler or a run starts: a restarted scheduler
+    ``cache_refresh.run_records.restore_last_success``), read when the scheduler or a run starts: a restarted scheduler
     otherwise said 0 until its next publish (the dashboard's "time since last success" read ~56 years), and a run
     published by another process (``--now``) is seen. Moves the gauge back only from a time in the future
     (:func:`_set_last_success`)."""

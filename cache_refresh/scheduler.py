@@ -6,7 +6,7 @@ about a run that was due while the process was *down*, because this scheduler ke
 memory. So the last successful run is persisted (``<publish_root>/last_run.json``) and compared on
 start with the latest scheduled fire time: if that fire time lies within the grace period and no
 run succeeded since, nor ran since without publishing (failed, or held by a rollback pin: ``last_ran``,
-``job.restore_last_success``), the refresh runs at once (:func:`missed_run`, a pure function).
+``run_records.restore_last_success``), the refresh runs at once (:func:`missed_run`, a pure function).
 
 A stop (SIGTERM/SIGINT) ends the schedule and waits for the run in progress, for at most :data:`STOP_GRACE_S`, so
 that its alert is queued before the alerts are closed; a run still going then is abandoned with an error line, a

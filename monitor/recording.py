@@ -224,8 +224,8 @@ def read_summaries(paths: Iterable[str | Path]) -> dict[str, dict[str, Any]]:
 
 
 def read_last_run(root: str | Path) -> dict[str, Any]:
-    """``<publish_root>/last_run.json`` as the refresh wrote it (cache_refresh/job.py); ``{}`` when absent or not a
-    regular file of at most :data:`~stream.files.MAX_STATE_FILE_BYTES`."""
+    """``<publish_root>/last_run.json`` as the refresh wrote it (cache_refresh/run_records.py); ``{}`` when absent or
+    not a regular file of at most :data:`~stream.files.MAX_STATE_FILE_BYTES`."""
     try:
         raw = read_regular(Path(root) / "last_run.json", MAX_STATE_FILE_BYTES, "a last-run record")
         data = parse_record(raw.decode())

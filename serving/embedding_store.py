@@ -27,7 +27,7 @@ commands costs more client time than one MGET; memory is the cheaper resource he
 a new artifact never reads an old artifact's rows (a table's rows mean nothing under another version's hot set and
 deltas): the refresh writes a version's rows before it publishes it, ``meta`` last (a version without ``meta`` is
 incomplete and never served), and deletes the keys of versions it prunes (:func:`write_version`,
-:func:`delete_version`, ``cache_refresh/job.py``).
+:func:`delete_version`, ``cache_refresh/job.py`` and ``cache_refresh/stored_rows.py``).
 
 **Integrity: a tag per value** (``meta["row_check"] = "wsum32"``, :func:`row_tags`): the last 4 bytes of every value
 are a weighted sum of its bytes, its row and its version and dtype (:func:`tag_key`), mod 2^32. A value of the right

@@ -50,12 +50,12 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
     rs, kafka, rds = _settings(args)
     setup_logging(args.log_level or rs.log_level)
-    from cache_refresh import job
+    from cache_refresh import job, run_records, status
     from cache_refresh.publish import rollback
     from learner import artifact
     from learner.tensorpack import load_signing_key
     if args.status:
-        st = job.status(Path(rs.publish_root))
+        st = status.status(Path(rs.publish_root))
         emit(args, st, lambda d: "refresh status\n" + kv_lines(d))
         return EXIT_OK if st["current"] else EXIT_FAILED
     if args.rollback:
@@ -99,7 +99,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     def skip(why: str, stage: str) -> None:  # stage: scheduler (its previous run still going) or missed
         job.skipped(alerts, Path(rs.publish_root), why, stage)
 
-    last_success = job.restore_last_success(Path(rs.publish_root))  # the gauge too, before the first scrape
+    last_success = run_records.restore_last_success(Path(rs.publish_root))  # the gauge too, before the first scrape
     if rs.metrics_port is not None:
         from streamrec.commands.common import start_metrics
 

@@ -44,7 +44,7 @@ import pytest
 import redis
 import torch
 
-from cache_refresh import job
+from cache_refresh import job, run_records
 from cache_refresh.publish import refresh_lock, rollback
 from cache_refresh.settings import RefreshSettings
 from learner import artifact
@@ -710,9 +710,9 @@ def test_a_scheduled_refresh_does_not_end_an_operators_rollback_and_refresh_now_
     assert any("FIRING warning refresh_pinned" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records)
     assert any("did not publish" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
-    held = job.read_last_run(rf.root)["pin_held"]
+    held = run_records.read_last_run(rf.root)["pin_held"]
     assert held["built"] == summary["built"] and held["pinned"] == v1
-    assert job.read_last_success(rf.root) is not None  # the last publish is still the last success
+    assert run_records.read_last_success(rf.root) is not None  # the last publish is still the last success
 
     # the same through the scheduler command: the cron job is the pin-respecting run
     import cache_refresh.scheduler as scheduler
@@ -732,7 +732,7 @@ def test_a_scheduled_refresh_does_not_end_an_operators_rollback_and_refresh_now_
     now = json.loads(capsys.readouterr().out)
     assert now["published"] and now["unpinned"] == {"version": v1, "rolled_back_from": v2}
     assert artifact.read_pin(rf.root) is None and artifact.current_version(rf.root) == now["version"]
-    assert "pin_held" not in job.read_last_run(rf.root)
+    assert "pin_held" not in run_records.read_last_run(rf.root)
     # and with no pin the schedule publishes again
     again = job.scheduled_run(rs, kafka, rds)
     assert again is not None and again["published"] and again["unpinned"] is None

@@ -599,17 +599,17 @@ def test_pruning_skips_a_garbage_meta_of_another_writer_and_still_deletes_its_ow
         stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
     # After publishing nothing may fail the refresh; an undecodable meta under the shared prefix (another writer's,
     # a hand-set key) must not raise out of the prune, nor stop it deleting this root's pruned versions.
-    from cache_refresh import job
+    from cache_refresh import stored_rows
     from cache_refresh.settings import RefreshSettings
     from serving.embedding_store import stored_versions
 
     rs = RefreshSettings(publish_root=tmp_path / "serving", embedding_store=EmbeddingStore.LAYERED)
     rds = RedisSettings(url=stack.redis_url, prefix=prefix)
     write_version(redis_client, prefix, "old", np.zeros((3, 5), np.float32), np.arange(3), RowDtype.FLOAT32,
-                  owner=job._owner(rs))
+                  owner=stored_rows._owner(rs))
     redis_client.set(f"{prefix}:emb:junk:meta", b"\xff\xfe not json")
     redis_client.set(f"{prefix}:emb:list:meta", b"[1]")
-    job._prune_stored(rs, rds, tmp_path / "serving", None)  # no exception
+    stored_rows._prune_stored(rs, rds, tmp_path / "serving", None)  # no exception
     assert not list(redis_client.scan_iter(match=f"{prefix}:emb:old:*"))
     assert stored_versions(redis_client, prefix) == {"junk", "list"}  # not ours: left alone
 
@@ -628,21 +628,21 @@ def test_keys_of_another_redis_type_under_the_prefix_stop_neither_pruning_nor_th
         stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path) -> None:
     # Another writer's (or a hand-set) meta or writer marker of another type under the shared prefix raised WRONGTYPE
     # out of the listing: the refresh then deleted none of its own pruned or abandoned versions' rows, each run.
-    from cache_refresh import job
+    from cache_refresh import stored_rows
     from cache_refresh.settings import RefreshSettings
     from serving.embedding_store import stored_versions, unfinished_versions, writer_key
 
     rs = RefreshSettings(publish_root=tmp_path / "serving", embedding_store=EmbeddingStore.LAYERED)
     rds = RedisSettings(url=stack.redis_url, prefix=prefix)
     write_version(redis_client, prefix, "old", np.zeros((3, 5), np.float32), np.arange(3), RowDtype.FLOAT32,
-                  owner=job._owner(rs))
+                  owner=stored_rows._owner(rs))
     redis_client.hset(f"{prefix}:emb:hash:meta", "a", "b")
     redis_client.rpush(writer_key(prefix, "list"), "x")
     redis_client.hset(writer_key(prefix, "hash"), "a", "b")  # a writer marker beside the hash meta
-    job._prune_stored(rs, rds, tmp_path / "serving", None)
+    stored_rows._prune_stored(rs, rds, tmp_path / "serving", None)
     assert not list(redis_client.scan_iter(match=f"{prefix}:emb:old:*"))
     assert stored_versions(redis_client, prefix) == {"hash"}  # not ours: left alone
-    assert unfinished_versions(redis_client, prefix, job._owner(rs)) == set()
+    assert unfinished_versions(redis_client, prefix, stored_rows._owner(rs)) == set()
 
 
 def test_a_version_name_another_publish_root_holds_in_the_store_is_refused_and_its_rows_are_left_alone(
@@ -1148,7 +1148,7 @@ def test_rows_a_killed_layered_refresh_left_without_meta_are_deleted_by_the_next
     stayed in Redis for ever, a table per killed run. The next run of the same publish root (holding its lock: the
     writer is gone) deletes them before writing its own; an unfinished write of another publish root sharing the
     prefix, and the live version, are left alone."""
-    from cache_refresh import job
+    from cache_refresh import job, stored_rows
     from cache_refresh.settings import RefreshSettings
     from learner import checkpoint as ckpt_io
 
@@ -1177,7 +1177,7 @@ def test_rows_a_killed_layered_refresh_left_without_meta_are_deleted_by_the_next
             return self.client.set(key, value, **kw)
 
     table = np.ones((50, 5), np.float32)
-    for version, owner in (("killed", job._owner(rs)), ("elsewhere", "/another/publish/root")):
+    for version, owner in (("killed", stored_rows._owner(rs)), ("elsewhere", "/another/publish/root")):
         with pytest.raises(Killed):
             write_version(KilledBeforeMeta(redis_client), prefix, version, table, np.arange(50), RowDtype.FLOAT32,
                           chunk=10, owner=owner)

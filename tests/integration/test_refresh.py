@@ -28,7 +28,9 @@ import redis
 import torch
 from prometheus_client import REGISTRY
 
-from cache_refresh import job, validate
+from cache_refresh import job, run_records, validate
+from cache_refresh import redis_client as refresh_redis
+from cache_refresh import status as refresh_status
 from cache_refresh.publish import PUBLISHING
 from cache_refresh.scheduler import build_scheduler, make_trigger, missed_run
 from cache_refresh.settings import RefreshSettings
@@ -296,8 +298,8 @@ def test_a_layered_run_whose_publish_lock_close_reports_eio_after_the_switch_is_
     assert failed and summary["published"] and artifact.current_version(rs.publish_root) == summary["version"]
     assert read_meta(redis_client, rds.prefix, summary["version"]) is not None  # the live version's rows stay
     assert any(PUBLISHING in w and "closing" in w for w in summary["warnings"])  # published, with a warning
-    assert job.read_last_run(Path(rs.publish_root))["warnings"] == summary["warnings"]  # recorded, and shown
-    assert job.status(Path(rs.publish_root))["last_run_warnings"] == summary["warnings"]
+    assert run_records.read_last_run(Path(rs.publish_root))["warnings"] == summary["warnings"]  # recorded, and shown
+    assert refresh_status.status(Path(rs.publish_root))["last_run_warnings"] == summary["warnings"]
     assert ("refresh_degraded", "publish") in [(a["rule"], a["labels"]["stage"])
                                                for a in read_alerts(kafka, rs.alerts_topic)]
 
@@ -386,12 +388,13 @@ def test_redis_unreachable_retries_with_backoff_then_fails(env, tmp_path: Path) 
 def test_a_trickling_redis_fails_the_refresh_within_its_timeout_releases_the_lock_and_a_rerun_publishes(
         env, stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Redis trickles its replies a byte per 20 ms (``tests/trickle_proxy.py``), which a per-read socket timeout never
-    trips: the refresh fails at its hot set within its attempts of its whole-reply timeout (``job.redis_timeout_s``),
-    with one line naming Redis and the timeout, and releases its lock, so a rerun once Redis is healthy publishes.
+    trips: the refresh fails at its hot set within its attempts of its whole-reply timeout
+    (``cache_refresh/redis_client.py`` ``redis_timeout_s``), with one line naming Redis and the timeout, and releases
+    its lock, so a rerun once Redis is healthy publishes.
     Before whole-reply timeouts the run waited out the trickle holding the lock: that night's run and the next."""
     rs, kafka, rds = env
     rs = dataclasses.replace(rs, redis_timeout_s=1.0, redis_attempts=2)
-    timeout_s = job.redis_timeout_s(rs)
+    timeout_s = refresh_redis.redis_timeout_s(rs)
     bound = 3 * (rs.redis_attempts * timeout_s + rs.redis_backoff_s)  # the failure is due by 1/3 of this
     with TrickleProxy(stack.s.redis_port) as proxy:
         slow = dataclasses.replace(rds, url=proxy.url)
@@ -524,7 +527,7 @@ def test_scheduler_process_catches_up_on_start_and_stops_on_sigterm(env, tmp_pat
         # the scheduler serves its metrics while it runs: the published run is counted, with its time and hot set
         assert values.get(published, 0) >= 1, values
         assert artifact.read_current(rs.publish_root) is not None
-        assert job.read_last_success(rs.publish_root) is not None
+        assert run_records.read_last_success(rs.publish_root) is not None
         assert values["streamrec_refresh_last_success_timestamp_seconds"] > time.time() - 120
         assert values["streamrec_refresh_hot_rows"] > 0 and values["streamrec_refresh_duration_seconds"] > 0
     finally:
@@ -556,6 +559,6 @@ def test_bad_schedule_or_time_zone_is_a_usage_error(tmp_path: Path, capsys: pyte
 
 
 def test_last_success_round_trip(tmp_path: Path) -> None:
-    assert job.read_last_success(tmp_path) is None
-    job.write_last_success(tmp_path, 1_750_000_000.5, "v1")
-    assert job.read_last_success(tmp_path) == dt.datetime.fromtimestamp(1_750_000_000.5, tz=UTC)
+    assert run_records.read_last_success(tmp_path) is None
+    run_records.write_last_success(tmp_path, 1_750_000_000.5, "v1")
+    assert run_records.read_last_success(tmp_path) == dt.datetime.fromtimestamp(1_750_000_000.5, tz=UTC)

@@ -25,7 +25,7 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from cache_refresh import job
+from cache_refresh import job, run_records
 from cache_refresh.settings import RefreshSettings
 from learner import artifact, checkpoint
 from stream.config import KafkaSettings, RedisSettings
@@ -94,7 +94,7 @@ def test_an_error_after_the_switch_is_a_degraded_warning_of_a_published_run_not_
     assert degraded("notify") == notify_degraded + 1
     assert [(a.rule, a.severity.value, a.labels["stage"]) for a in alerts.fired] == [
         (job.DEGRADED_RULE, "warning", "notify")]
-    assert job.read_last_success(rs.publish_root) is not None
+    assert run_records.read_last_success(rs.publish_root) is not None
 
 
 def test_now_exits_0_with_the_summary_when_the_published_version_cannot_be_read_back(
@@ -158,7 +158,7 @@ def test_a_restarted_scheduler_reports_the_last_success_on_record_from_its_first
     rs, _, _ = env
     recorded = time.time() - 3600
     rs.publish_root.mkdir(parents=True)
-    job.write_last_success(rs.publish_root, recorded, "20260101T030000000Z")
+    run_records.write_last_success(rs.publish_root, recorded, "20260101T030000000Z")
     assert last_success_at_start(env, tmp_path) == pytest.approx(recorded, abs=0.01)
 
 
@@ -169,7 +169,7 @@ def test_a_scheduler_started_without_last_run_json_reports_the_live_versions_pub
     success") until the next publish."""
     rs, kafka, rds = env
     summary = job.run_once(rs, kafka, rds)
-    (rs.publish_root / job.LAST_RUN).unlink()
+    (rs.publish_root / run_records.LAST_RUN).unlink()
     created = artifact.read_manifest(Path(summary["path"]))["created"]
     assert last_success_at_start(env, tmp_path) == pytest.approx(created, abs=0.01)
 
@@ -229,7 +229,7 @@ def test_a_publish_from_another_training_run_alerts_once_naming_both_lineages(
     assert second["lineage_switched"]["from"] == old and second["lineage_switched"]["to"] == new
     assert second["lineage_switched"]["replaced"] == first["version"]
     assert second["lineage_switched"]["message"] == alert.message
-    assert job.read_last_run(rs.publish_root)["lineage_switched"] == second["lineage_switched"]
+    assert run_records.read_last_run(rs.publish_root)["lineage_switched"] == second["lineage_switched"]
     assert any(r.levelno == logging.WARNING and r.getMessage() == alert.message for r in caplog.records)
 
     # an operator's --now back to the first training: the --json summary says so too
@@ -251,7 +251,7 @@ def test_publishes_of_the_same_training_run_raise_no_lineage_alert(env: Any) -> 
     assert again["published"] is True and first["lineage_switched"] is None and again["lineage_switched"] is None
     assert [a for a in alerts.fired if a.rule == job.LINEAGE_RULE] == []
     assert lineage_switches() == before
-    assert job.read_last_run(rs.publish_root)["lineage_switched"] is None
+    assert run_records.read_last_run(rs.publish_root)["lineage_switched"] is None
 
 
 def test_a_publish_resolves_once_each_alert_that_earlier_runs_fired(env: Any, tmp_path: Path) -> None:

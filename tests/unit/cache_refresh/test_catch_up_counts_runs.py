@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cache_refresh import job
+from cache_refresh import job, run_records
 from cache_refresh.scheduler import make_trigger, missed_run
 from cache_refresh.settings import RefreshSettings
 
@@ -23,7 +23,7 @@ def _after_scheduled_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, outcom
     """The catch-up's record after a scheduled run at 03:00:05 (fire time 03:00) whose run_once did ``outcome``,
     the last publish a day before; the scheduler restarted at 03:10 with a grace of an hour."""
     fire = dt.datetime(2026, 12, 5, 3, 0, tzinfo=UTC)
-    job.write_last_success(tmp_path, (fire - dt.timedelta(days=1)).timestamp(), "v001")
+    run_records.write_last_success(tmp_path, (fire - dt.timedelta(days=1)).timestamp(), "v001")
     clock = iter([(fire + dt.timedelta(seconds=5)).timestamp()])
     monkeypatch.setattr(job.time, "time", lambda: next(clock, (fire + dt.timedelta(minutes=2)).timestamp()))
 
@@ -35,7 +35,7 @@ def _after_scheduled_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, outcom
     monkeypatch.setattr(job, "run_once", run_once)
     job.scheduled_run(RefreshSettings(publish_root=tmp_path), None, None)  # type: ignore[arg-type]
     monkeypatch.undo()
-    last = job.restore_last_success(tmp_path)
+    last = run_records.restore_last_success(tmp_path)
     return missed_run(make_trigger("0 3 * * *", "UTC"), fire + dt.timedelta(minutes=10), last, 3600)
 
 
@@ -43,7 +43,8 @@ def test_a_scheduled_run_held_by_the_pin_is_not_run_again_by_the_catch_up(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     held = {"published": False, "version": None, "built": "v002", "pin_held": {"version": "v001"}}
     assert _after_scheduled_run(tmp_path, monkeypatch, held) is None
-    assert job.read_last_success(tmp_path) == dt.datetime(2026, 12, 4, 3, 0, tzinfo=UTC)  # still the last publish
+    last_success = run_records.read_last_success(tmp_path)
+    assert last_success == dt.datetime(2026, 12, 4, 3, 0, tzinfo=UTC)  # still the last publish
 
 
 def test_a_scheduled_run_that_failed_is_not_run_again_by_the_catch_up(

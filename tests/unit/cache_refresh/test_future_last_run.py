@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_refresh import job, metrics
+from cache_refresh import metrics, run_records
 from learner import artifact as A
 from tests.unit.cache_refresh.test_last_success_fallback import fresh_gauge, gauge, published  # noqa: F401
 
@@ -23,22 +23,22 @@ DAY = 86400.0
 def test_a_last_success_in_the_future_is_no_record_and_the_gauge_is_the_live_versions_publish_time(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     version = published(tmp_path)
-    job.write_last_success(tmp_path, time.time() + 30 * DAY, version.name)
+    run_records.write_last_success(tmp_path, time.time() + 30 * DAY, version.name)
     with caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
-        assert job.restore_last_success(tmp_path) is None  # the scheduler's catch-up counts no success either
+        assert run_records.restore_last_success(tmp_path) is None  # the scheduler's catch-up counts no success either
     created = json.loads((version / A.MANIFEST).read_text())["created"]
     assert gauge() == pytest.approx(created)
     warning = next(r.getMessage() for r in caplog.records if "in the future" in r.getMessage())
-    recorded = json.loads((tmp_path / job.LAST_RUN).read_text())["last_success_utc"]
-    assert str(tmp_path / job.LAST_RUN) in warning and recorded in warning
+    recorded = json.loads((tmp_path / run_records.LAST_RUN).read_text())["last_success_utc"]
+    assert str(tmp_path / run_records.LAST_RUN) in warning and recorded in warning
 
 
 def test_a_last_success_within_the_clock_skew_is_believed(tmp_path: Path) -> None:
     now = 1_800_000_000.0
-    job.write_last_success(tmp_path, now + job.MAX_CLOCK_SKEW_S - 1, "v001")
-    assert job.read_last_success(tmp_path, now=now) is not None
-    job.write_last_success(tmp_path, now + job.MAX_CLOCK_SKEW_S + 1, "v001")
-    assert job.read_last_success(tmp_path, now=now) is None
+    run_records.write_last_success(tmp_path, now + run_records.MAX_CLOCK_SKEW_S - 1, "v001")
+    assert run_records.read_last_success(tmp_path, now=now) is not None
+    run_records.write_last_success(tmp_path, now + run_records.MAX_CLOCK_SKEW_S + 1, "v001")
+    assert run_records.read_last_success(tmp_path, now=now) is None
 
 
 def test_a_future_manifest_and_current_leave_the_gauge_at_0_with_a_warning(
@@ -50,7 +50,7 @@ def test_a_future_manifest_and_current_leave_the_gauge_at_0_with_a_warning(
     future = manifest["created"]
     os.utime(tmp_path / A.CURRENT, (future, future))
     with caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
-        assert job.live_published_at(tmp_path, now=now) is None
+        assert run_records.live_published_at(tmp_path, now=now) is None
     assert sum("in the future" in r.getMessage() for r in caplog.records) == 2
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from cache_refresh import job, metrics
+from cache_refresh import metrics, run_records
 from cache_refresh.publish import publish
 from learner import artifact as A
 from learner.artifact import build_artifact
@@ -42,7 +42,7 @@ def published(root: Path) -> Path:
     """``root`` with one version live, published as a refresh does, and no last_run.json."""
     version = publish(root, build_artifact(make_checkpoint(), root, np.zeros(0), format="eager", version="v001"),
                       keep=3)
-    assert not (root / job.LAST_RUN).exists()
+    assert not (root / run_records.LAST_RUN).exists()
     return version
 
 
@@ -52,9 +52,9 @@ def test_without_a_usable_last_run_json_the_gauge_is_the_live_versions_publish_t
         tmp_path: Path, record: bytes | None) -> None:
     version = published(tmp_path)
     if record is not None:
-        (tmp_path / job.LAST_RUN).write_bytes(record)
+        (tmp_path / run_records.LAST_RUN).write_bytes(record)
     created = json.loads((version / A.MANIFEST).read_text())["created"]
-    assert job.restore_last_success(tmp_path) is None  # no record: the scheduler's catch-up is unchanged
+    assert run_records.restore_last_success(tmp_path) is None  # no record: the scheduler's catch-up is unchanged
     assert gauge() == pytest.approx(created)
 
 
@@ -62,14 +62,14 @@ def test_a_live_version_whose_manifest_cannot_be_read_gives_currents_modificatio
     version = published(tmp_path)
     (version / A.MANIFEST).write_bytes(b"{not json")
     os.utime(tmp_path / A.CURRENT, (1_750_000_000.0, 1_750_000_000.0))
-    job.restore_last_success(tmp_path)
+    run_records.restore_last_success(tmp_path)
     assert gauge() == pytest.approx(1_750_000_000.0)
 
 
 def test_a_record_in_last_run_json_is_the_last_success(tmp_path: Path) -> None:
     published(tmp_path)
-    job.write_last_success(tmp_path, 1_700_000_000.5, "v001")
-    assert job.restore_last_success(tmp_path) is not None
+    run_records.write_last_success(tmp_path, 1_700_000_000.5, "v001")
+    assert run_records.restore_last_success(tmp_path) is not None
     assert gauge() == pytest.approx(1_700_000_000.5)
 
 
@@ -83,5 +83,5 @@ def test_with_nothing_live_the_gauge_stays_0(tmp_path: Path, root: str) -> None:
     elif root == "malformed":
         (tmp_path / A.CURRENT).write_text("../elsewhere\n")
     path = tmp_path / "nothing" if root == "missing" else tmp_path
-    assert job.restore_last_success(path) is None
+    assert run_records.restore_last_success(path) is None
     assert gauge() == 0.0

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from cache_refresh import publish as publishing
-from cache_refresh.job import status
 from cache_refresh.publish import PUBLISHING, publish, refresh_lock, rollback
+from cache_refresh.status import status
 from learner import artifact as A
 from learner.artifact import ArtifactError, build_artifact
 from tests.unit.cache_refresh.test_rollback_history import killed_before_current

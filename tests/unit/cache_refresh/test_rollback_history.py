@@ -72,7 +72,7 @@ def test_a_root_written_before_the_history_rolls_back_by_name_and_begins_one(
 
 def test_status_names_the_versions_that_never_were_current(
         tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    from cache_refresh.job import status
+    from cache_refresh.status import status
 
     put(tmp_path, ckpt, "v001")
     assert "never_current" not in status(tmp_path)

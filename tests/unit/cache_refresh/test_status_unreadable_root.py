@@ -1,6 +1,6 @@
 """``streamrec refresh --status`` on a publish root it may not read (an operator's account, a root-owned ``versions/``
 of mode 0700): a status whose ``error`` names the root and the reason, exit 1. Before, the PermissionError of listing
-``versions/`` escaped ``job.status`` and the command ended in a Python traceback."""
+``versions/`` escaped ``cache_refresh.status.status`` and the command ended in a Python traceback."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_refresh import job
+from cache_refresh import status as refresh_status
 from learner import artifact as A
 from streamrec.cli import main
 
@@ -23,8 +23,9 @@ def test_status_of_a_root_whose_versions_cannot_be_listed_is_an_error_naming_it(
     def unreadable(root: Path) -> list[str]:
         raise PermissionError(errno.EACCES, "Permission denied", str(A.versions_dir(root)))
 
-    # (job imported above: a module first imported under the patch, cache_refresh.publish, would keep the fake)
-    monkeypatch.setattr(job.artifact, "list_versions", unreadable)  # as root (the tests), a mode of 0700 reads
+    # (status imported above: a module first imported under the patch, cache_refresh.publish, would keep the fake)
+    # as root (the tests), a mode of 0700 reads
+    monkeypatch.setattr(refresh_status.artifact, "list_versions", unreadable)
     rc = main(["refresh", "--status", "--json", "--publish-root", str(tmp_path)])
     st = json.loads(capsys.readouterr().out)
     assert rc == 1 and st["current"] is None
@@ -34,7 +35,7 @@ def test_status_of_a_root_whose_versions_cannot_be_listed_is_an_error_naming_it(
 def test_status_of_a_root_in_a_directory_it_may_not_search_is_an_error_naming_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The root's own stat failing (its parent of mode 0700, another user's): ``Path.is_dir`` raises PermissionError
-    (only a missing path is False), which escaped ``job.status`` as a traceback."""
+    (only a missing path is False), which escaped ``cache_refresh.status.status`` as a traceback."""
     root = tmp_path / "serving"
     real_stat = Path.stat
 

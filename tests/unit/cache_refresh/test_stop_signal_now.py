@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from cache_refresh import job
+from cache_refresh import redis_client as refresh_redis
 from cache_refresh.metrics import RUNS
 from cache_refresh.publish import publish
 from cache_refresh.settings import RefreshSettings
@@ -234,7 +235,7 @@ def test_a_stop_signal_in_a_cleanup_of_a_failing_refresh_now_stage_keeps_that_fa
     closed: list[str] = []
     stage, reason = "hot_set", "unreachable"
     if site == "hot set client close":
-        redis_client = job._redis
+        redis_client = refresh_redis._redis
         monkeypatch.setattr(job, "_redis", lambda rds, s: _signalled_close(redis_client(rds, s), sig, closed, site))
     elif site == "pinger close":
         connect = job.connect

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import redis
 
-from cache_refresh import job
+from cache_refresh import job, stored_rows
 from cache_refresh.settings import RefreshSettings
 from serving import embedding_store
 from stream.config import RedisSettings
@@ -51,7 +51,7 @@ def _with_killed_runs_version(monkeypatch: pytest.MonkeyPatch) -> tuple[_Counted
     """A Redis holding the writer marker of a version (v001) a killed run of this publish root began to write."""
     rs = RefreshSettings()
     client = _Counted()
-    client.set(embedding_store.writer_key(PREFIX, "v001"), json.dumps({"owner": job._owner(rs)}))
+    client.set(embedding_store.writer_key(PREFIX, "v001"), json.dumps({"owner": stored_rows._owner(rs)}))
     monkeypatch.setattr(job, "_redis", lambda rds, rs: client)
     return client, rs
 
