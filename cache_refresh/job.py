@@ -130,6 +130,7 @@ from stream.errors import ConfigError, StreamrecError
 from stream.files import describe_os_error
 from stream.redis_client import RedisAuthError, connect, describe, verify
 from stream.secrets import redact
+from stream.stop_signals import put_back_signals, take_stop_signals
 
 log = logging.getLogger("streamrec.refresh")
 T = TypeVar("T")
@@ -290,12 +291,12 @@ def run_now(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, allow
     Before, the signal's default action ended the process at once with none of these. Only the first signal raises,
     and none once the publish has begun (the run finishes and says it was asked to stop): :class:`StopSignals`."""
     stop = StopSignals()
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous: dict[int, Any] = {}
+    take_stop_signals(previous, stop)
     try:
         return run_once(rs, kafka, rds, respect_pin=False, allow_older=allow_older, stop=stop)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        put_back_signals(previous)
 
 
 def run_once(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, sleep: Any = time.sleep,
