@@ -37,6 +37,7 @@ from apscheduler.triggers.cron import CronTrigger
 from cache_refresh.alerts import FAILED_RULE, RefreshAlerts
 from stream.errors import ConfigError
 from stream.secrets import redact
+from stream.stop_signals import put_back_signals, take_stop_signals
 
 log = logging.getLogger("streamrec.refresh")
 
@@ -362,7 +363,8 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
         # sched.shutdown, an Event's) may be the one this thread held when the signal came: a deadlock
         signals.append(signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous: dict[int, Any] = {}
+    take_stop_signals(previous, stop)
     died: list[str] = []
     try:
         def scheduling() -> None:
@@ -408,8 +410,7 @@ def run_forever(job: Callable[[], Any], schedule: str, timezone: str, grace_s: i
     finally:
         if alerts is not None:  # drained under this handler: a signal more ends the drain (a traceback, before)
             _drain(alerts, signals)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        put_back_signals(previous)
 
 
 def _drain(alerts: RefreshAlerts, signals: list[int]) -> int:

@@ -31,6 +31,7 @@ from monitor.run_log import RunLog
 from monitor.scrape import Scraper, Snapshot, warn_stale
 from monitor.state_file import FiringStateFile
 from stream.errors import quoted
+from stream.stop_signals import put_back_signals, take_stop_signals
 
 log = logging.getLogger("streamrec.monitor")
 
@@ -222,7 +223,8 @@ class Monitor:
             signals.append(signum)
             stop.set()
 
-        previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous: dict[int, Any] = {}
+        take_stop_signals(previous, note)
         try:
             try:
                 self.run(stop)
@@ -231,8 +233,7 @@ class Monitor:
                 undelivered = self.close(abort=lambda: signal.Signals(signals[-1]).name if len(signals) > seen
                                          else None)
         finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
+            put_back_signals(previous)
         return undelivered
 
     def _forget_delivered(self) -> bool:

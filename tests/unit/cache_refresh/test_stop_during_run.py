@@ -161,3 +161,23 @@ def test_the_signal_handlers_are_restored_after_the_scheduler_stops() -> None:
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     serve(lambda: os.kill(os.getpid(), signal.SIGTERM), ListedAlerts(ListSink()), stop_grace_s=60)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_a_handler_not_set_from_python_is_put_back_as_the_default_after_the_scheduler_stops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``signal.signal`` returns None for a handler a C library or an embedding program installed: putting that back
+    was ``signal.signal(sig, None)``, a TypeError from run_forever's ``finally`` that replaced its exit code and left
+    the scheduler's handler installed (``stream/stop_signals.py`` puts back the default for it)."""
+    real, saved = signal.signal, {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def installed_outside_python(sig: int, handler: object) -> object:
+        previous = real(sig, handler)  # type: ignore[arg-type]
+        return None if handler not in (signal.SIG_DFL, signal.SIG_IGN) else previous
+
+    monkeypatch.setattr(signal, "signal", installed_outside_python)
+    try:
+        serve(lambda: os.kill(os.getpid(), signal.SIGTERM), ListedAlerts(ListSink()), stop_grace_s=60)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    finally:
+        for sig, handler in saved.items():
+            real(sig, handler)

@@ -621,6 +621,35 @@ def test_a_second_stop_signal_ends_the_drain_and_the_state_file_is_still_saved(t
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_handler_not_set_from_python_is_put_back_as_the_default_after_the_monitor_stops(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``signal.signal`` returns None for a handler a C library or an embedding program installed: putting that back
+    was ``signal.signal(sig, None)``, a TypeError from run_until_signalled's ``finally`` that replaced its count of
+    undelivered alerts (``stream/stop_signals.py`` puts back the default for it)."""
+    state, clocks = tmp_path / "state.json", Clocks()
+    mon, _sink = firing_then_webhook_down(restart_rules(state), clocks)
+    real, saved = signal.signal, {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def installed_outside_python(sig: int, handler: object) -> object:
+        previous = real(sig, handler)  # type: ignore[arg-type]
+        return None if handler not in (signal.SIG_DFL, signal.SIG_IGN) else previous
+
+    def stop_soon() -> None:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(signal, "signal", installed_outside_python)
+    sender = threading.Thread(target=stop_soon)
+    sender.start()
+    try:
+        assert mon.run_until_signalled() >= 0
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    finally:
+        sender.join()
+        for sig, handler in saved.items():
+            real(sig, handler)
+
+
 def test_a_second_stop_signal_while_the_last_evaluation_runs_ends_the_drain_too(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """An operator's second SIGTERM that comes before the drain begins (the evaluation in hand still querying its
