@@ -1,6 +1,6 @@
 """SIGTERM and SIGINT taken by a long-running loop (the learner's daemon, the joiner's Kafka driver, the refresh's
-scheduler and ``--now`` run, the monitor) for the length of its run and put back after, so that a run in a process that goes on (a test, an embedding program) leaves the
-process's own dispositions as it found them."""
+scheduler and ``--now`` run, the monitor) for the length of its run and put back after, so that a run in a process
+that goes on (a test, an embedding program) leaves the process's own dispositions as it found them."""
 
 from __future__ import annotations
 
