@@ -25,7 +25,7 @@ from serving.service import ScoringService
 from serving.settings import ServeSettings
 from stream.config import RedisSettings
 from stream.counts import DailyCounts
-from stream.joiner.pipeline import JoinPipeline
+from stream.joiner.day_counts import DayCountsWriter
 from stream.keyspace import KeyspaceWatch
 from stream.redis_client import connect
 from streamrec.stack import free_port, redis_binary
@@ -50,7 +50,7 @@ def emptied(tag: str) -> float:
     return REGISTRY.get_sample_value("streamrec_join_redis_emptied_total", {"tag": tag}) or 0.0
 
 
-def flush(p: JoinPipeline) -> None:
+def flush(p: DayCountsWriter) -> None:
     """One counts flush of ``p`` with an item and a user count."""
     now_ms = int(time.time() * 1000)
     for kind in ("item", "user"):

@@ -33,7 +33,7 @@ class FakeCounts:
         self.ids.append(write_id)
 
 
-def pipeline_with(counts: FakeCounts) -> DayCountsWriter:
+def counts_writer(counts: FakeCounts) -> DayCountsWriter:
     """The joiner's day counts writer on fake counts (no broker, no Redis); Redis never emptied (stream/keyspace.py)."""
     return DayCountsWriter(counts, SimpleNamespace(check=list), flush_s=3600)  # type: ignore[arg-type]
 
@@ -56,14 +56,14 @@ def buffer(p: DayCountsWriter, ids: list[int], ts: list[int], raw: str) -> None:
 
 def test_counts_are_written_by_the_writer_thread_with_their_names() -> None:
     counts = FakeCounts(fail=0)
-    p = pipeline_with(counts)
+    p = counts_writer(counts)
     try:
         written_by_the_writer(p, counts)
     finally:
         p.shutdown()
 
 
-def written_by_the_writer(p: JoinPipeline, counts: FakeCounts) -> None:
+def written_by_the_writer(p: DayCountsWriter, counts: FakeCounts) -> None:
     buffer(p, [1, 2], [10, 20], "a")
     p.start_flush()
     assert p.buffered == {} and p.names == {"item": set(), "user": set()}  # buffering afresh
@@ -76,14 +76,14 @@ def test_a_failed_write_is_retried_as_it_was_under_its_write_id_before_newer_cou
     """Redis may have run the failed write (only its reply lost): merged with the counts that came since and retried
     under its id, those would be skipped as written; under a new id, its own would count twice."""
     counts = FakeCounts(fail=1)
-    p = pipeline_with(counts)
+    p = counts_writer(counts)
     try:
         failed_then_retried_apart(p, counts)
     finally:
         p.shutdown()
 
 
-def failed_then_retried_apart(p: JoinPipeline, counts: FakeCounts) -> None:
+def failed_then_retried_apart(p: DayCountsWriter, counts: FakeCounts) -> None:
     buffer(p, [1, 2], [10, 20], "a")
     p.start_flush()
     buffer(p, [3], [30], "b")  # counted while the write was in flight
@@ -102,7 +102,7 @@ def test_a_write_behind_a_failed_retry_was_never_sent_and_goes_back_to_the_buffe
     """The failed write fails again on its retry: the newer write behind it was never sent (Redis cannot have run it),
     so it joins the buffer again (no second write waits apart) and the failed one keeps its id."""
     counts = FakeCounts(fail=2)
-    p = pipeline_with(counts)
+    p = counts_writer(counts)
     try:
         buffer(p, [1], [10], "a")
         with pytest.raises(redis.ConnectionError):
@@ -125,7 +125,7 @@ def test_close_retries_a_write_that_failed_in_flight_and_writes_the_counts_buffe
     retry a next flush would give it (under its write id) and the counts buffered since are written too; it used to
     raise the in-flight failure at once and lose both (exit 1 with every batch's state durable)."""
     counts = FakeCounts(fail=1)
-    p = pipeline_with(counts)
+    p = counts_writer(counts)
     buffer(p, [1], [10], "a")
     p.start_flush()  # in flight: fails
     p.flushing[0].exception()  # type: ignore[index]  # (waits for it)
@@ -137,7 +137,7 @@ def test_close_retries_a_write_that_failed_in_flight_and_writes_the_counts_buffe
 
 def test_close_still_raises_when_the_last_flush_fails_too() -> None:
     counts = FakeCounts(fail=2)
-    p = pipeline_with(counts)
+    p = counts_writer(counts)
     buffer(p, [1], [10], "a")
     p.start_flush()
     with pytest.raises(redis.ConnectionError):
