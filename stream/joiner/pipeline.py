@@ -225,7 +225,7 @@ class JoinPipeline:
         # a counts write (one MULTI/EXEC) bounded as a whole, as one reply is: a trickling Redis fails the flush, and
         # the batch that finds it rewinds, within the timeout
         counts = DailyCounts(self.redis, prefix=redis_settings.prefix, ttl_days=redis_settings.counts_ttl_days,
-                                  future_s=limits.future_ts_s, write_timeout_s=timeout_s)
+                             future_s=limits.future_ts_s, write_timeout_s=timeout_s)
         # Redis keeps more than history_len clicks per user: a sample emitted up to a window after its
         # impression still finds the clicks before it when the user clicked more in between.
         self.history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len,
