@@ -89,7 +89,7 @@ def serve(publish_root: str, mode: str, redis_url: str) -> int:
     import torch
 
     import serving.app as app_mod
-    import serving.http_server as http_mod
+    import serving.http_threaded as http_mod
     from serving.features import FeatureEncoder
     from serving.history import HistoryReader
     from serving.model import ScoringModel
