@@ -7,16 +7,17 @@ import sys
 from typing import Any
 
 from stream.config import RedisSettings
+from stream.errors import shown
 from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, default_help, emit, sources
 from streamrec.settings import SettingsError
 
 
 def readable_id(raw: str | None, member: str) -> str:
-    """How an operator sees a counted id: its raw id (escaped where it holds unprintable characters), or
-    ``hash <member>`` where no name is known."""
+    """How an operator sees a counted id: its raw id (quoted and escaped where it holds unprintable characters, cut
+    to 80 characters where longer: a 1 MB name padded every row to 1 MB), or ``hash <member>`` where none is known."""
     if raw is None:
         return f"hash {member}"
-    return raw if raw.isprintable() else ascii(raw)
+    return raw if raw.isprintable() and len(raw) <= 80 else shown(raw, 80)
 
 
 def add_parser(sub: Any) -> None:
@@ -29,7 +30,7 @@ def add_parser(sub: Any) -> None:
                        "(stream/ids.py, the keys of the embedding rows); each is shown by its raw id, from the names "
                        "the joiner keeps beside the counts ({prefix}:names:{item}:{YYYYMMDD}), or as 'hash N' "
                        "where no name is known (counted before names were kept, or by a writer that passed none).")
-    p.add_argument("action", choices=["top"])
+    p.add_argument("action", choices=["top"], help="print the --k most counted ids of the window")
     p.add_argument("--kind", required=True, choices=["item", "user"], help="count items or users")
     p.add_argument("--event", default="impression", choices=["impression", "click", "lookup"],
                    help="which events (lookup: serving's row lookups, which rank the hot set; default: %(default)s)")
