@@ -19,7 +19,7 @@ def add_parser(sub: Any) -> None:
                        "The files are read in place and never copied (GroupLens forbids redistribution). It has no "
                        "settings of its own; a --config file or STREAMREC_* variable it cannot use (missing, "
                        "unreadable, invalid) is still an error (exit 2), as in every other command.")
-    p.add_argument("action", choices=["install", "status"])
+    p.add_argument("action", choices=["install", "status"], help="install the missing data sets, or say where they are")
     p.add_argument("names", nargs="*", default=[], help="data sets (default: all)")
     add_common(p)
     p.set_defaults(func=run)

