@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from learner.config import LearnerSettings
 from stream import setting_values
 from stream.config import KafkaSettings, RedisSettings
-from stream.errors import shown
+from stream.errors import quoted, shown
 from stream.joiner.config import JoinerSettings
 from stream.replay.config import ClickDelay, DelayKind, ReplaySettings, SyntheticSettings
 from stream.setting_values import SettingsError, check_environment_sections, coerce_field, read_toml, resolve_secrets
@@ -96,9 +96,10 @@ def build(
         raise SettingsError(f"config file: [{section}] must be a table, got {shown(table)}")
     for key, raw in table.items():
         if key not in names:
-            raise SettingsError(f"config file: unknown key {key!r} in [{section}]" + setting_values.unknown_key_hint(
+            hint = setting_values.unknown_key_hint(
                 key, section, names, _section_keys, lambda s, k: repr(k) if s == section else f"[{s}] {k}")
-                + f"; known keys: {', '.join(sorted(names))}")
+            raise SettingsError(f"config file: unknown key {shown(key)} in [{section}]{hint}; known keys: "
+                                f"{', '.join(sorted(names))}")
         where = f"config file [{section}].{key}"
         values[key], origin[key] = coerce_field(key, hints[key], raw, where), where
 
@@ -110,7 +111,7 @@ def build(
         if key not in names:
             hint = setting_values.unknown_key_hint(key, section, names, _section_keys,
                                                    lambda s, k: f"{ENV_PREFIX}{s.upper()}_{k.upper()}")
-            raise SettingsError(f"environment: {env_key} does not name a [{section}] setting{hint}; "
+            raise SettingsError(f"environment: {quoted(env_key, 80)} does not name a [{section}] setting{hint}; "
                                 f"known: {', '.join(prefix + n.upper() for n in sorted(names))}")
         where = f"environment {env_key}"
         layer[key], origin[key] = coerce_field(key, hints[key], raw, where), where

