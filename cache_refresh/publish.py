@@ -67,6 +67,7 @@ from learner.artifact import (
     versions_dir,
 )
 from learner.tensorpack import SigningKey
+from stream.errors import shown
 from stream.files import (
     MAX_STATE_FILE_BYTES,
     TMP_MARK,
@@ -405,7 +406,7 @@ def read_history(root: Path) -> History | None:
             raise ValueError("not a JSON object")
         began, entries = data.get("began"), data.get("versions")
         if began is not None and not (isinstance(began, str) and is_version_name(began)):
-            raise ValueError(f"began is {began!r}, not a version name or null")
+            raise ValueError(f"began is {shown(began)}, not a version name or null")
         if not isinstance(entries, list) or not all(
                 isinstance(e, dict) and isinstance(e.get("version"), str) and is_version_name(e["version"])
                 and (e.get("from") is None or (isinstance(e["from"], str) and is_version_name(e["from"])))

@@ -59,11 +59,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         emit(args, st, lambda d: "refresh status\n" + kv_lines(d))
         return EXIT_OK if st["current"] else EXIT_FAILED
     if args.rollback:
-        try:
-            version = rollback(Path(rs.publish_root), signing_key=load_signing_key(rs.signing_key_file))
-        except artifact.ArtifactError as exc:
-            print(f"streamrec refresh: error: {redact(str(exc))}", file=sys.stderr)
-            return EXIT_FAILED
+        version = rollback(Path(rs.publish_root), signing_key=load_signing_key(rs.signing_key_file))  # error: exit 1
         path = Path(rs.publish_root) / artifact.VERSIONS / version
         receivers = job.notify(rs, rds, version, path)
         emit(args, {"current": version, "path": str(path), "notified": bool(receivers),
@@ -73,11 +69,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
              "`streamrec refresh --now`")
         return EXIT_OK
     if args.now:
-        try:
-            summary = job.run_now(rs, kafka, rds, allow_older=args.allow_older)  # ends a pin; SIGTERM: failed
-        except job.RefreshError as exc:
-            print(f"streamrec refresh: error: {redact(str(exc))}", file=sys.stderr)
-            return EXIT_FAILED
+        summary = job.run_now(rs, kafka, rds, allow_older=args.allow_older)  # ends a pin; SIGTERM: failed, exit 1
         emit(args, summary, lambda d: "refresh summary\n" + kv_lines(d))
         if summary.get("skipped"):
             print(f"streamrec refresh: {redact(summary['skipped']['message'])}; it publishes (or fails and alerts) "
