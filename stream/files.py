@@ -204,10 +204,15 @@ def open_regular(path: Path) -> Iterator[tuple[io.FileIO, os.stat_result]]:
     :class:`NotRegularFile` (an OSError naming the path and its mode) for anything else, and what ``open`` raises
     (FileNotFoundError, PermissionError, ...). The reading itself stays the caller's (bounded by a size it knows)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb", buffering=0) as fh:
-        st = os.fstat(fh.fileno())
+    try:  # fstat before fdopen: FileIO refused a directory itself, naming only the fd ("Is a directory: 3"), leaked
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFile(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): refused unread")
+        fh = os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+    with fh:
         yield fh, st
 
 

@@ -40,7 +40,6 @@ def not_regular(kind: str, tmp_path: Path) -> Iterator[Path]:
 
 
 KINDS = ["fifo", "/dev/null", "/dev/zero", "directory"]
-WHY = {"directory": "Is a directory"}  # FileIO's own refusal, before fstat; every other kind: "not a regular file"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -49,7 +48,7 @@ def test_a_config_file_that_is_no_regular_file_is_refused_unread_with_exit_2(
     with not_regular(kind, tmp_path) as path:
         assert main(["stack", "status", "--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"config file {path} cannot be read" in err and WHY.get(kind, "not a regular file") in err
+    assert f"config file {path} cannot be read" in err and "not a regular file" in err
     assert "--config" in err
 
 
@@ -85,4 +84,4 @@ def test_a_secret_or_settings_file_that_is_no_regular_file_is_a_config_error_nam
     with not_regular(kind, tmp_path) as path, pytest.raises(ConfigError) as info:
         read(path)
     assert setting in str(info.value) and str(path) in str(info.value)
-    assert WHY.get(kind, "not a regular file") in str(info.value)
+    assert "not a regular file" in str(info.value)
