@@ -5,6 +5,7 @@ that) and the descriptor leaked."""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -33,3 +34,14 @@ def test_report_given_a_directory_as_a_summary_names_it(tmp_path: Path, capsys: 
     assert main(["report", "--run-log", str(tmp_path / "run-log.jsonl"), "--summary", str(summary),
                  "--out", str(tmp_path / "r.html")]) == 2
     assert f"streamrec report: error: {summary} is not a regular file" in capsys.readouterr().err
+
+
+def test_report_follow_of_a_directory_says_it_is_no_run_log_instead_of_waiting_for_one(tmp_path: Path) -> None:
+    # the fd's IsADirectoryError was taken as "not written yet": it printed "waiting for the run log", and without
+    # --pid waited for good; at the end it said the run log "never appeared", of a path that exists
+    from monitor.follow import FollowError, follow
+
+    out = io.StringIO()
+    with pytest.raises(FollowError, match=rf"^{tmp_path} is not a regular file .*not a run log"):
+        follow(tmp_path, "learner", iter([True, False]).__next__, out, every_s=0.0)
+    assert "waiting" not in out.getvalue()
