@@ -214,6 +214,13 @@ def _check_positive_int(name: str, value: object) -> None:
         raise ValueError(f"argument {name!r}: got {value!r}, expected an integer >= 1")
 
 
+def check_top_window(days: object, k: object) -> None:
+    """What :meth:`DailyCounts.top` checks of ``days`` and ``k`` before it reads anything (ValueError), for a caller
+    that reads something first (the latest day with counts): a bad value is said before Redis is asked."""
+    _check_positive_int("days", days)
+    _check_positive_int("k", k)
+
+
 def _text(value: bytes | str) -> str:
     """A member or a name as read: bytes that are no UTF-8 (any client can write them) replaced, never a failed read."""
     return value.decode(errors="replace") if isinstance(value, bytes) else value
@@ -748,8 +755,7 @@ class DailyCounts:
         count descending; equal counts in Redis's reverse order (reverse lexicographic by id text).
         """
         _check_kind_event(kind, event)
-        _check_positive_int("days", days)
-        _check_positive_int("k", k)
+        check_top_window(days, k)
         if day is None:
             available = self.days_available(kind, event)
             if not available:

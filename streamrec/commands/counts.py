@@ -47,7 +47,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import redis
 
-    from stream.counts import DailyCounts
+    from stream.counts import DailyCounts, check_top_window
     from stream.redis_client import connect, describe
     from stream.secrets import redact
 
@@ -58,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
         counts = DailyCounts(client, prefix=rs.prefix, ttl_days=rs.counts_ttl_days)
         try:
             day = args.day
-            if day is None:
-                available = counts.days_available(args.kind, args.event)
-                day = available[-1] if available else None
+            if day is None:  # a bad --days/--k said first: Redis down, its error hid the mistake
+                check_top_window(args.days, args.k)
+                day = next(reversed(counts.days_available(args.kind, args.event)), None)  # the latest
             rows = counts.top(args.kind, args.event, day=day, days=args.days, k=args.k)  # checks --days, --k
             names = counts.names(args.kind, [m for m, _ in rows], day=day, days=args.days) if rows else {}
         except ValueError as exc:  # a bad --day/--days/--k: a usage error, exit 2
