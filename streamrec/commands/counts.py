@@ -15,9 +15,8 @@ from streamrec.settings import SettingsError
 def readable_id(raw: str | None, member: str) -> str:
     """How an operator sees a counted id: its raw id (quoted and escaped where it holds unprintable characters, cut
     to 80 characters where longer: a 1 MB name padded every row to 1 MB), or ``hash <member>`` where none is known."""
-    if raw is None:
-        return f"hash {member}"
-    return raw if raw.isprintable() and len(raw) <= 80 else shown(raw, 80)
+    printable = raw is not None and raw.isprintable() and len(raw) <= 80
+    return f"hash {member}" if raw is None else raw if printable else shown(raw, 80)
 
 
 def add_parser(sub: Any) -> None:
