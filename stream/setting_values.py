@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from stream.errors import ConfigError, shown
+from stream.errors import ConfigError, quoted, shown
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular, read_regular_stat
 from stream.secrets import TIGHTEN_MODE, Secret, loose_mode, names_credential, secret_text
 
@@ -188,7 +188,8 @@ def _cannot(where: str, raw: Any, why: object, secret: bool) -> SettingsError:
     table is no Secret yet, registered nowhere, so redact would not scrub it from the line)."""
     if secret:
         return SettingsError(f"{where} (a credential, its value not shown): {why}")
-    return SettingsError(f"{where}: cannot use {shown(raw)}: {why}")
+    # ``why`` may be a library's error quoting the value whole (float(): 100 kB for a 100 kB value): bounded too
+    return SettingsError(f"{where}: cannot use {shown(raw)}: {quoted(str(why), 300)}")
 
 
 def coerce(tp: Any, raw: Any, where: str, secret: bool = False) -> Any:
@@ -296,7 +297,7 @@ def check_file_sections(data: Mapping[str, Any], sections: Sequence[str], what: 
     if unknown:
         close = difflib.get_close_matches(unknown[0], sections, n=1)
         hint = f"; did you mean [{close[0]}]?" if close else ""
-        raise SettingsError(f"{what}: unknown section [{unknown[0]}]{hint} (known sections: "
+        raise SettingsError(f"{what}: unknown section [{quoted(unknown[0], 80)}]{hint} (known sections: "
                             f"{', '.join(f'[{s}]' for s in sections)})")
 
 
