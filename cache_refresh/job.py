@@ -50,7 +50,8 @@ from the publish root after the switch.
 **Times from the future.** ``last_run.json``'s last success (and, without it, the live manifest's ``created`` or
 ``CURRENT``'s modification time) more than ``MAX_CLOCK_SKEW_S`` (5 minutes) ahead of this host's clock is not trusted
 (clock skew, a copied root, a hand edit; a warning names the file and the time): believed, it held the last-success
-gauge ahead of now and kept the staleness alert silent for as long. It counts as no record (:func:`read_last_success`).
+gauge ahead of now and kept the staleness alert silent for as long. It counts as no record
+(:func:`~cache_refresh.run_records.read_last_success`).
 
 **Another training run.** A checkpoint's ``meta["lineage"]`` names its training run (``learner/checkpoint.py``). A
 publish whose checkpoint lineage differs from the live version's source lineage (both known) replaces the serving
@@ -715,9 +716,9 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
     raised there deletes the rows written, as a failure does (nothing is published). A stop signal
     while the rows of a failed write are deleted lets the deletion finish (:class:`StopSignals` raises none while an
     exception is in flight): raised inside it, it left them in Redis and replaced the failure. ``on_error``: the
-    error of the best-effort cleanup before the write (:func:`_cleanup_failed`). Only a write that began (its writer
-    marker's SET sent, and not refused: :func:`_may_hold`) is deleted: a stop in that cleanup, before it, or a refused
-    marker, cost a SCAN of the keyspace for nothing."""
+    error of the best-effort cleanup before the write (:func:`~cache_refresh.stored_rows._cleanup_failed`). Only a
+    write that began (its writer marker's SET sent, and not refused: :func:`_may_hold`) is deleted: a stop in that
+    cleanup, before it, or a refused marker, cost a SCAN of the keyspace for nothing."""
     client = _redis(rds, rs)
     try:
         _delete_abandoned(client, rds, _owner(rs), on_error, between,

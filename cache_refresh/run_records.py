@@ -156,8 +156,8 @@ def _utc(when: float) -> str:
 def write_last_success(root: Path, when: float, version: str,
                        lineage_switched: dict[str, Any] | None = None) -> None:
     """A publish: replaces the whole record (a ``pin_held`` of earlier runs ends with the publish).
-    ``lineage_switched``: the publish replaced a version of another training run (:func:`_lineage_switch`), else
-    null."""
+    ``lineage_switched``: the publish replaced a version of another training run
+    (:func:`~cache_refresh.job._lineage_switch`), else null."""
     write_atomic(Path(root) / LAST_RUN, json.dumps({
         "last_success": when, "version": version, "last_success_utc": _utc(when),
         "lineage_switched": lineage_switched}).encode())

@@ -240,7 +240,7 @@ class DeadLetters:
 
     def flush(self) -> None:
         """Wait until every dead letter is acknowledged (raises ``DeliveryFailed`` otherwise, and a
-        :class:`MessageLimitError` where the broker refused one as too large: module docstring)."""
+        :class:`~stream.errors.MessageLimitError` where the broker refused one as too large: module docstring)."""
         try:
             self._producer.flush()
         except MessageTooLarge as exc:

@@ -931,10 +931,11 @@ class JoinPipeline:
 
     @contextmanager
     def _sized(self) -> Iterator[None]:
-        """Sends and flushes of a batch's outputs: a message refused as too large is a :class:`MessageLimitError`
-        (module docstring, "Message size"): every topic the joiner writes to is sized under its learned limit. A
-        message for a partition its topic does not have is the layout's ConfigError where the topics disagree now
-        (``Layout.check``: an output created again with fewer partitions), else the outage it was (a rewind)."""
+        """Sends and flushes of a batch's outputs: a message refused as too large is a
+        :class:`~stream.errors.MessageLimitError` (module docstring, "Message size"): every topic the joiner writes to
+        is sized under its learned limit. A message for a partition its topic does not have is the layout's ConfigError
+        where the topics disagree now (``Layout.check``: an output created again with fewer partitions), else the outage
+        it was (a rewind)."""
         try:
             yield
         except MessageTooLarge as exc:
