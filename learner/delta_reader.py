@@ -108,8 +108,8 @@ class DeltaReader:
 
     def _retry_later(self, fp: _Version, path: Path, exc: BaseException) -> bool:
         """Whether the read of ``path`` (version ``fp``) that raised ``exc`` is left for the next round: a transient
-        failure (``MemoryError``, an errno of :data:`TRANSIENT_ERRNOS`) short of :data:`TRANSIENT_TRIES` rounds in a
-        row (:meth:`_again`). Any other failure ends the tries."""
+        failure (``MemoryError``, an errno of :data:`~learner.deltas.TRANSIENT_ERRNOS`) short of :data:`TRANSIENT_TRIES`
+        rounds in a row (:meth:`_again`). Any other failure ends the tries."""
         if not transient(exc):
             self._reads.failing.pop(fp, None)
             return False

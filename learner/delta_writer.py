@@ -141,8 +141,9 @@ class DeltaWriter:
         """Remove the deltas numbered past ``seq``, the ``delta_seq`` of the checkpoint the learner resumed from (None:
         not known, nothing removed): written after it by the training the restore threw away, a dead branch. Left in
         the directory, an artifact of a later checkpoint (its ``delta_seq`` past them, its count below theirs) took
-        them for a restarted numbering, counted a rewind and applied them (:meth:`DeltaReader.newer`). This writer's
-        numbering stays past them (a seq is never used twice); a reader that had not read them counts them pruned.
+        them for a restarted numbering, counted a rewind and applied them
+        (:meth:`~learner.delta_reader.DeltaReader.newer`). This writer's numbering stays past them (a seq is never used
+        twice); a reader that had not read them counts them pruned.
 
         Serving may have applied them: the rows they carry are marked first (and the pending list synced before any
         file goes), so the next delta sends each with this learner's value. The restart's usual resend (admitted ids'

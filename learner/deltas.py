@@ -32,8 +32,8 @@ records no seq (and applied no delta yet) does ``samples_trained`` decide (not g
 Deciding by samples alone skipped every delta of a learner that fell back past a damaged newest checkpoint whose
 artifact serving ran (its counts start below that checkpoint's), the resend below with them: serving kept the rows
 and ids of a training the learner no longer had. Such a learner (its restore went back past newer checkpoint files)
-resends every row with its first delta (:meth:`DeltaWriter.resend_all`), so serving ends on its state. A delta
-of another lineage (a learner restarted from scratch, another learner's directory) never applies to an
+resends every row with its first delta (:meth:`~learner.delta_writer.DeltaWriter.resend_all`), so serving ends on its
+state. A delta of another lineage (a learner restarted from scratch, another learner's directory) never applies to an
 artifact whose manifest names a different lineage; when either side has none (files written before
 lineages existed, a writer built without one), ``samples_trained`` alone decides.
 
@@ -42,12 +42,13 @@ replaced (a new volume, an operator's ``rm``) while the checkpoints stay: before
 writer records it in ``<checkpoint_dir>/DELTA_SEQ`` (beside ``LINEAGE``; :data:`SEQ_FILE`), and a writer starts
 after the larger of that and the directory's largest file. Serving, which skips every delta at or below the seq it
 applied, would otherwise skip a restarted numbering without a word; it also notices a stream that went backwards
-anyway (a learner from before this file, another directory) and re-bases (:meth:`DeltaReader.newer`). A restored
-learner removes the deltas numbered past its checkpoint's ``delta_seq`` (:meth:`DeltaWriter.abandon_after`): they are
-of the training the restore threw away, and an artifact of a later checkpoint mistook them for such a restart. The rows
-they carry are marked first, so its first delta sends them with its values (serving may have applied them), and the
-range is recorded in the deltas directory's :data:`ABANDONED` before any goes: a reader missing them lost nothing and
-counts no gap (:func:`read_abandoned`).
+anyway (a learner from before this file, another directory) and re-bases
+(:meth:`~learner.delta_reader.DeltaReader.newer`). A restored learner removes the deltas numbered past its checkpoint's
+``delta_seq`` (:meth:`~learner.delta_writer.DeltaWriter.abandon_after`): they are of the training the restore threw
+away, and an artifact of a later checkpoint mistook them for such a restart. The rows they carry are marked first, so
+its first delta sends them with its values (serving may have applied them), and the range is recorded in the deltas
+directory's :data:`ABANDONED` before any goes: a reader missing them lost nothing and counts no gap
+(:func:`read_abandoned`).
 
 Writing: the file goes to a temporary name, is fsynced, renamed into place, and the directory fsynced,
 so a reader never sees half of one; the last ``keep`` are kept (a reader that falls further behind than
@@ -62,8 +63,8 @@ would reach serving only with the next full artifact (the restarted learner neve
 Sending a row again is always harmless (values are absolute), so the list is read whatever the
 restarted learner's checkpoint, lineage or seq: nothing about ``seq`` (it continues after the largest
 one used), ``samples_trained`` (the learner's count when the delta is written) or ``lineage`` changes. The
-daemon fsyncs the list with every checkpoint (:meth:`DeltaWriter.sync`), so each row trained before a
-durable checkpoint is in a delta or in the list; rows trained after it are trained again on restart. (A list
+daemon fsyncs the list with every checkpoint (:meth:`~learner.delta_writer.DeltaWriter.sync`), so each row trained
+before a durable checkpoint is in a delta or in the list; rows trained after it are trained again on restart. (A list
 that cannot be synced is logged and the checkpoint still written: a side output never holds training's state back.)
 At a clean exit the daemon writes one last delta just before its final checkpoint (same ``samples_trained``:
 an artifact of that checkpoint already holds it and skips it by name, and the checkpoint's ``delta_seq`` includes
@@ -73,9 +74,10 @@ Id maps after a restart: a restored learner's id maps are its checkpoint's, whil
 of deltas written after that checkpoint (a row given from id A to id B and trained as B's). The restore marks every
 admitted id's row (``RowMapper.owned_rows``; on N ranks each rank its shares', ``ShardedRowMapper.owned_rows``), and the
 first delta after it carries the maps (they are due at a writer's start), so serving gets the maps together with every
-row they give an id: no id is left on a row that holds another id's vector (the reverse of :meth:`DeltaWriter.hold`).
-Its size: (8 + 4 (D + 1)) bytes per admitted id on top of the maps: measured, 117 MB per million admitted ids at
-D = 16 (the maps alone 41 MB), so about 1.2 GB for 10 M; past the reader's limit it goes out in parts (below).
+row they give an id: no id is left on a row that holds another id's vector (the reverse of
+:meth:`~learner.delta_writer.DeltaWriter.hold`). Its size: (8 + 4 (D + 1)) bytes per admitted id on top of the maps:
+measured, 117 MB per million admitted ids at D = 16 (the maps alone 41 MB), so about 1.2 GB for 10 M; past the reader's
+limit it goes out in parts (below).
 
 Parts: the reader refuses unread a file over :data:`MAX_BYTES` (the one limit, read by writer and reader alike) and
 skips it for good, so a delta that would be larger (the resend above at ~35 M ids, or any long interval's rows) is
@@ -88,18 +90,18 @@ only, and the last the real maps with the last rows: no id reads an own row betw
 and when it does again every row the maps give it has arrived. (Admitted ids score on their buckets meanwhile; a
 part whose write fails leaves serving there until the retry, which sends the rows still marked and the maps.)
 
-Reading (:class:`DeltaReader`, :func:`load_delta`): a delta is checked whole before any of it is used:
-where it lies (a file that is a symlink resolving outside its directory is refused unread; the file is opened once,
-in its directory, without following a symlink, and checked and read from that descriptor), checksum,
+Reading (:class:`~learner.delta_reader.DeltaReader`, :func:`load_delta`): a delta is checked whole before any of it is
+used: where it lies (a file that is a symlink resolving outside its directory is refused unread; the file is opened
+once, in its directory, without following a symlink, and checked and read from that descriptor), checksum,
 signature (with a key), structure and types, ``seq``/``samples_trained`` equal to its file name, rows 1-D int64,
 vectors (R, D + 1) float32, dense weights floating and every value finite. A file that fails is a
 :class:`DeltaError`, rejected once (remembered by path, size and mtime), reported through ``on_reject``
 and skipped: the deltas after it still apply. A read that fails for want of a resource of the reading process
 (:data:`TRANSIENT_ERRNOS`, ``MemoryError``) says nothing of the file: it ends the round there and is retried on the
 next (:data:`TRANSIENT_TRIES`); so is a delta whose application failed so (the caller's word,
-:meth:`DeltaReader.retry_apply`). What a skipped delta carried is lost until a later delta touches the same rows
-again (dense weights: the very next delta, since each carries them whole) or the next full artifact arrives.
-Whether a delta fits a particular model (row range, dimensions, dense names and shapes) is checked by
+:meth:`~learner.delta_reader.DeltaReader.retry_apply`). What a skipped delta carried is lost until a later delta touches
+the same rows again (dense weights: the very next delta, since each carries them whole) or the next full artifact
+arrives. Whether a delta fits a particular model (row range, dimensions, dense names and shapes) is checked by
 ``ScoringModel.apply_delta`` before it changes anything.
 
 Here: the format, the names, the seq and abandoned-range files, and the encoding, decoding and reading of one file.
@@ -220,7 +222,8 @@ def read_abandoned_file(path: Path) -> list[tuple[int, int, str]]:
 
 def read_abandoned(directory: Path, lineage: str | None) -> list[tuple[int, int]]:
     """The seq ranges ``(first, last)`` a restart of ``lineage`` (None: any) removed from ``directory`` as a dead branch
-    (:meth:`DeltaWriter.abandon_after`): missing to a reader, but not pruned unread (their rows went out again)."""
+    (:meth:`~learner.delta_writer.DeltaWriter.abandon_after`): missing to a reader, but not pruned unread (their rows
+    went out again)."""
     return [(a, b) for a, b, lin in read_abandoned_file(Path(directory) / ABANDONED) if lineage in (None, lin)]
 
 
@@ -265,8 +268,8 @@ def encode_delta(payload: dict[str, Any], key: SigningKey | None = None) -> byte
 
 def rough_bytes(obj: Any) -> int:
     """An upper bound of what ``obj`` (tensors, arrays, and containers of them) adds to a delta file: its data, plus
-    room for each leaf's header and alignment. Lets :meth:`DeltaWriter._parts` skip encoding a delta twice to measure
-    it: only one this bound puts near :data:`MAX_BYTES` is measured exactly."""
+    room for each leaf's header and alignment. Lets :meth:`~learner.delta_writer.DeltaWriter._parts` skip encoding a
+    delta twice to measure it: only one this bound puts near :data:`MAX_BYTES` is measured exactly."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size() + 512
     if isinstance(obj, np.ndarray):

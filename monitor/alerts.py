@@ -337,7 +337,7 @@ class SinkError(StreamrecError):
 class AlertSink(Protocol):
     """A destination for alerts. :meth:`send` makes one delivery attempt and returns (every alert
     delivered) or raises (:class:`SinkError` says which were not) by ``deadline`` (``time.monotonic()``
-    seconds; None: ``timeout_s`` from now). :class:`QueuedSink` calls it with at most ``batch_max``
+    seconds; None: ``timeout_s`` from now). :class:`~monitor.delivery.QueuedSink` calls it with at most ``batch_max``
     alerts, from one thread at a time."""
 
     name: str
@@ -514,8 +514,8 @@ class WebhookSink:
     """``POST`` each alert as a JSON body to ``url``, one request per alert, every request ended by the
     attempt's deadline (:func:`post_json`), shortened where too large (:meth:`_post`). 2xx: delivered.
     Timeouts, connection errors, 408, 429 and 5xx: undelivered (retried by the queue, not before the answer's
-    ``Retry-After``: :class:`QueuedSink`). Any other answer (4xx, 3xx): the request itself is refused, so the alert is
-    *rejected* (retrying the same request cannot help)."""
+    ``Retry-After``: :class:`~monitor.delivery.QueuedSink`). Any other answer (4xx, 3xx): the request itself is refused,
+    so the alert is *rejected* (retrying the same request cannot help)."""
 
     name = "webhook"
     batch_max = 1

@@ -156,10 +156,10 @@ def event_time_plot(ax: Any, rec: Recording, curves: Mapping[str, Series | Numbe
     """``curves`` (values at scrape times) against the learners' event time at the same scrapes: the slowest learner
     source's (the oldest event time any of them had trained up to, zeros left out: a rank not started; the monitor
     scrapes every source at one time), so that N ranks all count, where the first source's alone was read; NE on a
-    second axis. A curve is its epochs numbered (:func:`series_numbered`), each value matched to the event time of its
-    own scrape by epoch and ``t`` (by ``t`` alone, a value scraped before the clock stepped back was drawn at the event
-    time scraped at that ``t`` after it); or a Series of a recording without a step (all epoch 0). Returns the points
-    drawn."""
+    second axis. A curve is its epochs numbered (:func:`~monitor.series.series_numbered`), each value matched to the
+    event time of its own scrape by epoch and ``t`` (by ``t`` alone, a value scraped before the clock stepped back was
+    drawn at the event time scraped at that ``t`` after it); or a Series of a recording without a step (all epoch 0).
+    Returns the points drawn."""
     clock = {(e, t): v for e, (ts, vs) in min_numbered(rec, "streamrec_learner_event_time_seconds")
              for t, v in zip(ts, vs, strict=True)}
     n, drawn = 0, []

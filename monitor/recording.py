@@ -60,7 +60,8 @@ class Recording:
     bad_lines: int = 0
     epoch: int = 0  # of the last record read
     last_t: float = -math.inf  # its t
-    keep: frozenset[str] | None = None  # the metrics whose samples are kept (None: all): :func:`metrics_read`
+    # the metrics whose samples are kept (None: all): :func:`~monitor.sections.metrics_read`
+    keep: frozenset[str] | None = None
     _shared: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)  # _sample(): one copy each
 
     @property
@@ -98,7 +99,8 @@ class Recording:
 
     def kept(self, name: str) -> str:
         """``name``, whose samples this recording kept; a LookupError where the read left them out: a section that
-        reads a metric it does not declare (:func:`reads`) would say "not recorded" of a metric the run log holds."""
+        reads a metric it does not declare (:func:`~monitor.sections.reads`) would say "not recorded" of a metric the
+        run log holds."""
         if self.keep is not None and name not in self.keep:
             raise LookupError(f"{name}: not kept when the run log was read; declare it in its section's @reads(...)")
         return name

@@ -329,8 +329,8 @@ class RuleEngine:
         self.retired: list[dict[str, Any]] = []
 
     def evaluate(self, snap: Snapshot, now: float, wall: float | None = None) -> list[Alert]:
-        """One evaluation at ``now`` (seconds on the clock durations are measured on; :class:`Monitor` uses
-        ``time.monotonic()``); ``wall`` (Unix seconds, default ``now``) stamps the alerts and the status."""
+        """One evaluation at ``now`` (seconds on the clock durations are measured on; :class:`~monitor.engine.Monitor`
+        uses ``time.monotonic()``); ``wall`` (Unix seconds, default ``now``) stamps the alerts and the status."""
         self.wall_offset = 0.0 if wall is None else wall - now
         for source in snap.errors:
             self.failing_since.setdefault(source, now)

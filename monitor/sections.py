@@ -49,8 +49,8 @@ _READS: dict[Draw, frozenset[str]] = {}  # reads()
 
 def reads(*names: str) -> Callable[[Draw], Draw]:
     """Declares the metrics a section reads from the run log, a histogram by its :func:`histogram_names`: the one
-    list of them. :func:`read_run_log` keeps their samples and no others (:func:`metrics_read`), and a section that
-    reads another raises (:meth:`Recording.kept`) rather than call it "not recorded"."""
+    list of them. :func:`~monitor.report.read_run_log` keeps their samples and no others (:func:`metrics_read`), and a
+    section that reads another raises (:meth:`Recording.kept`) rather than call it "not recorded"."""
     def declare(f: Draw) -> Draw:
         _READS[f] = frozenset(names)
         return f

@@ -21,11 +21,11 @@ log = logging.getLogger("streamrec.monitor")
 
 
 class FiringStateFile:
-    """``state_path`` of the rules file: the firing series (:meth:`RuleEngine.firing`) as JSON, rewritten
-    atomically after every evaluation that sent an alert and at close, read back at start. Without it a
+    """``state_path`` of the rules file: the firing series (:meth:`~monitor.rule_engine.RuleEngine.firing`) as JSON,
+    rewritten atomically after every evaluation that sent an alert and at close, read back at start. Without it a
     restart forgets what was firing: an alert whose condition cleared while the monitor was down never
-    resolves, and one still holding fires again only after ``for_s``. :class:`Monitor` also keeps here, as
-    firing, the series whose resolved alert some sink has not delivered yet (still queued at shutdown, or
+    resolves, and one still holding fires again only after ``for_s``. :class:`~monitor.engine.Monitor` also keeps here,
+    as firing, the series whose resolved alert some sink has not delivered yet (still queued at shutdown, or
     when the monitor is killed), rewriting the file once they are delivered: the restarted monitor resolves
     them again rather than leave the receiver showing them firing for ever. A file that cannot be read or written
     is logged and monitoring goes on (a write is tried again at the next change); so is one that is not a regular file
@@ -38,19 +38,20 @@ class FiringStateFile:
     added to version 2 later, and is not read back: restore computes it from the rule, ``absent`` and the labels,
     so a file written before it was added restores the same identities.
 
-    ``pending`` (:meth:`RuleEngine.pending`) was also added to version 2 later, the pending series, so a monitor
-    restarted more often than a rule's ``for_s`` (a crash loop, frequent deploys) still fires it
-    (:meth:`RuleEngine.restore_pending`): the file is then rewritten after every evaluation while a series is pending
-    (``held``, when each last held, moves on). Not a version 3: a file without it (an older monitor's) is read
-    as having none, in silence, and an older monitor reading a newer file ignores it and keeps its firing records,
-    where an unknown version would have dropped them. ``no_data`` (:meth:`RuleEngine.no_data`), the absence timers
-    still running, was added the same way and for the same reason (``absent_for_s``,
-    :meth:`RuleEngine.restore_no_data`). The timers and the firing absence alerts' records also carry, where a restart
-    cut the monitor's outage out of their time, ``down_s``/``restarts``/``down_from``/``down_to`` (:class:`Outages`),
-    and a firing absence alert's record ``held`` and ``counted_s``, so the restored alert's text says what it counted
-    and what it did not; a record without them (an older monitor's) restores as before. A firing series' record also
-    carries ``held`` (when its condition last held, wall-clock seconds), so ``keep_firing_for_s`` counts on across the
-    restart (an older monitor's record without it resolves at the first evaluation that does not hold, as before)."""
+    ``pending`` (:meth:`~monitor.rule_engine.RuleEngine.pending`) was also added to version 2 later, the pending series,
+    so a monitor restarted more often than a rule's ``for_s`` (a crash loop, frequent deploys) still fires it
+    (:meth:`~monitor.rule_engine.RuleEngine.restore_pending`): the file is then rewritten after every evaluation while a
+    series is pending (``held``, when each last held, moves on). Not a version 3: a file without it (an older monitor's)
+    is read as having none, in silence, and an older monitor reading a newer file ignores it and keeps its firing
+    records, where an unknown version would have dropped them. ``no_data``
+    (:meth:`~monitor.rule_engine.RuleEngine.no_data`), the absence timers still running, was added the same way and for
+    the same reason (``absent_for_s``, :meth:`~monitor.rule_engine.RuleEngine.restore_no_data`). The timers and the
+    firing absence alerts' records also carry, where a restart cut the monitor's outage out of their time,
+    ``down_s``/``restarts``/``down_from``/``down_to`` (:class:`~monitor.rule_engine.Outages`), and a firing absence
+    alert's record ``held`` and ``counted_s``, so the restored alert's text says what it counted and what it did not; a
+    record without them (an older monitor's) restores as before. A firing series' record also carries ``held`` (when its
+    condition last held, wall-clock seconds), so ``keep_firing_for_s`` counts on across the restart (an older monitor's
+    record without it resolves at the first evaluation that does not hold, as before)."""
 
     VERSION = 2
 
@@ -158,8 +159,8 @@ class FiringStateFile:
 
     @staticmethod
     def _outages(r: Mapping[str, Any]) -> bool:
-        """Whether the outages of a record (:meth:`Outages.as_record`) are none or whole: a count of restarts and
-        finite times."""
+        """Whether the outages of a record (:meth:`~monitor.rule_engine.Outages.as_record`) are none or whole: a count
+        of restarts and finite times."""
         if "restarts" not in r:
             return True
         n = r["restarts"]

@@ -273,11 +273,12 @@ def _aiohttp_protocol() -> type:
             self.body_refused = True
 
         def linger(self, seconds: float, budget: int) -> None:
-            """Close after an answer with the request's rest maybe unread, lingering (:func:`_linger`, the threading
-            server's): half-close once the answer is flushed, drop what the client still sends until its EOF,
-            ``budget`` bytes or ``seconds``. The connection stays one of ``max_connections`` meanwhile, and
-            ``stop()`` closes it (not busy). aiohttp's own lingering (``lingering_time``) reads the body through the
-            parser, without a half-close or a byte bound, and only when the connection is kept."""
+            """Close after an answer with the request's rest maybe unread, lingering
+            (:func:`~serving.http_threaded._linger`, the threading server's): half-close once the answer is flushed,
+            drop what the client still sends until its EOF, ``budget`` bytes or ``seconds``. The connection stays one of
+            ``max_connections`` meanwhile, and ``stop()`` closes it (not busy). aiohttp's own lingering
+            (``lingering_time``) reads the body through the parser, without a half-close or a byte bound, and only when
+            the connection is kept."""
             transport = self.transport
             if transport is None or budget <= 0 or not transport.can_write_eof():
                 self.force_close()

@@ -215,8 +215,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def parse_request(self) -> bool:
         """The stdlib's ``parse_request`` (same answers, same errors), with the header block parsed by
-        :func:`parse_headers`: the stdlib hands every request's headers to the ``email`` package's feed parser,
-        ~40% of this server's own time per request (profiled, ``bench/README.md``)."""
+        :func:`~serving.http_wire.parse_headers`: the stdlib hands every request's headers to the ``email`` package's
+        feed parser, ~40% of this server's own time per request (profiled, ``bench/README.md``)."""
         self.command = None  # type: ignore[assignment]  # (as the stdlib: set once the request line parses)
         self.request_version = version = self.default_request_version
         self.close_connection = True

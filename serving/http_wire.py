@@ -321,9 +321,9 @@ def parse_headers(rfile: Any, message_class: type[http.client.HTTPMessage]) -> h
     the headers every client sends: lines ``Name: value`` whose name is a token and that hold no CR but their
     line end. A block with any other line (a continuation, a name with whitespace, a line without a colon, a bare
     CR, an unterminated line) goes to the stdlib's parser as a whole, so its defects and its reading of odd
-    lines (which :meth:`_Handler._framing` refuses) are exactly the stdlib's. The value is what the feed parser
-    makes of such a line: leading blanks and the line end stripped (``email.policy.compat32``). The lines are
-    read by :func:`read_header_lines`: the stdlib's limits and errors, and a cap on the block."""
+    lines (which :meth:`~serving.http_threaded._Handler._framing` refuses) are exactly the stdlib's. The value is what
+    the feed parser makes of such a line: leading blanks and the line end stripped (``email.policy.compat32``). The
+    lines are read by :func:`read_header_lines`: the stdlib's limits and errors, and a cap on the block."""
     return parse_header_lines(read_header_lines(rfile), message_class)
 
 

@@ -18,7 +18,7 @@ The schema carries ``streamrec.schema=samples`` and ``streamrec.schema_version``
 learner turns columns into tensors without per-row Python: ``history`` gives EmbeddingBag
 ``(values, offsets)`` straight from the Arrow list layout.
 
-``kind`` is the joiner's emission policy speaking (``stream.config.EmissionPolicy``,
+``kind`` is the joiner's emission policy speaking (``stream.joiner.config.EmissionPolicy``,
 ``learner/delayed.py`` for the learner's side):
 
 - :data:`FINAL` (0): the label is final: the click came inside the window, or the window closed without

@@ -169,7 +169,7 @@ def warn_loose_key_files(settings: T, section: str) -> T:
 
 
 def coerce_field(key: str, tp: Any, raw: Any, where: str) -> Any:
-    """:func:`_coerce` plus the checks that need the setting's name: an empty host (``host``, ``*_host``) is an
+    """:func:`coerce` plus the checks that need the setting's name: an empty host (``host``, ``*_host``) is an
     error, not "every interface" (bind("") listens on 0.0.0.0) or a lookup failure at bind time; so is one holding
     white space or a control character, which no host name or address holds (it failed a lookup at start, and reached
     the local stack's broker and redis-server command lines)."""

@@ -28,8 +28,9 @@ def to_batch(rows: list[Sample], history: bool = True) -> SampleBatch:
 
 
 def state_batch(ps: list[Pending]) -> SampleBatch:
-    """The join state's rows (``state_log.py``): :func:`to_batch` of ``ps`` as label-0 :data:`FINAL` samples with
-    empty histories (a history is read from Redis when its sample goes out), without a ``Sample`` per row."""
+    """The join state's rows (``state_log.py``): :func:`to_batch` of ``ps`` as label-0 :data:`~stream.samples.FINAL`
+    samples with empty histories (a history is read from Redis when its sample goes out), without a ``Sample`` per
+    row."""
     return _batch(ps, None, history=False)
 
 
@@ -44,7 +45,7 @@ def _labels(rows: list[Sample]) -> Labels:
 
 
 def _no_labels(n: int) -> Labels:
-    """Every row label 0, no delay, :data:`FINAL` (0)."""
+    """Every row label 0, no delay, :data:`~stream.samples.FINAL` (0)."""
     return np.zeros(n, np.int8), np.zeros(n, np.int64), np.zeros(n, np.int8)
 
 

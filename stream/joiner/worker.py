@@ -482,9 +482,9 @@ class FaustJoinWorker:
 
     @property
     def stop_reason(self) -> str:
-        """As :attr:`KafkaJoinWorker.stop_reason`: the idle exit sets ``_stopping``; faust's worker ends otherwise on a
-        signal (status 0) or a crash of one of its services, which mode's ``exiting`` ends as status 1, not by raising:
-        "error" (a crash said "signal", an operator's stop)."""
+        """As :attr:`~stream.joiner.kafka_driver.KafkaJoinWorker.stop_reason`: the idle exit sets ``_stopping``; faust's
+        worker ends otherwise on a signal (status 0) or a crash of one of its services, which mode's ``exiting`` ends as
+        status 1, not by raising: "error" (a crash said "signal", an operator's stop)."""
         return "input idle" if self._stopping else "error" if self.exit_code else "signal"
 
     def run(self) -> int:

@@ -766,9 +766,10 @@ def test_a_broker_frozen_at_the_replays_final_flush_is_said_once_and_ends_it_as_
         kafka: KafkaSettings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Every event handed to the producer, its broker frozen (SIGSTOP) before they were acknowledged: the final flush
     (``flush_answered``) waited without the broker watch, so the replay said nothing of its own while it waited, and
-    gave up with the timeouts' generic DeliveryFailed, whose stop then waited :data:`STOP_FLUSH_S` more. Now the final
-    flush is watched: one line says it waits for the broker at the final flush, and the watch's BrokerUnreachable,
-    naming how many messages were not acknowledged, ends it (exit 1 from the CLI, as for a broker gone mid-replay)."""
+    gave up with the timeouts' generic DeliveryFailed, whose stop then waited
+    :data:`~stream.replay.publisher.STOP_FLUSH_S` more. Now the final flush is watched: one line says it waits for the
+    broker at the final flush, and the watch's BrokerUnreachable, naming how many messages were not acknowledged, ends
+    it (exit 1 from the CLI, as for a broker gone mid-replay)."""
     monkeypatch.setattr(publisher_module, "CHUNK", 100)  # the broker frozen after the first of three chunks
     table = build_synthetic(SyntheticSettings(impressions=300, base_ctr=0.0001), ClickDelay(), seed=1)
     with _own_broker(kafka) as (broker, own):

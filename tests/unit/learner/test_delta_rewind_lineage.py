@@ -1,6 +1,6 @@
 """Deltas of an earlier training left in the deltas directory (another lineage: a new model started in the checkpoint
 directory, a checkpoint of another lineage resumed) are no sign that the numbering restarted: a model of the new
-lineage never re-bases on them (``learner.deltas.DeltaReader.newer``)."""
+lineage never re-bases on them (``learner.delta_reader.DeltaReader.newer``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A file an artifact's manifest lists (the cold rows, the scorer, the id maps) that is a FIFO or a device in a publish
-directory is refused unread (``learner.artifact.check_paths``/``verify``: an ArtifactError), and serving's swap keeps
+directory is refused unread (``learner.artifact.open_artifact``/``verify``: an ArtifactError), and serving's swap keeps
 the live model: ``np.load`` of the cold rows (and every other loader) opened it with a blocking open, and a FIFO hung
 the swap thread, or serving's start, for good.
 

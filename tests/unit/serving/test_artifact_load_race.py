@@ -1,5 +1,5 @@
 """What ``serving.model.ScoringModel.load`` loads is what it verified: each file the manifest lists is opened once,
-checked and hashed from that descriptor, and loaded from it (``learner.artifact.open_files``).
+checked and hashed from that descriptor, and loaded from it (``learner.artifact.open_artifact``).
 
 Before, every file was checked and hashed by path, then opened again by path to load it: whoever could write the
 version directory (without the signing key) renamed another file over a listed one between the two, and serving

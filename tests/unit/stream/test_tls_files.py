@@ -230,9 +230,10 @@ def test_a_cluster_client_asked_for_whole_reply_deadlines_keeps_them_over_a_redi
 
 
 def test_the_redis_py_floor_is_one_whose_cluster_clients_check_host_names() -> None:
-    """A Redis Cluster client of redis-py before 6.0 drops the ``ssl_check_hostname`` that :func:`connect` sets (it is
-    not among the cluster's allowed connection keys) and its ``SSLConnection`` defaults to no check: a rediss://
-    cluster checked no host name under pyproject's old floor (redis>=5.0). From 6.0 the check is the default."""
+    """A Redis Cluster client of redis-py before 6.0 drops the ``ssl_check_hostname`` that
+    :func:`~stream.redis_client.connect` sets (it is not among the cluster's allowed connection keys) and its
+    ``SSLConnection`` defaults to no check: a rediss:// cluster checked no host name under pyproject's old floor
+    (redis>=5.0). From 6.0 the check is the default."""
     import redis.cluster
     from packaging.requirements import Requirement
     from packaging.version import Version
