@@ -59,6 +59,7 @@ from stream.counts import DailyCounts
 from stream.features import hash_value
 from stream.history import UserHistory
 from streamrec.stack import free_port, redis_binary
+from tests.child_lines import Lines
 from tests.integration.test_faults import Service, wait_port
 from tests.integration.test_serving import CFG, TOL, TinyLearner, publish_version, request_as_joiner_batch
 
@@ -218,37 +219,6 @@ class CurrentWatcher(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join(5)
-
-
-class Lines(threading.Thread):
-    """A child's stderr, line by line, with a wait for a line containing some text."""
-
-    def __init__(self, stream: Any) -> None:
-        super().__init__(daemon=True)
-        self.stream, self.lines, self.q = stream, [], queue.Queue()
-        self.start()
-
-    def run(self) -> None:
-        for line in self.stream:
-            self.lines.append(line)
-            self.q.put(line)
-        self.q.put(None)
-
-    def wait_for(self, text: str, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self.q.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                return False
-            if line is None:
-                return False
-            if text in line:
-                return True
-        return False
-
-    def text(self) -> str:
-        return "".join(self.lines)
 
 
 # -- (a) SIGKILL of `streamrec refresh --now` ----------------------------------------------------------------
