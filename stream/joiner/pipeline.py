@@ -760,7 +760,13 @@ class JoinPipeline:
             decoded = [h if isinstance(h, BadMessage) else e
                        for e, h in zip(decoded, map(_HEADERS, records), strict=True)]
         self._held_groups_add(records, decoded)
-        for (topic, partition), (recs, events) in self._take(behind, only).items():
+        groups = self._take(behind, only)
+        # A bad record at or below the last offset its partition's join state applied of its input was dead-lettered
+        # by a batch that state accounts for (every output is acknowledged before the state chunk): read again (a
+        # rebalance or a restart before its offsets were committed), it is skipped as the engine skips a good one
+        # (redelivered), not dead-lettered again. So the partitions of bad records are restored before they are sent.
+        self.restore({p for (_, p), (_, events) in groups.items() if any(map(isinstance, events, repeat(BadMessage)))})
+        for (topic, partition), (recs, events) in groups.items():
             self.processed[(topic, partition)] = recs[-1].offset + 1
             is_impression = topic == self.kafka.impressions_topic
             if is_impression:
@@ -769,8 +775,12 @@ class JoinPipeline:
             if not any(map(isinstance, events, repeat(BadMessage))):  # all good: (offset, event) pairs in one pass
                 into.extend(zip(map(_OFFSET, recs), events, strict=True))  # type: ignore[arg-type]
                 continue
+            applied = self.engines[partition].offsets[IMPRESSION_INPUT if is_impression else CLICK_INPUT]
             for r, event in zip(recs, events, strict=True):
                 if isinstance(event, BadMessage):
+                    if r.offset <= applied:
+                        self.totals.counts["redelivered"] += 1
+                        continue
                     self.dead_letters.send(r.topic, r.key, r.value, event, r.partition, r.offset, kept_headers(r))
                     self.totals.counts["dead_lettered"] += 1
                 else:
