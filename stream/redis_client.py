@@ -592,6 +592,18 @@ _WHY_SCRIPTING = ("checked at start: streamrec's history and day counts are Lua 
                   "user that passes PING without +@scripting failed at the first one")
 
 
+def _probe_scripting(client: Any) -> None:
+    """Load and run :data:`_PROBE_SCRIPT` (SCRIPT LOAD, EVALSHA: what redis-py's ``Script`` sends for the stages'
+    scripts); the ACL refusing either raises NOPERM. On a cluster both go to PING's node (its default) alone: SCRIPT
+    LOAD on every primary failed the start with one of them down, which the stages' scripts ride out
+    (:func:`run_script`). NOSCRIPT (the script cache flushed between the two) is an answer the ACL let through: Redis
+    asks the ACL before it looks the script up."""
+    target = {"target_nodes": client.get_default_node()} if is_cluster(client) else {}
+    sha = client.execute_command("SCRIPT LOAD", _PROBE_SCRIPT, **target)
+    with contextlib.suppress(NoScriptError):
+        client.execute_command("EVALSHA", sha, 0, **target)
+
+
 def verify(client: Any, settings: RedisSettings, *, reachable: bool = True) -> bool:
     """PING once, then load and run a script of no keys (:data:`_PROBE_SCRIPT`): whether the login works and the ACL
     user may run the scripts the stages' Redis use needs (``+@scripting``). Refused credentials or scripts raise
@@ -602,7 +614,7 @@ def verify(client: Any, settings: RedisSettings, *, reachable: bool = True) -> b
         with contextlib.suppress(NoPermissionError):  # logged in; an ACL without PING says nothing more
             client.ping()
         try:
-            client.evalsha(client.script_load(_PROBE_SCRIPT), 0)
+            _probe_scripting(client)
         except redis.ResponseError as exc:
             if acl_denied(exc):
                 raise RedisAuthError(f"{describe(exc, settings)}; {_WHY_SCRIPTING}") from exc

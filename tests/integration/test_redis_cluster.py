@@ -641,3 +641,18 @@ def test_a_stopped_node_whose_port_was_taken_meanwhile_fails_to_start_naming_its
                                                 r"Address already in use"):
         cluster_nodes.start(2)
     assert not cluster_nodes.running(2) and other.poll() is None
+
+
+def test_the_start_check_of_a_cluster_with_one_node_down_passes_as_its_ping_did(
+        cluster_nodes: Any, prefix: str) -> None:
+    # the start's check (connect(check=True): the joiner) loaded its scripting probe with SCRIPT LOAD on every primary:
+    # one primary down (the cluster serving the other slots) refused the joiner's start, which its PING alone had let
+    # start, as the stages' own scripts (loaded where they run, _call, run_script) do
+    _serving_partial_coverage(cluster_nodes, prefix).close()
+    cluster_nodes.stop(2)  # node 0: the url clients start at
+    rs = RedisSettings(url=cluster_nodes.url, prefix=prefix, cluster=True)
+    client = connect(rs, timeout_s=5.0, retries=0, check=True)
+    try:
+        assert redis_client.verify(client, rs, reachable=False) is True  # serving's and the refresh's check
+    finally:
+        client.close()
