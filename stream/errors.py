@@ -85,6 +85,19 @@ def quoted(text: str, limit: int = 200) -> str:
     return head + _left_out(left_out)
 
 
+def error_lines(text: str, limit: int = 2000, lines: int = 20) -> str:
+    """An error's message as a terminal shows it: its first line, then at most ``lines`` more (a service's last log
+    lines under the error that shows them, ``stream.startup.not_started``), each :func:`quoted` at ``limit``
+    characters and each after the first indented two spaces, so that none passes for a line of its own (a forged
+    error or log line); further lines are said as ``... (N more lines)``. Whole lines, not the first ``limit``
+    characters of them all: that cut the last lines of a log tail, the ones that say why."""
+    first, *more = text.split("\n")
+    out = [quoted(first, limit), *(f"  {quoted(line.removeprefix('  '), limit)}" for line in more[:lines])]
+    if len(more) > lines:
+        out.append(f"  ... ({len(more) - lines} more lines)")
+    return "\n".join(out)
+
+
 def _escaped_head(text: str, limit: int) -> tuple[str, int]:
     """The escaped characters of ``text`` that fit in ``limit`` (an escape is never cut), and how many of ``text``'s
     characters did not fit. Reads at most ``limit`` characters of ``text`` (each is at least one out)."""

@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (parser if early else sub).error(f"unrecognized arguments: {' '.join(early or extra)}")
     from confluent_kafka import KafkaException
 
-    from stream.errors import ConfigError, StreamrecError, quoted
+    from stream.errors import ConfigError, StreamrecError, error_lines
 
     try:
         code = int(args.func(args))
@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from stream.kafka_access import describe_error  # a broker that cannot be reached: which one, and the setting
 
         text = describe_error(exc) if isinstance(exc, KafkaException) else str(exc)
-        print(f"streamrec {args.command}: error: {quoted(redact(text), 2000)}", file=sys.stderr)  # one line, bounded
+        print(f"streamrec {args.command}: error: {error_lines(redact(text))}", file=sys.stderr)  # escaped, bounded
         return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILED
     except KeyboardInterrupt:
         return 130
