@@ -316,8 +316,8 @@ def connect(settings: RedisSettings, *, timeout_s: float = DEFAULT_TIMEOUT_S, co
     ``whole_reply`` makes ``timeout_s`` bound each whole reply, not each read of it (a Redis trickling its reply holds
     a command past a per-read timeout: :mod:`stream.redis_deadline`; serving's request path asks for it). The client
     connects lazily (a cluster client is made at its first use, :class:`LazyClient`); ``check=True`` sends one
-    PING first (:func:`verify`) and raises a :class:`RedisFailure` (:class:`RedisAuthError` for refused credentials)
-    instead of returning a client that cannot work.
+    PING and a script of no keys first (:func:`verify`) and raises a :class:`RedisFailure` (:class:`RedisAuthError` for
+    refused credentials or scripting) instead of returning a client that cannot work.
     Raises :class:`~stream.errors.ConfigError` for an unreadable ``password_file`` or TLS file."""
     options = _client_options(settings, timeout_s, connect_timeout_s)
     if whole_reply:

@@ -210,10 +210,11 @@ class JoinPipeline:
             watermark_quorum=js.watermark_quorum, max_pending=js.max_pending_per_partition,
             max_waiting=js.max_waiting_per_partition, policy=js.emission.value, elapsed_ms=int(js.elapsed_s * 1000),
         )
-        # Credentials and TLS from [redis]; one PING first, so refused credentials end the worker at start with
-        # one line (RedisAuthError) instead of failing every batch. The timeout bounds each whole reply
-        # (stream/redis_deadline.py): a Redis trickling its replies fails the batch into its rewind and retry instead
-        # of holding it for as long as it trickles (tests/integration/test_faults.py); _redis_timeout_s sizes it.
+        # Credentials and TLS from [redis]; one PING and one script first, so refused credentials or scripting end the
+        # worker at start with one line (RedisAuthError) instead of failing every batch. The timeout bounds each whole
+        # reply (stream/redis_deadline.py): a Redis trickling its replies fails the batch into its rewind and retry
+        # instead of holding it for as long as it trickles (tests/integration/test_faults.py); _redis_timeout_s sizes
+        # it.
         timeout_s = _redis_timeout_s(js.batch_max, 4 * redis_settings.history_len)
         self.redis = connect(redis_settings, timeout_s=timeout_s, check=True, whole_reply=True)
         advice = eviction_advice(self.redis, redis_settings, "the joiner's day counts, user click histories and poison "
