@@ -422,9 +422,12 @@ def test_the_hostile_stream_sweep_over_more_seeds_policies_and_both_drivers(
 
 def test_a_hostile_stream_read_by_a_group_a_member_joins_and_one_leaves_mid_stream_joins_every_valid_impression_once(
         kafka: KafkaSettings, stack, group_id: str, reaper: Reaper) -> None:
-    """CI's one rebalance seed (~40 s): "leave", which has a member join mid-stream first (kafka driver; "join" and
-    both drivers in the sweep below): nothing lost, nothing emitted or dead-lettered twice."""
-    check_chaos(6, "kafka", kafka, stack.redis_url, group_id, reaper, POLICIES[6 % len(POLICIES)], "leave")
+    """CI's one rebalance seed (~50 s): "leave", which has a member join mid-stream first ("join" and both drivers in
+    the sweep below): nothing lost, nothing emitted or dead-lettered twice. The faust driver's: its new owner reads
+    again what the leaving one made durable but did not commit, and this seed dead-lettered bad records of it twice
+    (2 of 2 runs) without the pipeline's skip at or below the restored state's offsets; the kafka driver, which
+    commits after every batch, passed without it."""
+    check_chaos(6, "faust", kafka, stack.redis_url, group_id, reaper, POLICIES[6 % len(POLICIES)], "leave")
 
 
 @pytest.mark.slow
