@@ -766,14 +766,15 @@ class JoinPipeline:
         # by a batch that state accounts for (every output is acknowledged before the state chunk): read again (a
         # rebalance or a restart before its offsets were committed), it is skipped as the engine skips a good one
         # (redelivered), not dead-lettered again. So the partitions of bad records are restored before they are sent.
-        self.restore({p for (_, p), (_, events) in groups.items() if any(map(isinstance, events, repeat(BadMessage)))})
+        bad = {tp for tp, (_, events) in groups.items() if any(map(isinstance, events, repeat(BadMessage)))}
+        self.restore({p for _, p in bad})
         for (topic, partition), (recs, events) in groups.items():
             self.processed[(topic, partition)] = recs[-1].offset + 1
             is_impression = topic == self.kafka.impressions_topic
             if is_impression:
                 self._batch_records[partition] = recs
             into = imps[partition] if is_impression else clicks[partition]
-            if not any(map(isinstance, events, repeat(BadMessage))):  # all good: (offset, event) pairs in one pass
+            if (topic, partition) not in bad:  # all good: (offset, event) pairs in one pass
                 into.extend(zip(map(_OFFSET, recs), events, strict=True))  # type: ignore[arg-type]
                 continue
             applied = self.engines[partition].offsets[IMPRESSION_INPUT if is_impression else CLICK_INPUT]
