@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -100,6 +101,10 @@ class DayCountsWriter:
     def add(self, kind: str, event: str, ids: list[int], ts: list[int]) -> None:
         """Count ``ids`` (hashed) at ``ts`` (ms) under ``kind`` and ``event`` for the batch in progress."""
         add_counts(self.batch, {(kind, event): (ids, ts)})
+
+    def name(self, kind: str, raws: Iterable[int | str]) -> None:
+        """Keep the raw ids of the batch in progress's ``kind`` ("item", "user") to name the hashes counted under it."""
+        self.batch_names[kind].update(raws)
 
     def check(self) -> None:
         """A write that finished meanwhile: if it failed, raise its error now (a failed write fails the batch that

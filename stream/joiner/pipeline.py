@@ -1132,8 +1132,8 @@ class JoinPipeline:
         buffer = self.day_counts.add
         if imps:
             events = [ev for _, ev in imps]
-            self.day_counts.batch_names["user"].update(map(_USER_ID, events))
-            self.day_counts.batch_names["item"].update(map(_ITEM_ID, events))
+            self.day_counts.name("user", map(_USER_ID, events))
+            self.day_counts.name("item", map(_ITEM_ID, events))
         if res.new_impressions:
             ts = [p.ts for p in res.new_impressions]
             buffer("item", "impression", [p.item for p in res.new_impressions], ts)
