@@ -30,7 +30,8 @@ class Lines(threading.Thread):
                 line = self.q.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
                 return False
-            if line is None:
+            if line is None:  # end of file: put back, so a later wait returns at once too (not after its timeout)
+                self.q.put(None)
                 return False
             if text in line:
                 return True
