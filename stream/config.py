@@ -226,6 +226,14 @@ class SecurityProtocol(Choice):
     SASL_PLAINTEXT = "SASL_PLAINTEXT"
     SASL_SSL = "SASL_SSL"
 
+    @classmethod
+    def _missing_(cls, value: object) -> SecurityProtocol | None:
+        """Any case (``"ssl"``), as librdkafka reads ``security.protocol``: the canonical member, so each reader (the
+        librdkafka conf, the faust driver's credentials, the bootstrap_servers prefix rule) sees one form.
+        (``sasl.mechanism`` stays exact: librdkafka refuses ``"plain"``.)"""
+        upper = value.upper() if isinstance(value, str) else None
+        return next((m for m in cls if m.value == upper), None)
+
     @property
     def sasl(self) -> bool:
         return self in (SecurityProtocol.SASL_PLAINTEXT, SecurityProtocol.SASL_SSL)
