@@ -328,6 +328,9 @@ class KafkaSettings:
     # the files that hold the client's private key (a certificate file may hold it too): warned of at settings load
     # when other users can read them, as a password file is (stream.setting_values.warn_loose_key_files)
     KEY_FILES: ClassVar[tuple[str, ...]] = ("ssl_key_location", "ssl_certificate_location")
+    # ... and the [kafka.extra] properties that name one (ssl.key.location is a setting's, refused there): a PKCS#12
+    # keystore is binary, warned of by its property, not by a PEM marker
+    KEY_FILE_PROPERTIES: ClassVar[tuple[str, ...]] = ("ssl.keystore.location",)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from stream.errors import ConfigError, quoted, shown
-from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular, read_regular_stat
+from stream.files import MAX_SETTINGS_FILE_BYTES, open_regular, read_regular, read_regular_stat
 from stream.secrets import TIGHTEN_MODE, Secret, loose_mode, names_credential, secret_text
 
 if sys.version_info >= (3, 11):
@@ -152,7 +152,8 @@ def warn_loose_key_files(settings: T, section: str) -> T:
     """:func:`_warn_loose_mode` for the TLS files of ``settings`` (its class's ``KEY_FILES``: the settings that name a
     client's private key, or a certificate file that may hold it too) that hold a PEM private key: a credential as a
     password file is (whoever reads it is this service to the broker or Redis). A file that cannot be read is left
-    to the client's build, which names it (:func:`stream.tls.check_file`). Returns ``settings``."""
+    to the client's build, which names it (:func:`stream.tls.check_file`). The ``extra`` properties its class's
+    ``KEY_FILE_PROPERTIES`` names (a PKCS#12 keystore) too, whatever the file holds. Returns ``settings``."""
     for name in getattr(type(settings), "KEY_FILES", ()):
         path = getattr(settings, name)
         if path is None:
@@ -162,10 +163,22 @@ def warn_loose_key_files(settings: T, section: str) -> T:
         except OSError:
             continue
         if _PRIVATE_KEY.search(raw):
-            _warn_loose_mode(f"[{section}] {name}", Path(path), st.st_mode,
-                             (" (and present this service's client certificate as its own)",
-                              " (and replace the key this service presents)"))
+            _warn_loose_mode(f"[{section}] {name}", Path(path), st.st_mode, _KEY_GIVES)
+    extra = getattr(settings, "extra", None) or {}
+    for key, value in extra.items():  # KEY_FILE_PROPERTIES: a key file by its property, whatever it holds
+        if key.strip().lower() not in getattr(type(settings), "KEY_FILE_PROPERTIES", ()):
+            continue
+        try:
+            with open_regular(Path(value)) as (_, st):
+                pass
+        except OSError:
+            continue
+        _warn_loose_mode(f"[{section}.extra] {key}", Path(value), st.st_mode, _KEY_GIVES)
     return settings
+
+
+_KEY_GIVES = (" (and present this service's client certificate as its own)",
+              " (and replace the key this service presents)")
 
 
 def coerce_field(key: str, tp: Any, raw: Any, where: str) -> Any:

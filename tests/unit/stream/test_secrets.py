@@ -606,3 +606,22 @@ def test_a_tls_private_key_file_other_users_can_read_or_write_is_warned_of_as_a_
         assert "chmod 600" in lines[0] and "PRIVATE" not in lines[0]
         assert ("every local user can read it" in lines[0]) is bool(mode & 0o004), lines[0]
         assert ("users other than its owner can write it" in lines[0]) is bool(mode & 0o022), lines[0]
+
+
+@pytest.mark.parametrize("mode, warned", [(0o644, True), (0o600, False)], ids=["o+r", "0600"])
+def test_a_pkcs12_keystore_in_kafka_extra_other_users_can_read_is_warned_of_by_its_property(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: int, warned: bool) -> None:
+    """``[kafka.extra] ssl.keystore.location`` names a PKCS#12 keystore, the client's private key with its
+    certificate: mounted 0644 it was loaded in silence while ``[kafka] ssl_key_location`` so mounted was warned of.
+    A keystore is binary, no PEM marker in it: warned of by its property, the same warning, naming the property."""
+    f = tmp_path / "client.p12"
+    f.write_bytes(b"\x30\x82\x0a\x1f\x02\x01\x03\x30\x82\x09\xe5\x06\x09\x2a\x86\x48\x86\xf7\x0d\x01\x07\x01")
+    f.chmod(mode)
+    given = {"security_protocol": "SSL", "extra": {"ssl.keystore.location": str(f), "ssl.keystore.password": "pw"}}
+    with caplog.at_level(logging.WARNING, logger="stream.setting_values"):
+        build(KafkaSettings, "kafka", {"kafka": given}, {})
+    lines = [r.getMessage() for r in caplog.records if r.name == "stream.setting_values"]
+    assert len(lines) == warned, lines
+    if warned:
+        assert f"[kafka.extra] ssl.keystore.location: {f} has mode 0{mode:o}" in lines[0], lines[0]
+        assert "every local user can read it" in lines[0] and "chmod 600" in lines[0]
