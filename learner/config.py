@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stream.config import Choice, check_counts, check_durations, check_group_id, check_ports
+from stream.config import Choice, check_counts, check_durations, check_group_id, check_ports, check_redis_url
 from stream.errors import ConfigError
 from stream.secrets import redacted_repr
 
@@ -319,6 +319,9 @@ class LearnerSettings:
                               "ctx_buckets": 1_000_000_000, "id_capacity": 1_000_000_000, "batch_rows": 10_000_000,
                               "max_fields": 4_096})
         check_group_id("[learner] group_id", self.group_id)
+        if self.deltas_redis_url:  # None or "": unset (learner.delta_writer); checked as [redis] url is, by its rule
+            object.__setattr__(self, "deltas_redis_url", self.deltas_redis_url.strip())
+            check_redis_url("[learner] deltas_redis_url", self.deltas_redis_url)
         # every period, ttl and window finite and > 0; 0 means off for deltas_every_s, every delta for
         # deltas_id_maps_every_s, none for future_ts_s. The optimizers' knobs too (checked here, not when the model is
         # built once the first samples arrived: a negative lr_dense ended the daemon in torch's ValueError then, a

@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 from stream.errors import ConfigError, shown
 from stream.secrets import MASK, Secret, redact, redacted_repr
@@ -451,6 +451,39 @@ class KafkaSettings:
                               f"{problem}; {TOPIC_RULE} (change the topic or dlq_suffix)")
 
 
+def check_redis_url(setting: str, url: str) -> SplitResult:
+    """A Redis url (``[redis] url``, the deprecated ``[learner] deltas_redis_url``) as redis-py reads it, without its
+    white space around (the caller strips it): redis://, rediss:// or unix://, a host, a port that is no 0, a path
+    that is a database number; a ``ConfigError`` naming ``setting`` and the fix otherwise. Its parts returned."""
+    if any(c.isspace() for c in url):  # no URL holds one; redact() (and so repr) stops at it
+        raise ConfigError(f"{setting}: holds whitespace (not shown: it may be part of a password); encode a "
+                          "space in a password as %20, or use password_file / password_env")
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError on a port that is not a number
+    except ValueError as exc:
+        # urlsplit's message quotes what it took for the port, which is part of the password when the password
+        # holds an unencoded '/' ('redis://:sec/ret@h' -> "... as 'sec'"): no detail when there is user-info
+        detail = (redact(str(exc)) if "@" not in url else "the user-info or the port is malformed (encode "
+                  "'/', '@', ':', '#' and '%' in a password as %2F, %40, %3A, %23, %25, or use password_file)")
+        raise ConfigError(f"{setting}: cannot parse {redact(url)!r}: {detail}") from None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"{setting}: got {redact(url)!r}, expected redis://host:port/db, "
+                          "rediss://host:port/db (TLS) or unix:///path/to/socket")
+    # redis-py takes a url without a host ('redis://:pw@:7000') as localhost, a cluster client as node 'None:7000'
+    if parts.scheme != "unix" and not unquote(parts.hostname or "").strip():
+        raise ConfigError(f"{setting}: {redact(url)!r} names no host: expected "
+                          f"{parts.scheme}://host:port/db (a unix socket: unix:///path/to/socket)")
+    if parts.scheme != "unix" and parts.port == 0:  # redis-py connected to port 0: "Connection refused" each try
+        raise ConfigError(f"{setting}: {redact(url)!r} names port 0: give the port Redis listens on "
+                          "(1-65535), or leave it out for 6379")
+    # redis-py reads the path as the db number and silently takes db 0 for one that is not a number ("/abc")
+    if parts.scheme != "unix" and not re.fullmatch(r"/?[0-9]*", unquote(parts.path)):
+        raise ConfigError(f"{setting}: the path of {redact(url)!r} is not a database number: expected "
+                          "redis://host:port/<db> with <db> an integer (nothing: db 0)")
+    return parts
+
+
 @dataclass(frozen=True)
 class RedisSettings:
     """How every streamrec process talks to Redis; every client is built by ``stream.redis_client.connect``.
@@ -494,32 +527,7 @@ class RedisSettings:
             object.__setattr__(self, "password", Secret(str(self.password)))
         if self.url != self.url.strip():  # around it: a variable filled from a file ends in a newline
             object.__setattr__(self, "url", self.url.strip())
-        if any(c.isspace() for c in self.url):  # no URL holds one; redact() (and so repr) stops at it
-            raise ConfigError("[redis] url: holds whitespace (not shown: it may be part of a password); encode a "
-                              "space in a password as %20, or use password_file / password_env")
-        try:
-            parts = urlsplit(self.url)
-            _ = parts.port  # raises ValueError on a port that is not a number
-        except ValueError as exc:
-            # urlsplit's message quotes what it took for the port, which is part of the password when the password
-            # holds an unencoded '/' ('redis://:sec/ret@h' -> "... as 'sec'"): no detail when there is user-info
-            detail = (redact(str(exc)) if "@" not in self.url else "the user-info or the port is malformed (encode "
-                      "'/', '@', ':', '#' and '%' in a password as %2F, %40, %3A, %23, %25, or use password_file)")
-            raise ConfigError(f"[redis] url: cannot parse {redact(self.url)!r}: {detail}") from None
-        if parts.scheme not in ("redis", "rediss", "unix"):
-            raise ConfigError(f"[redis] url: got {redact(self.url)!r}, expected redis://host:port/db, "
-                              "rediss://host:port/db (TLS) or unix:///path/to/socket")
-        # redis-py takes a url without a host ('redis://:pw@:7000') as localhost, a cluster client as node 'None:7000'
-        if parts.scheme != "unix" and not unquote(parts.hostname or "").strip():
-            raise ConfigError(f"[redis] url: {redact(self.url)!r} names no host: expected "
-                              f"{parts.scheme}://host:port/db (a unix socket: unix:///path/to/socket)")
-        if parts.scheme != "unix" and parts.port == 0:  # redis-py connected to port 0: "Connection refused" each try
-            raise ConfigError(f"[redis] url: {redact(self.url)!r} names port 0: give the port Redis listens on "
-                              "(1-65535), or leave it out for 6379")
-        # redis-py reads the path as the db number and silently takes db 0 for one that is not a number ("/abc")
-        if parts.scheme != "unix" and not re.fullmatch(r"/?[0-9]*", unquote(parts.path)):
-            raise ConfigError(f"[redis] url: the path of {redact(self.url)!r} is not a database number: expected "
-                              "redis://host:port/<db> with <db> an integer (nothing: db 0)")
+        parts = check_redis_url("[redis] url", self.url)
         self._check_query(parts.scheme, parts.query)
         # counts_ttl_days, history_len >= 1 (serving's h[-0:] is the whole history); history_ttl_days 0: never expire
         check_counts("redis", self, zero_ok=("history_ttl_days",),
