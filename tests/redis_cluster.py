@@ -11,7 +11,7 @@ import contextlib
 import socket
 import subprocess
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 import redis
@@ -184,16 +184,24 @@ class ClusterNodes:
                 self.start(k, wait_ok=False)
         self.wait_ok()
 
-    def begin_move(self, slot: int, src: int, dst: int, keys: int = 0) -> None:
+    def begin_move(self, slot: int, src: int, dst: int, keys: int | Sequence[str] = 0) -> None:
         """Start moving hash ``slot`` from node ``src`` to node ``dst`` as a resharding does (``redis-cli --cluster
-        reshard``): ``dst`` IMPORTING, ``src`` MIGRATING, then ``keys`` of its keys MIGRATEd. Until
-        :meth:`finish_move`, a key of the slot is on either node: ``src`` answers ASK for one it no longer has, and a
-        command on several of the slot's keys that are not all on one node is refused with TRYAGAIN."""
+        reshard``): ``dst`` IMPORTING, ``src`` MIGRATING, then ``keys`` MIGRATEd: a number of the slot's keys, any of
+        them, or these keys (of ``slot``; on a cluster several tests share, the slot may hold another test's keys, and
+        a number may move none of this test's). Until :meth:`finish_move`, a key of the slot is on either node:
+        ``src`` answers ASK for one it no longer has, and a command on several of the slot's keys that are not all on
+        one node is refused with TRYAGAIN."""
+        named = [] if isinstance(keys, int) else [k.encode() for k in keys]
+        if any(key_slot(k) != slot for k in named):
+            raise ValueError(f"keys of other slots than {slot}: {[k for k in named if key_slot(k) != slot]}")
         with contextlib.closing(self._admin(src)) as s, contextlib.closing(self._admin(dst)) as d:
             d.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", _node_id(s))
             s.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", _node_id(d))
-            if keys:
+            if isinstance(keys, int) and keys:
                 self._migrate(s, dst, s.execute_command("CLUSTER GETKEYSINSLOT", slot, keys))
+            elif named:
+                if (reply := self._migrate(s, dst, named)) not in (b"OK", "OK", True):  # NOKEY: none was there
+                    raise AssertionError(f"MIGRATE of {named} to node {dst} answered {reply!r}")
 
     def finish_move(self, slot: int, src: int, dst: int) -> None:
         """Move the rest of ``slot``'s keys (:meth:`begin_move`) and make ``dst`` its owner on every node (the clients'
@@ -211,9 +219,11 @@ class ClusterNodes:
         self.begin_move(slot, src, dst)
         self.finish_move(slot, src, dst)
 
-    def _migrate(self, src: redis.Redis, dst: int, keys: list[bytes]) -> None:
-        if keys:
-            src.execute_command("MIGRATE", "127.0.0.1", self.ports[dst], "", 0, 5000, "KEYS", *keys)
+    def _migrate(self, src: redis.Redis, dst: int, keys: list[bytes]) -> object:
+        """MIGRATE's reply (OK; NOKEY when none of ``keys`` was on ``src``)."""
+        if not keys:
+            return None
+        return src.execute_command("MIGRATE", "127.0.0.1", self.ports[dst], "", 0, 5000, "KEYS", *keys)
 
     def index_of(self, key: str | bytes) -> int:
         """The node owning ``key``'s hash slot (the split :meth:`form` made)."""

@@ -209,7 +209,7 @@ def test_a_request_whose_rows_live_in_a_slot_a_resharding_split_gets_its_rows_no
     with cluster_client(moving_cluster, prefix, timeout_s=1.0, retries=0) as client:
         table, keys, per_slot, slot, rows, meta = stored_rows_sharing_a_slot(client, prefix)
         src = moving_cluster.index_of(keys[per_slot[slot][0]])
-        moving_cluster.begin_move(slot, src, (src + 1) % 3, keys=1)  # one of its rows on the other node now
+        moving_cluster.begin_move(slot, src, (src + 1) % 3, keys=[keys[per_slot[slot][0]]])  # one row moved
         store = embedding_store.RedisEmbeddingStore(client, prefix, retry_after_s=60.0, cluster=True)
         key = embedding_store.tag_key("v1", RowDtype.FLOAT32) if meta.get("row_check") else None
         got, bad = store.fetch("v1", rows, 3, RowDtype.FLOAT32, key)
@@ -248,7 +248,7 @@ def test_rows_of_a_split_slot_not_read_by_the_fetch_deadline_fall_back_without_r
     with cluster_client(moving_cluster, prefix, timeout_s=1.0, retries=0) as client:
         table, keys, per_slot, slot, rows, _ = stored_rows_sharing_a_slot(client, prefix)
         src = moving_cluster.index_of(keys[per_slot[slot][0]])
-        moving_cluster.begin_move(slot, src, (src + 1) % 3, keys=1)  # one of its rows on the other node now
+        moving_cluster.begin_move(slot, src, (src + 1) % 3, keys=[keys[per_slot[slot][0]]])  # one row moved
         sleeps: list[float] = []
         monkeypatch.setattr(redis.cluster.time, "sleep", sleeps.append)
         ticks = iter(range(10**6))  # a clock a second later at every reading: past any deadline once it is set
@@ -279,7 +279,7 @@ def test_a_fetch_with_rows_late_at_a_split_slot_and_a_missing_row_is_one_error_o
         embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
         client.delete(keys[gone])
         src = moving_cluster.index_of(keys[per_slot[slot][0]])
-        moving_cluster.begin_move(slot, src, (src + 1) % 3, keys=1)  # one of its rows on the other node now
+        moving_cluster.begin_move(slot, src, (src + 1) % 3, keys=[keys[per_slot[slot][0]]])  # one row moved
         ticks = iter(range(10**6))  # a clock a second later at every reading: past any deadline once it is set
         metrics = ServingMetrics(lambda: None)
         store = embedding_store.RedisEmbeddingStore(client, prefix, retry_after_s=60.0, cluster=True, timeout_s=0.05,
