@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stream.files import MAX_STATE_FILE_BYTES, open_regular, read_regular, read_tail
+from stream.files import open_regular, read_tail
 
 Sample = tuple[str, dict[str, str], float]
 
@@ -225,15 +225,16 @@ def read_summaries(paths: Iterable[str | Path]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def read_last_run(root: str | Path) -> dict[str, Any]:
-    """``<publish_root>/last_run.json`` as the refresh wrote it (cache_refresh/run_records.py); ``{}`` when absent or
-    not a regular file of at most :data:`~stream.files.MAX_STATE_FILE_BYTES`."""
+def usable_last_run(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The refresh's ``<publish_root>/last_run.json`` record as the report shows it (read by its one reader,
+    ``cache_refresh.run_records.read_last_run``, which the command passes in): ``{}`` where it holds text that is no
+    UTF-8 (a lone surrogate escape, "\\ud800"), as :func:`parse_record` refuses a run-log line: it crashed the page's
+    encoding."""
     try:
-        raw = read_regular(Path(root) / "last_run.json", MAX_STATE_FILE_BYTES, "a last-run record")
-        data = parse_record(raw.decode())
-    except (OSError, ValueError, RecursionError):
+        json.dumps(record, ensure_ascii=False).encode("utf-8")  # UnicodeEncodeError is a ValueError
+    except (ValueError, TypeError, RecursionError):
         return {}
-    return data if isinstance(data, dict) else {}
+    return dict(record)
 
 
 def read_deltas(directory: str | Path | None) -> list[tuple[float, int, int]]:

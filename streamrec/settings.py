@@ -42,7 +42,6 @@ ENV_PREFIX = "STREAMREC_"
 SECTIONS = ("kafka", "redis", "stack", "replay", "synthetic", "joiner", "learner", "serve", "refresh", "limits",
             "evaluate")
 
-
 T = TypeVar("T")
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cache_refresh import run_records
 from cache_refresh.settings import RefreshSettings
 from learner.config import LearnerSettings
 from monitor.cli_text import FOLLOW_HELP
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     root = args.publish_root or (d / "serving" if d else refresh.publish_root)
     try:
         inp = sections.Inputs(report.read_run_log(log), recording.read_summaries(summaries),
-                            recording.read_last_run(root),
+                            recording.usable_last_run(run_records.read_last_run(Path(root))),
                             recording.read_deltas(args.deltas_dir or (d / "deltas" if d else learner.deltas_dir)))
         out = Path(args.out or (d / "report.html" if d else "report.html"))
         made = report.write_report(inp, out)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cache_refresh import run_records
 from monitor import follow, recording, report
 from monitor.rules import RunLogSettings
 from monitor.run_log import RunLog
@@ -62,7 +63,7 @@ def test_a_summary_or_last_run_that_is_a_fifo_is_refused_by_the_report(tmp_path:
         recording.read_summaries([path])
     (tmp_path / "root").mkdir()
     with fed_fifo(tmp_path / "root" / "last_run.json", b'{"last_success": 1}'):
-        assert recording.read_last_run(tmp_path / "root") == {}
+        assert run_records.read_last_run(tmp_path / "root") == {}
 
 
 def test_a_summary_is_found_at_the_end_of_a_file_larger_than_the_tail_read(tmp_path: Path,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from cache_refresh import run_records
 from monitor import follow, plotter, recording, report, sections, series
 
 START = {"kind": "start", "t": 1000.0, "sources": {}, "interval_s": 1, "rules": []}
@@ -51,7 +52,7 @@ def test_json_nested_too_deeply_is_an_unreadable_line_or_a_named_summary_never_a
     with pytest.raises(recording.ReportError, match="train.json"):
         recording.read_summaries([tmp_path / "train.json"])
     (tmp_path / "last_run.json").write_text(deep)
-    assert recording.read_last_run(tmp_path) == {}
+    assert run_records.read_last_run(tmp_path) == {}
 
 
 def test_samples_with_labels_that_are_not_strings_are_left_out_and_huge_integers_read_as_infinite(
@@ -144,7 +145,7 @@ def test_a_publish_time_far_past_the_run_log_is_not_drawn_and_the_page_is_writte
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     drawing_only(monkeypatch, "s_fresh")  # the one section reading last_run.json
     (tmp_path / "last_run.json").write_text(json.dumps({"last_success": 1e300, "version": "v1"}))
-    inp = sections.Inputs(report.read_run_log(write_log(tmp_path)), {}, recording.read_last_run(tmp_path))
+    inp = sections.Inputs(report.read_run_log(write_log(tmp_path)), {}, run_records.read_last_run(tmp_path))
     assert "last_run.json: version v1" in page_of(tmp_path, inp)
 
 
@@ -239,7 +240,8 @@ def test_a_record_holding_a_lone_surrogate_escape_is_an_unreadable_line_not_a_tr
     (tmp_path / "replay.json").write_text('{"dataset": "x", "acked": 1}\n{"dataset": "\\udcff", "acked": 2}\n')
     assert recording.read_summaries([tmp_path / "replay.json"]) == {"replay": {"dataset": "x", "acked": 1}}
     (tmp_path / "last_run.json").write_text('{"version": "v\\ud800"}')
-    assert recording.read_last_run(tmp_path) == {}
+    assert run_records.read_last_run(tmp_path) == {"version": "v\ud800"}  # the refresh's own reader keeps it
+    assert recording.usable_last_run(run_records.read_last_run(tmp_path)) == {}
 
 
 def test_values_a_log_axis_cannot_tick_are_left_out_of_the_gradient_plots_and_counted_not_a_traceback(
@@ -254,3 +256,18 @@ def test_values_a_log_axis_cannot_tick_are_left_out_of_the_gradient_plots_and_co
                                                      tmp_path / "report.html")}
     assert made["gradient-norms"].points == 3
     assert any("2 recorded value(s)" in m and "not drawn" in m for m in made["gradient-norms"].missing)
+
+
+def test_streamrec_report_writes_its_page_when_last_run_json_holds_text_that_is_no_utf8(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the refresh's reader keeps a lone surrogate escape (its own record: a file name it read may carry one); the
+    # report's page is UTF-8, and that text ended `streamrec report` in a UnicodeEncodeError
+    from streamrec.cli import main
+
+    drawing_only(monkeypatch, "s_fresh")  # the one section reading last_run.json
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "last_run.json").write_text('{"last_success": 1001.5, "version": "v\\udcff"}')
+    log = write_log(tmp_path, scrape(1001.0, ["streamrec_learner_samples_total", {}, 5]))
+    out = tmp_path / "r.html"
+    assert main(["report", "--run-log", str(log), "--publish-root", str(tmp_path / "root"), "--out", str(out)]) == 0
+    assert "<html" in out.read_text(encoding="utf-8")

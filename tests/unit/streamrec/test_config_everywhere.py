@@ -56,10 +56,11 @@ def test_an_environment_variable_naming_no_section_is_exit_2(command: str, monke
 
 def test_report_reads_the_publish_root_and_deltas_dir_from_the_config_and_environment(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from cache_refresh import run_records
     from monitor import recording, sections
 
     read: dict[str, Any] = {}
-    monkeypatch.setattr(recording, "read_last_run", lambda root: read.setdefault("root", Path(root)) and {})
+    monkeypatch.setattr(run_records, "read_last_run", lambda root: read.setdefault("root", Path(root)) and {})
     monkeypatch.setattr(recording, "read_deltas", lambda d: read.setdefault("deltas", Path(d)) and [])
     monkeypatch.setattr(sections, "SECTIONS", ())  # where it reads them is what this proves: the page with no plot
     (tmp_path / "c.toml").write_text('[refresh]\npublish_root = "pub_cfg"\n[learner]\ndeltas_dir = "deltas_cfg"\n')
