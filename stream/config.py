@@ -457,7 +457,7 @@ def check_redis_url(setting: str, url: str) -> SplitResult:
     that is a database number; a ``ConfigError`` naming ``setting`` and the fix otherwise. Its parts returned."""
     if any(c.isspace() for c in url):  # no URL holds one; redact() (and so repr) stops at it
         raise ConfigError(f"{setting}: holds whitespace (not shown: it may be part of a password); encode a "
-                          "space in a password as %20, or use password_file / password_env")
+                          "space in a password as %20, or give the password as [redis] password_file / password_env")
     try:
         parts = urlsplit(url)
         _ = parts.port  # raises ValueError on a port that is not a number
