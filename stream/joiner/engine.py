@@ -24,8 +24,8 @@ writes what :meth:`PartitionJoin.apply` returns. Semantics, all in event time:
   impression never arrives (by the time the watermark passes the click) is an *orphan*. Both are
   returned as :class:`Unjoined` records (the driver writes them to ``late_clicks``); none vanishes.
   Clicks may arrive before their impression (two topics are consumed independently): they wait.
-- Each event is applied at most once: the state remembers the last applied offset per topic, and a
-  redelivered event (after a restart) is skipped.
+- Each event is applied at most once: the state remembers the last handled offset per topic (applied, or
+  dead-lettered by the caller: ``apply``'s ``handled``), and a redelivered event (after a restart) is skipped.
 - Memory is bounded per partition: beyond ``max_pending`` impressions the oldest expire early (a
   negative sample now; a click on it later is reported late) and beyond ``max_waiting`` impression
   ids with waiting clicks the furthest-future clicks are given up as ``overflow``. Both are counted
@@ -181,7 +181,7 @@ class StateChunk:
     joined: list[tuple[str, int]]  # (impression_id, click_ts)
     waiting: list[tuple[str, int]]  # clicks whose impression was not seen yet
     max_ts: int | None  # the watermark's event time after this batch (watermark = max_ts - lateness - 1)
-    offsets: tuple[int, int]  # last applied (impressions, clicks) offset
+    offsets: tuple[int, int]  # last handled (impressions, clicks) offset: applied, or dead-lettered by the pipeline
     max_ref_ts: int  # latest event time this chunk refers to; it retires after that + window + retention
     evicted: list[str] = field(default_factory=list)  # impressions expired early by the max_pending cap
     unwaited: list[tuple[str, int]] = field(default_factory=list)  # waiting clicks given up (max_waiting cap)
@@ -318,12 +318,15 @@ class PartitionJoin:
         return min(first, len(ts))
 
     def apply(self, impressions: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
-              drain: bool = False, clicks_idle: bool = False) -> BatchResult:
+              drain: bool = False, clicks_idle: bool = False, handled: Sequence[int] | None = None) -> BatchResult:
         """Apply one batch: ``(offset, event)`` pairs of this partition, offsets ascending per topic.
 
         ``drain=True`` ends the input: every
         pending impression expires. ``clicks_idle=True``: the click input has been quiet, let
-        impressions alone drive event time.
+        impressions alone drive event time. ``handled``: the last offset of each input (impressions, clicks) the
+        batch handled, its records handled outside the engine (dead-lettered) included: the offsets move past them
+        too, in a chunk of their own if nothing else changed, so a bad record read again after a restart is
+        redelivered, not dead-lettered twice.
         """
         out = BatchResult()
         self._hopeless = None  # the batch changes what waits, and the impressions' time
@@ -366,6 +369,8 @@ class PartitionJoin:
                     prev = self.topic_max[kind]
                     self.topic_max[kind] = top[0] if prev is None else max(prev, top[0])
                 self.offsets[kind] = max(self.offsets[kind], max(map(_OFFSET, (new_imps, new_clicks)[kind])))
+        if handled is not None:
+            self.offsets = [max(o, h) for o, h in zip(self.offsets, handled, strict=True)]
         # The per-event loop, kept lean (locals, counts added once): it runs once per input event.
         pending, finalized, waiting_clicks = self.pending, self.finalized, self.waiting
         window, push = self.cfg.window_ms, heapq.heappush
@@ -430,7 +435,7 @@ class PartitionJoin:
             through = max(held) + self.cfg.window_ms + self.cfg.lateness_ms + 1  # the watermark: max(held) + window
             self.max_ts = through if self.max_ts is None else max(self.max_ts, through)
         self._expire(out)
-        if events or drain or self.max_ts != max_ts:
+        if events or drain or self.max_ts != max_ts or self.offsets != [imp_from, click_from]:
             out.chunk = self._chunk(seq, added, joined, waiting, max_ref, evicted, unwaited)
             self._keep(out.chunk)
             self.next_seq, self.newest_seq = seq + 1, seq

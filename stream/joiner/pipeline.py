@@ -762,15 +762,19 @@ class JoinPipeline:
                        for e, h in zip(decoded, map(_HEADERS, records), strict=True)]
         self._held_groups_add(records, decoded)
         groups = self._take(behind, only)
-        # A bad record at or below the last offset its partition's join state applied of its input was dead-lettered
+        # A bad record at or below the last offset its partition's join state handled of its input was dead-lettered
         # by a batch that state accounts for (every output is acknowledged before the state chunk): read again (a
         # rebalance or a restart before its offsets were committed), it is skipped as the engine skips a good one
-        # (redelivered), not dead-lettered again. So the partitions of bad records are restored before they are sent.
+        # (redelivered), not dead-lettered again. So the partitions of bad records are restored before they are sent,
+        # and each partition's state moves past the last record of each input the batch handled (``handled``), one
+        # dead-lettered (or taken out as too large: _state_too_large) after its last good one or in place of any.
         bad = {tp for tp, (_, events) in groups.items() if any(map(isinstance, events, repeat(BadMessage)))}
         self.restore({p for _, p in bad})
+        handled: dict[int, list[int]] = defaultdict(lambda: [-1, -1])
         for (topic, partition), (recs, events) in groups.items():
             self.processed[(topic, partition)] = recs[-1].offset + 1
             is_impression = topic == self.kafka.impressions_topic
+            handled[partition][IMPRESSION_INPUT if is_impression else CLICK_INPUT] = recs[-1].offset
             if is_impression:
                 self._batch_records[partition] = recs
             into = imps[partition] if is_impression else clicks[partition]
@@ -788,9 +792,10 @@ class JoinPipeline:
                 else:
                     into.append((r.offset, event))  # type: ignore[arg-type]
         self.totals.stage_s["decode"] += time.monotonic() - t0
-        partitions = {p for p, got in imps.items() if got} | {p for p, got in clicks.items() if got}
+        partitions = set(handled)  # (one whose records were all read again is applied as with good ones: a no-op)
         self.restore(partitions)
-        self._commit_state(self._apply_all([(p, imps.get(p, []), clicks.get(p, [])) for p in sorted(partitions)]))
+        self._commit_state(self._apply_all([(p, imps.get(p, []), clicks.get(p, [])) for p in sorted(partitions)],
+                                           handled=handled))
         self.totals.last_batch = time.monotonic()
         self.totals.busy_s += self.totals.last_batch - t0
 
@@ -853,7 +858,8 @@ class JoinPipeline:
         self._commit_state(self._apply_all([(p, [], []) for p in sorted(self.engines)], drain=True))
 
     def _apply_all(self, batches: list[tuple[int, list[tuple[int, Impression]], list[tuple[int, Click]]]],
-                   drain: bool = False) -> tuple[dict[int, BatchResult], dict[int, list[bytes]]]:
+                   drain: bool = False, handled: dict[int, list[int]] | None = None
+                   ) -> tuple[dict[int, BatchResult], dict[int, list[bytes]]]:
         """Each partition's ``(partition, impressions, clicks)`` joined and its samples sent, in order; returns the
         results and their state chunks encoded (for :meth:`_commit_state`). Redis sees what it saw when one partition
         was done after the other: partition p's history appends, then p's read, then p + 1's appends, ... But the
@@ -871,7 +877,7 @@ class JoinPipeline:
         try:
             for partition, imps, clicks in batches:
                 before = self.engines[partition].watermark
-                res, chunk = self._join_partition(partition, imps, clicks, drain)
+                res, chunk = self._join_partition(partition, imps, clicks, drain, (handled or {}).get(partition))
                 if chunk is not None:
                     encoded[partition] = chunk
                 t1 = time.monotonic()
@@ -957,7 +963,7 @@ class JoinPipeline:
             raise
 
     def _join_partition(self, partition: int, imps: list[tuple[int, Impression]], clicks: list[tuple[int, Click]],
-                        drain: bool) -> tuple[BatchResult, list[bytes] | None]:
+                        drain: bool, handled: list[int] | None = None) -> tuple[BatchResult, list[bytes] | None]:
         """One partition's join and its state chunk encoded (None: the batch changed nothing).
 
         An impression whose join state alone is over what the state topic takes (module docstring, "Message size")
@@ -973,7 +979,7 @@ class JoinPipeline:
             self._last_click[partition] = now
         clicks_idle = now - self._last_click[partition] >= self.js.click_idle_s
         imp_from = eng.offsets[0]
-        res = eng.apply(imps, clicks, drain=drain, clicks_idle=clicks_idle)
+        res = eng.apply(imps, clicks, drain=drain, clicks_idle=clicks_idle, handled=handled)
         self.totals.stage_s["join"] += time.monotonic() - t0
         parts, over = self._encode_chunk(partition, res) if res.chunk is not None else (None, [])
         while over:  # again only where a later copy of a record taken out (same id and time) took its place
@@ -983,7 +989,7 @@ class JoinPipeline:
                 imps = self._state_too_large(partition, imps, imp_from, over)
                 self._reload(partition)
             t0 = time.monotonic()
-            res = self.engines[partition].apply(imps, clicks, drain=drain, clicks_idle=clicks_idle)
+            res = self.engines[partition].apply(imps, clicks, drain=drain, clicks_idle=clicks_idle, handled=handled)
             self.totals.stage_s["join"] += time.monotonic() - t0
             parts, over = self._encode_chunk(partition, res) if res.chunk is not None else (None, [])
         self._account(res)

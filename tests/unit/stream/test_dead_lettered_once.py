@@ -1,0 +1,156 @@
+"""A bad input record is dead-lettered once (``JoinPipeline._join``; the design: "every invalid message
+dead-lettered exactly once"), also when it is read again by a new owner of its partition: a rebalance or a restart
+after the batch that dead-lettered it made its state durable but before its offsets were committed. The state chunk
+carries the last offset of each input the batch handled, dead-lettered records included, and a batch of bad records
+only writes one too.
+
+A JoinPipeline without a broker or Redis: what it sends is kept in a list, and the state log it restores from is read
+back from that list (``state_log.load_chunks`` for real, over a fake ``read_to_end``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import stream.joiner.pipeline as pipeline_module
+import stream.joiner.state_log as state_log_module
+from stream.config import KafkaSettings
+from stream.events import Click, Impression
+from stream.joiner.config import JoinerSettings
+from stream.joiner.pipeline import JoinPipeline, awake_clock
+from stream.joiner.records import Record
+from stream.joiner.state_log import state_topic
+from stream.joiner.totals import JoinTotals
+from stream.kafka_limits import MessageLimit
+from stream.limits import DEFAULT_LIMITS
+
+KAFKA = KafkaSettings()
+T0 = 1_700_000_000_000
+STATE = state_topic(JoinerSettings().app_id)
+
+
+class Log:
+    """Every message the pipelines sent (one broker for all of them), and each dead letter's source."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int | None, Any, bytes | None]] = []  # (topic, partition, key, value)
+        self.dead: list[tuple[str, int, int | None]] = []  # (source topic, partition, offset)
+
+    def send(self, topic, value, key=None, headers=None, partition=None) -> None:  # noqa: ANN001 - AckedProducer's
+        self.sent.append((topic, partition, key, value))
+
+    def flush(self) -> None:
+        pass
+
+    def dead_letter(self, topic, key, value, err, partition, offset=None, headers=None) -> None:  # noqa: ANN001
+        self.dead.append((topic, partition, offset))
+
+    def read_to_end(self, kafka, topic, handle, *, start=None, **_: Any) -> list[int]:  # noqa: ANN001
+        for offset, (t, partition, key, value) in enumerate(self.sent):
+            if t == topic and partition in (start or {}):
+                handle(SimpleNamespace(partition=lambda p=partition: p, key=lambda k=key: k,
+                                       value=lambda v=value: v, offset=lambda o=offset: o))
+        return sorted(start or {})
+
+
+@pytest.fixture
+def log(monkeypatch: pytest.MonkeyPatch) -> Log:
+    log = Log()
+    monkeypatch.setattr(state_log_module, "read_to_end", log.read_to_end)
+    monkeypatch.setattr(pipeline_module, "topic_identities", lambda kafka, topics, *_: {t: {} for t in topics})
+    return log
+
+
+def owner(log: Log, state_bytes: int = 1 << 20) -> JoinPipeline:
+    """A member of the group taking partition 0 over: nothing in memory, its state in the (shared) state log."""
+    p = JoinPipeline.__new__(JoinPipeline)
+    js = JoinerSettings()
+    p.kafka, p.js, p.limits, p.state_topic = KAFKA, js, DEFAULT_LIMITS, STATE
+    p.cfg = pipeline_module.JoinConfig(window_ms=10_000, lateness_ms=0, watermark_quorum=1)
+    p.producer, p.dead_letters = log, SimpleNamespace(send=log.dead_letter)  # type: ignore[assignment]
+    p.strikes = SimpleNamespace(counts={}, reload=lambda *_: None)  # type: ignore[assignment]
+    p.gc = SimpleNamespace(between_batches=lambda: 0.0)  # type: ignore[assignment]
+    p.day_counts = SimpleNamespace(begin_batch=lambda: None, batch_done=lambda: None)  # type: ignore[assignment]
+    p._record_redis = lambda res, imps: None  # type: ignore[method-assign]
+    p._read_histories = lambda res: None  # type: ignore[method-assign]
+    p._say_lost_state = lambda partitions: None  # type: ignore[method-assign]
+    p.engines, p.totals, p._parts, p._followed, p._ids_asked = {}, JoinTotals(), {}, {}, {}
+    p.started_over, p.clicks_held, p._last_click, p.awake = set(), set(), {}, awake_clock(js)
+    p._held_list, p._held_groups, p._held_before, p.held_counts, p.processed, p._reached = [], {}, {}, {}, {}, {}
+    p._joined_suspects, p._batch_records = [], {}
+    p.sample_bytes = p.late_click_bytes = 1 << 20
+    p.state_bytes, p.message_limits = state_bytes, {STATE: MessageLimit(state_bytes, "test")}
+    return p
+
+
+def imp(offset: int, imp_id: str, ts: int, **context: object) -> Record:
+    value = Impression(imp_id, ts, "u", "i", context=dict(context)).encode()  # type: ignore[arg-type]
+    return Record(KAFKA.impressions_topic, 0, offset, imp_id.encode(), value)
+
+
+def click(offset: int, imp_id: str, ts: int) -> Record:
+    return Record(KAFKA.clicks_topic, 0, offset, imp_id.encode(), Click(imp_id, ts).encode())
+
+
+def bad(topic: str, offset: int) -> Record:
+    return Record(topic, 0, offset, b"k", b"{not json")
+
+
+def read_again(log: Log, batch: list[Record], entry: str = "process") -> JoinPipeline:
+    """``batch`` processed by one owner, then by the next (the offsets not committed: read again from the start);
+    ``entry``: the kafka driver's call (``process``) or the faust driver's (``process_new``)."""
+    getattr(owner(log), entry)(batch)
+    again = owner(log)
+    getattr(again, entry)(batch)
+    return again
+
+
+@pytest.mark.parametrize("entry", ["process", "process_new"])
+def test_bad_records_after_the_last_good_one_of_their_input_are_dead_lettered_once_across_owners(
+        log: Log, entry: str) -> None:
+    """The state's offsets were the last good record's: a bad one after it was above them when read again."""
+    batch = [imp(0, "a", T0), bad(KAFKA.impressions_topic, 1), click(0, "a", T0 + 1), bad(KAFKA.clicks_topic, 1)]
+    again = read_again(log, batch, entry)
+    assert sorted(log.dead) == sorted([(KAFKA.impressions_topic, 0, 1), (KAFKA.clicks_topic, 0, 1)])
+    s = again.totals.summary()
+    assert (s["dead_lettered"], s["redelivered_skipped"]) == (0, 4)
+
+
+def test_a_batch_of_only_bad_records_makes_their_offsets_durable_and_they_are_dead_lettered_once(log: Log) -> None:
+    """No good record: no join, so no state chunk was written, and the next owner dead-lettered them all again."""
+    batch = [bad(KAFKA.impressions_topic, 0), bad(KAFKA.impressions_topic, 1), bad(KAFKA.clicks_topic, 0)]
+    again = read_again(log, batch)
+    assert sorted(log.dead) == sorted([(KAFKA.impressions_topic, 0, 0), (KAFKA.impressions_topic, 0, 1),
+                                       (KAFKA.clicks_topic, 0, 0)])
+    assert again.engines[0].offsets == [1, 0]
+    s = again.totals.summary()
+    assert (s["dead_lettered"], s["redelivered_skipped"]) == (0, 3)
+    # and once a good record comes after them, it is joined as usual
+    again.process([imp(2, "b", T0)])
+    assert "b" in again.engines[0].pending and again.totals.summary()["dead_lettered"] == 0
+
+
+def test_only_bad_records_after_good_batches_move_the_state_past_them(log: Log) -> None:
+    """A partition with state already, whose next batch is all bad: its chunk moves the offsets past them."""
+    first = owner(log)
+    first.process([imp(0, "a", T0), click(0, "a", T0 + 1)])
+    first.process([bad(KAFKA.impressions_topic, 1), bad(KAFKA.clicks_topic, 1)])
+    again = owner(log)
+    again.process([bad(KAFKA.impressions_topic, 1), bad(KAFKA.clicks_topic, 1)])
+    assert sorted(log.dead) == sorted([(KAFKA.impressions_topic, 0, 1), (KAFKA.clicks_topic, 0, 1)])
+    assert again.totals.summary()["redelivered_skipped"] == 2
+
+
+def test_an_impression_whose_state_is_too_large_is_dead_lettered_once_when_it_is_the_last_record(log: Log) -> None:
+    """Taken out of the batch's join (``_state_too_large``), it left the offsets at the good record before it."""
+    big = imp(1, "big", T0 + 1, tags=[f"tag{i}" for i in range(1000)])
+    batch = [imp(0, "a", T0), big]
+    owner(log, state_bytes=4000).process(batch)
+    again = owner(log, state_bytes=4000)
+    again.process(batch)
+    assert log.dead == [(KAFKA.impressions_topic, 0, 1)]
+    s = again.totals.summary()
+    assert (s["dead_lettered"], s["state_too_large"], s["redelivered_skipped"]) == (0, 0, 2)
+    assert set(again.engines[0].pending) == {"a"}
