@@ -55,7 +55,8 @@ import numpy as np
 import redis
 
 from serving.metrics import ServingMetrics
-from stream.counts import DAY_MS, DAY_S, DailyCounts, day_of, new_write_id
+from stream.counts import DailyCounts, new_write_id
+from stream.counts_keys import DAY_MS, DAY_S, day_of
 from stream.redis_client import is_cluster
 from stream.strikes import is_infrastructure
 

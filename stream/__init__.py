@@ -8,11 +8,11 @@ read-to-end loop (``kafka.py``), whether the broker can be reached with the sett
 (``kafka_topics.py``), what a topic's messages may weigh (``kafka_limits.py``), the acknowledged producer
 (``kafka_producer.py``), dead letters (``dlq.py``) and poison-message
 strikes (``strikes.py``), the validating reader (``event_reader.py``), a batch of event messages decoded
-and validated as columns with the same rules (``event_batch.py``), Redis day counts and user
-histories (``counts.py``, ``history.py``), the idle clock of every ``exit_when_idle_s`` that takes no stall
-for idleness (``idle_clock.py``), the wait on a service just started that notices it die (``startup.py``),
-replay sources (``replay/``) and the impression-click joiner (``joiner/``). The exception tree of every stage
-starts in ``errors.py``.
+and validated as columns with the same rules (``event_batch.py``), Redis day counts (``counts.py``; their kinds,
+days and key layout in ``counts_keys.py``, their Lua scripts in ``counts_scripts.py``) and user histories
+(``history.py``), the idle clock of every ``exit_when_idle_s`` that takes no stall for idleness (``idle_clock.py``),
+the wait on a service just started that notices it die (``startup.py``), replay sources (``replay/``) and the
+impression-click joiner (``joiner/``). The exception tree of every stage starts in ``errors.py``.
 
 May import: third-party libraries only; never ``learner/``, ``cache_refresh/``, ``serving/``,
 ``monitor/`` or ``streamrec/``. Entry points: ``stream.joiner.pipeline.JoinPipeline`` with its

@@ -3,27 +3,10 @@
 The nightly hot-embedding cache refresh reads the most frequent items/users of the last days from
 here, and cold-start admission reads how often a new id has been seen.
 
-Key layout (one sorted set per kind, event and UTC day of the *event* time)::
+Keys (a sorted set per kind, event and UTC day of the *event* time, the names beside them, their hash tags):
+``stream/counts_keys.py``'s docstring. The Lua scripts that write and read them: ``stream/counts_scripts.py``.
 
-    {prefix}:counts:{{kind}}:{event}:{YYYYMMDD}    member = id, score = count
-
-The braces are literal: ``{item}`` / ``{user}`` is the key's Redis Cluster hash tag, so all of one kind's keys
-(every event, every day and its names) hash to one slot. That is what lets
-one :meth:`DailyCounts.record` call write several days in one MULTI/EXEC, the counting script touch the counts and
-the names key together and ``top`` pipeline its reads of several days on a Redis Cluster (``[redis] cluster``), as
-on a single node; it also puts each kind's counts on one cluster node (history, a key per user, spreads over all of
-them). Keys still begin with ``{prefix}:`` (the ACLs of a secured deployment grant ``~{prefix}:*``).
-
-``kind`` is ``item`` or ``user``; ``event`` is ``impression`` or ``click`` (the joiner's, by event time) or
-``lookup`` (serving's own row reads, by the wall-clock day of the flush: ``serving/lookup_counts.py`` writes
-them with :meth:`DailyCounts.add_counts`, a request scoring 100 candidates counts 100 item lookups where the joiner
-later counts one impression). Members are the ids as the caller gives them, as text; the joiner and serving
-record the ids' stable 64-bit hashes (``stream.ids.stable_hash`` of the raw id, so ``123`` and ``"123"`` are one
-member), which is what ``cache_refresh/hot_set.py`` maps to rows.
-
-Names (the raw ids behind the hashes, for operators: ``streamrec counts top``, the hot set's summary)::
-
-    {prefix}:names:{{kind}}:{YYYYMMDD}             hash field = member, value = raw id text
+Names (the names key, ``stream/counts_keys.py``):
 
 A caller that knows the raw ids passes them to :meth:`DailyCounts.record` (``names``); the same script call
 that counts a member on a day also sets its name there (HSETNX: the first name stays). Every script call, with names
@@ -139,20 +122,24 @@ import redis
 from redis.crc import key_slot
 from redis.exceptions import NoPermissionError
 
+from stream.counts_keys import (
+    COUNTS_KEY_RE,
+    DAY_MS,
+    DAY_S,
+    EVENTS,
+    KINDS,
+    check_kind_event,
+    day_of,
+    day_str,
+    days_back,
+    is_date,
+    parse_day,
+)
+from stream.counts_scripts import MEMBER_MAX_BYTES, NAME_MAX_BYTES, NAMES_BOUNDED, TOP_PAGE_BOUNDED, ZINCR_MANY
 from stream.errors import quoted
 from stream.redis_client import Client, ClusterUnavailable, is_cluster, run_script
 from stream.redis_deadline import replies_by, round_trip
 
-KINDS = ("item", "user")
-EVENTS = ("impression", "click", "lookup")
-DAY_S = 86_400
-DAY_MS = DAY_S * 1000
-_EPOCH = dt.date(1970, 1, 1)
-_DAY_RE = re.compile(r"\d{8}")
-# what follows ``{prefix}:counts:`` in a day's counts key: ``{kind}:event:day``, or ``kind:event:day`` (the layout
-# before hash tags, module docstring)
-_COUNTS_KEY_RE = re.compile(r"(?:\{(?P<kind>" + "|".join(KINDS) + r")\}|(?P<legacy>" + "|".join(KINDS) + r")):"
-                            r"(?P<event>" + "|".join(EVENTS) + r"):(?P<day>[0-9]{8})")
 _SLOT_TRIES = 20  # DailyCounts._slot_keys: tries while a resharding moves a kind's slot (~10 s of waits in all)
 _SLOT_KEYS_MAX = 1_000_000  # keys listed from a kind's slot (a day has 7 of each kind; other prefixes share it)
 TOP_PAGE = 10_000  # the most members DailyCounts.top reads from one key in one command (a window of several days)
@@ -165,49 +152,6 @@ def new_write_id() -> str:
     """A fresh write id (96 random bits, as text): what a caller makes when it first hands counts to a write and
     passes again with every retry of those same counts (module docstring, "Retries")."""
     return secrets.token_hex(12)
-
-
-def day_of(ts_ms: int) -> str:
-    """The UTC day ``YYYYMMDD`` of an event time in ms."""
-    return _day_str(int(ts_ms) // DAY_MS)
-
-
-def _day_str(day_index: int) -> str:
-    return (_EPOCH + dt.timedelta(days=day_index)).strftime("%Y%m%d")
-
-
-def _parse_day(day: str) -> dt.date:
-    if not isinstance(day, str) or not _DAY_RE.fullmatch(day):
-        raise ValueError(f"argument 'day': got {day!r}, expected a UTC date as 'YYYYMMDD' (e.g. '20001231')")
-    try:
-        return dt.datetime.strptime(day, "%Y%m%d").date()
-    except ValueError:
-        raise ValueError(f"argument 'day': got {day!r}, which is not a calendar date (expected 'YYYYMMDD')") from None
-
-
-def _is_date(day: str) -> bool:
-    """Whether ``day`` (8 ASCII digits) is a calendar date from the epoch on: a key of ``20001399`` (any client can
-    write one) is no day, which ``top`` would refuse as the hot set's latest; nor is one before 1970, which no writer
-    here makes (``record`` refuses times before the epoch): as the latest day, ``00010101``'s window failed the hot set
-    (OverflowError) and ``09991231``'s read nothing (``strftime`` drops the year's leading zeros)."""
-    try:
-        return dt.datetime.strptime(day, "%Y%m%d").date() >= _EPOCH
-    except ValueError:
-        return False
-
-
-def _days_back(end: dt.date, days: int) -> int:
-    """How many of the ``days`` days ending at ``end`` are from 1970 on: the days of a window that can hold counts
-    (:func:`_is_date`). ``--days 1000000`` reached back before the year 1 (``OverflowError``, a traceback)."""
-    return max(0, min(days, (end - _EPOCH).days + 1))
-
-
-def _check_kind_event(kind: str, event: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"argument 'kind': got {kind!r}, expected one of {', '.join(KINDS)}")
-    if event not in EVENTS:
-        raise ValueError(f"argument 'event': got {event!r}, expected one of {', '.join(EVENTS)}")
-
 
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -227,14 +171,14 @@ def _text(value: bytes | str) -> str:
 
 
 def _scored(reply: list[Any]) -> list[tuple[bytes, float]]:
-    """A ``_TOP_PAGE_BOUNDED`` reply's page (member, score text, member, ...) as ZREVRANGE WITHSCORES gives it:
+    """A ``TOP_PAGE_BOUNDED`` reply's page (member, score text, member, ...) as ZREVRANGE WITHSCORES gives it:
     (member, score) pairs."""
     flat = reply[0]
     return [(m, float(score)) for m, score in zip(flat[0::2], flat[1::2], strict=True)]
 
 
 def _elsewhere(reply: list[Any], others: list[int]) -> list[tuple[int, bytes, float]]:
-    """A ``_TOP_PAGE_BOUNDED`` reply's scores of its page's replaced members in the keys ``others`` (indexes, in the
+    """A ``TOP_PAGE_BOUNDED`` reply's scores of its page's replaced members in the keys ``others`` (indexes, in the
     order of the call's KEYS[2..]): (key index, member as replaced, score) where the key holds the member."""
     flat, got, step = reply[0], reply[1], len(others) + 1
     return [(j, flat[got[at] - 1], float(score)) for at in range(0, len(got), step)
@@ -349,82 +293,6 @@ def _names_by_text(names: Mapping[Any, int | str]) -> dict[str, str]:
         out[text] = _name_text(key, value)
     return out
 
-
-# KEYS[1] = the day's counts key, KEYS[2] = the kind's names key of that day, KEYS[3] = the markers of the counts key
-# (a hash); ARGV = expire-at (unix s), this call's marker (a field of KEYS[3]), the number n of (count, member) pairs,
-# those pairs, then (member, name) pairs. The markers key gets the counts key's expiry, the names key (a hash: another
-# type is not touched) the counts key's where that is later (PTTL: EXPIREAT ... GT is Redis 7). A marker found means
-# this very call ran before (a retry after its reply was lost): nothing is written again. Every key it writes is read
-# first (ZSCORE, HEXISTS: WRONGTYPE for a key of another type), so a call refused writes nothing; the marker is set
-# last. Returns whether the names key existed before the call. With an empty marker it is a forget call: ARGV[4..]
-# are markers of writes the caller knows succeeded (never retried), deleted from KEYS[3] (KEYS[1], KEYS[2] unused): a
-# cleanup, which a markers key of the wrong type must not turn into every later write failing.
-_ZINCR_MANY = """
-if ARGV[2] == '' then
-  if redis.call('TYPE', KEYS[3]).ok == 'hash' then
-    for i = 4, #ARGV do redis.call('HDEL', KEYS[3], ARGV[i]) end
-  end
-  return 0
-end
-local had = redis.call('EXISTS', KEYS[2])
-if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then return had end
-local last = 3 + 2 * tonumber(ARGV[3])
-redis.call('ZSCORE', KEYS[1], '')
-if #ARGV > last then redis.call('HEXISTS', KEYS[2], '') end
-for i = 4, last, 2 do redis.call('ZINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
-redis.call('EXPIREAT', KEYS[1], ARGV[1])
-for i = last + 1, #ARGV, 2 do redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) end
-local left = redis.call('PTTL', KEYS[2])
-if (left == -1 or (left >= 0 and left < redis.call('PTTL', KEYS[1])))
-    and (#ARGV > last or redis.call('TYPE', KEYS[2]).ok == 'hash') then redis.call('EXPIREAT', KEYS[2], ARGV[1]) end
-redis.call('HSET', KEYS[3], ARGV[2], 1)
-redis.call('EXPIREAT', KEYS[3], ARGV[1])
-return had
-"""
-# The longest name DailyCounts.names reads (bytes): 4 per character of the longest raw id shown by name (the hot set's
-# NAME_MAX_CHARS, 4096; the joiner's raw ids are at most max_str_len, 256). A longer one (another client's HSET) is
-# left in Redis and its member shown by hash: read, 20 names of 1 MB each crossed the socket on every refresh.
-NAME_MAX_BYTES = 16_384
-# KEYS = names keys (one hash slot: one kind's, or the layout before hash tags on a single node); ARGV = NAME_MAX_BYTES,
-# then the members. Per key, each member's name as HMGET gives it, but the length (an integer) of one longer than
-# ARGV[1], whose bytes are never copied (HSTRLEN first); '!wrongtype' for a key of another type than a hash. Any other
-# error (an ACL's) fails the read.
-_NAMES_BOUNDED = """
-local out, most = {}, tonumber(ARGV[1])
-for i, k in ipairs(KEYS) do
-  local got = {}
-  for j = 2, #ARGV do
-    local n = redis.pcall('HSTRLEN', k, ARGV[j])
-    if type(n) == 'table' then
-      if not string.find(n['err'], 'WRONGTYPE', 1, true) then return n end
-      got = '!wrongtype' break
-    end
-    if n > most then got[j - 1] = n else got[j - 1] = redis.call('HGET', k, ARGV[j]) end
-  end
-  out[i] = got
-end
-return out
-"""
-# The longest member DailyCounts.top reads as it is (bytes): the joiner's and serving's members are a stable hash's text
-# (at most 20 bytes), a caller's own raw ids at most max_str_len (256) characters. A longer one (another client's ZADD)
-# reads as '!toolong:' and its SHA-1 (one per member, so pages and days still tell members apart): read, a 20 MB member
-# in a day's top crossed the socket on every refresh, and was refused (no stable hash's text) only after.
-MEMBER_MAX_BYTES = 1024
-# KEYS[1] = a day's counts key, KEYS[2..] = the window's other days' keys (one hash slot); ARGV = start, stop,
-# MEMBER_MAX_BYTES: {ZREVRANGE start stop WITHSCORES (a flat reply, member then score text) with the members longer
-# than ARGV[3] replaced (above), and for each replaced member its index in the flat page (1-based) then its score
-# (text, or nil) in KEYS[2], KEYS[3], ...}. A replaced member's scores in the other days are read here, where its bytes
-# are: asked by ZMSCORE later, its '!toolong:' text is in no key, and a window's sum lost the days where it was below
-# the first page.
-_TOP_PAGE_BOUNDED = """
-local r, most, other = redis.call('ZREVRANGE', KEYS[1], ARGV[1], ARGV[2], 'WITHSCORES'), tonumber(ARGV[3]), {}
-for i = 1, #r, 2 do if #r[i] > most then
-  other[#other + 1] = i
-  for j = 2, #KEYS do other[#other + 1] = redis.call('ZSCORE', KEYS[j], r[i]) end
-  r[i] = '!toolong:' .. redis.sha1hex(r[i])
-end end
-return {r, other}
-"""
 _CUTOFFS_MAX = 1024  # failed writes whose "too far ahead" cut-off DailyCounts keeps for their retry (the joiner: 4)
 _NAMED_MAX = 1 << 17  # names remembered as written (DailyCounts._named), ~12 MB at most
 
@@ -465,14 +333,14 @@ class DailyCounts:
 
     # -- keys -------------------------------------------------------------------------------------
     def key(self, kind: str, event: str, day: str) -> str:
-        _check_kind_event(kind, event)
-        _parse_day(day)
+        check_kind_event(kind, event)
+        parse_day(day)
         return self._key(kind, event, day)
 
     def names_key(self, kind: str, day: str) -> str:
         """The key of ``kind``'s names on ``day`` (member -> raw id text; see the module docstring)."""
-        _check_kind_event(kind, EVENTS[0])
-        _parse_day(day)
+        check_kind_event(kind, EVENTS[0])
+        parse_day(day)
         return self._names_key(kind, day)
 
     def other_type_keys(self, kind: str, event: str, day: str) -> list[str]:
@@ -534,7 +402,7 @@ class DailyCounts:
         ahead as the first attempt did, without counting them in :attr:`future_dropped` again ("Clocks"). One id, one
         write: never pass it with other counts of the same kind and event.
         """
-        _check_kind_event(kind, event)
+        check_kind_event(kind, event)
         retriable = write_id is not None  # a fresh id is never given again: no retry to keep a cut-off for
         write_id = _checked_write_id(write_id)
         id_list = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
@@ -594,7 +462,7 @@ class DailyCounts:
         for d, (uniq, n) in distinct.items():
             texts[d] = list(map(str, uniq.tolist()))  # (M,) member texts of day d
             args[d] = _interleaved(n.tolist(), texts[d])  # (count, member) pairs
-        days = {d: _day_str(d) for d in args}
+        days = {d: day_str(d) for d in args}
         named = self._names_to_send(kind, days, distinct, texts, names, text) if names else {}
         calls = [([self._key(kind, event, days[d]), self._names_key(kind, days[d]),
                    self._markers_key(kind, event, days[d])],
@@ -624,7 +492,7 @@ class DailyCounts:
         since the epoch): one MULTI/EXEC pipeline of the same script :meth:`record` uses, ``chunk`` members
         per call (no names), all written or none. One round trip; the caller bounds ``M``. ``write_id``: as for
         :meth:`record` (a retry passes the same members, counts and ``chunk`` again)."""
-        _check_kind_event(kind, event)
+        check_kind_event(kind, event)
         write_id = _checked_write_id(write_id)
         if len(members) != len(counts):
             raise ValueError(f"argument 'counts': has {len(counts)} elements but 'members' has {len(members)}")
@@ -639,7 +507,7 @@ class DailyCounts:
                              f"{quoted(str(members))}")
         if not len(members):
             return
-        day = _day_str(int(day_index))
+        day = day_str(int(day_index))
         keys = [self._key(kind, event, day), self._names_key(kind, day), self._markers_key(kind, event, day)]
         expire = self.expire_at(int(day_index))
         calls = []
@@ -658,7 +526,7 @@ class DailyCounts:
         A transaction that fails keeps those to forget (forgetting twice is harmless), and its own are kept in Redis
         for its retry."""
         if self._zincr_many is None:
-            self._zincr_many = self.client.register_script(_ZINCR_MANY)
+            self._zincr_many = self.client.register_script(ZINCR_MANY)
         acked = self._acked.pop(kind, {})
         forget = [([key] * 3, [0, "", 0, *fields]) for key, fields in acked.items()]
         by = math.inf if self.write_timeout_s is None else time.monotonic() + self.write_timeout_s
@@ -713,7 +581,7 @@ class DailyCounts:
         kind's hash slot listed; then TYPE), up to today (the wall clock's UTC day): a key of a later day was written
         by a clock ahead (counted if within ``future_s``), and is listed once its day starts. One walk of the keyspace
         (:meth:`all_days_available`): a reader of several kinds or events asks that once instead."""
-        _check_kind_event(kind, event)
+        check_kind_event(kind, event)
         return self.all_days_available().get((kind, event), [])
 
     def all_days_available(self) -> dict[tuple[str, str], list[str]]:
@@ -736,8 +604,8 @@ class DailyCounts:
             text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
             if not text.startswith(base):  # a cluster's slot holds every prefix's keys of the kind (_slot_keys)
                 continue
-            m = _COUNTS_KEY_RE.fullmatch(text[len(base):])
-            if m is None or (m["legacy"] is not None and not legacy) or m["day"] > last or not _is_date(m["day"]):
+            m = COUNTS_KEY_RE.fullmatch(text[len(base):])
+            if m is None or (m["legacy"] is not None and not legacy) or m["day"] > last or not is_date(m["day"]):
                 continue
             found[text] = ((m["kind"] or m["legacy"], m["event"]), m["day"])
         days: dict[tuple[str, str], set[str]] = {}
@@ -754,7 +622,7 @@ class DailyCounts:
         result is empty. Counts of the days are summed (missing days count as empty). Ordered by
         count descending; equal counts in Redis's reverse order (reverse lexicographic by id text).
         """
-        _check_kind_event(kind, event)
+        check_kind_event(kind, event)
         check_top_window(days, k)
         if day is None:
             available = self.days_available(kind, event)
@@ -778,9 +646,9 @@ class DailyCounts:
         return run_script(self.client, script, calls, transaction=is_cluster(self.client))
 
     def _top_page(self) -> Any:
-        """The ``_TOP_PAGE_BOUNDED`` script, registered on first use."""
+        """The ``TOP_PAGE_BOUNDED`` script, registered on first use."""
         if self._top_page_bounded is None:
-            self._top_page_bounded = self.client.register_script(_TOP_PAGE_BOUNDED)
+            self._top_page_bounded = self.client.register_script(TOP_PAGE_BOUNDED)
         return self._top_page_bounded
 
     def _top_of_one(self, key: str, k: int) -> list[tuple[bytes, float]]:
@@ -890,8 +758,8 @@ class DailyCounts:
 
     def _window_keys(self, kind: str, event: str, day: str, days: int) -> list[str]:
         """The sorted sets of ``kind``/``event`` counts of the ``days`` days ending at ``day``."""
-        end = _parse_day(day)
-        window = [(end - dt.timedelta(days=i)).strftime("%Y%m%d") for i in range(_days_back(end, int(days)))]
+        end = parse_day(day)
+        window = [(end - dt.timedelta(days=i)).strftime("%Y%m%d") for i in range(days_back(end, int(days)))]
         keys = [self._key(kind, event, d) for d in window]
         if self._legacy():  # the layout before hash tags, while its keys live (module docstring)
             old = [self._legacy_key(kind, event, d) for d in window]
@@ -908,7 +776,7 @@ class DailyCounts:
         one ZCOUNT per key (one round trip); the members' scores (ZMSCORE) are then read from those keys alone, so a
         window with no such count (the joiner and serving write none) sends no member at all. Each of the two pipelines
         completes within the client's timeout as a whole (:func:`~stream.redis_deadline.round_trip`), not a key's."""
-        _check_kind_event(kind, event)
+        check_kind_event(kind, event)
         _check_positive_int("days", days)
         found: dict[str, list[float]] = {}
         keys = self._window_keys(kind, event, day, days)
@@ -996,19 +864,19 @@ class DailyCounts:
         Looks in ``kind``'s names of the ``days`` days ending at ``day`` and of the day before them (a click
         just after midnight was named with its impression the day before), newest first; each further day is
         asked only for the members still without a name, and the search stops once every member has one. The days
-        are asked ``_NAMES_DAYS_PER_TRIP`` at a time, one script call each (``_NAMES_BOUNDED``): members that have no
+        are asked ``_NAMES_DAYS_PER_TRIP`` at a time, one script call each (``NAMES_BOUNDED``): members that have no
         name at all (counted without names, e.g. serving's lookups) cost one round trip per that many days, not per
         day. Each round trip completes within the client's timeout as a whole
         (:func:`~stream.redis_deadline.round_trip`, as :meth:`_top_of_sum`'s rounds): bounded reply by reply, a
         trickling Redis held it up to one timeout per day.
         A name longer than ``NAME_MAX_BYTES`` is not read: its member has none (shown by hash), with a warning.
         """
-        _check_kind_event(kind, EVENTS[0])
+        check_kind_event(kind, EVENTS[0])
         _check_positive_int("days", days)
-        end = _parse_day(day)
+        end = parse_day(day)
         missing = list(dict.fromkeys(members))
         found: dict[str, str | int] = {}  # a name, or the length of one too long to read
-        n = _days_back(end, int(days) + 1)
+        n = days_back(end, int(days) + 1)
         for first in range(0, n, _NAMES_DAYS_PER_TRIP):
             if not missing:
                 break
@@ -1019,7 +887,7 @@ class DailyCounts:
                 if self._legacy():
                     keys.append(self._legacy_names_key(kind, day_i))
             if self._names_bounded is None:
-                self._names_bounded = self.client.register_script(_NAMES_BOUNDED)
+                self._names_bounded = self.client.register_script(NAMES_BOUNDED)
             with round_trip(self.client):  # a trip's reads by one timeout, not one each (a trickling Redis: 32)
                 replies = self._read(self._names_bounded, [(keys, [NAME_MAX_BYTES, *missing])])[0]
             for values in self._names_read(keys, replies):  # in key order: the first name found stays
@@ -1035,7 +903,7 @@ class DailyCounts:
 
     @staticmethod
     def _names_read(keys: list[str], replies: list[Any]) -> list[list[Any]]:
-        """The ``_NAMES_BOUNDED`` ``replies`` of the names ``keys``, less those of a key holding another type than a
+        """The ``NAMES_BOUNDED`` ``replies`` of the names ``keys``, less those of a key holding another type than a
         hash (any client can write one under the prefix), with a warning naming them: such a key holds no names.
         Before, one day's failed the whole read with WRONGTYPE: every day's names lost (the hot set's top ids all shown
         by hash, ``streamrec counts top`` failed)."""

@@ -57,7 +57,7 @@ import numpy as np
 import redis
 from redis.crc import key_slot
 
-from stream.counts import DAY_S
+from stream.counts_keys import DAY_S
 from stream.metrics import HISTORY_MALFORMED
 from stream.redis_client import Client, is_cluster, run_script
 from stream.redis_deadline import round_trip

@@ -3,8 +3,8 @@ system (a single node restarted empty without persistence, a FLUSHALL; on a Redi
 answers every read as if nothing had ever been written. Nothing else tells: an empty click history and a missing day
 count are also what a new user and an unseen id read.
 
-One marker key per counts hash tag (``stream/counts.py``: ``{item}``, ``{user}``), so on a cluster each lives on the
-node of one kind's counts, and a node restarted empty loses that kind's marker with its counts::
+One marker key per counts hash tag (``stream/counts_keys.py``: ``{item}``, ``{user}``), so on a cluster each lives on
+the node of one kind's counts, and a node restarted empty loses that kind's marker with its counts::
 
     {prefix}:keyspace:{{tag}}    value = unix ms it was set
 
@@ -28,7 +28,7 @@ from typing import Any
 
 from stream.redis_client import wrong_type
 
-TAGS = ("item", "user")  # stream/counts.py's hash tags: on a cluster, the nodes of each kind's counts
+TAGS = ("item", "user")  # stream/counts_keys.py's hash tags: on a cluster, the nodes of each kind's counts
 
 
 class KeyspaceWatch:

@@ -21,7 +21,8 @@ from serving import embedding_store
 from serving.metrics import ServingMetrics
 from serving.settings import RowDtype
 from stream.config import RedisSettings
-from stream.counts import DAY_MS, DailyCounts, day_of, new_write_id
+from stream.counts import DailyCounts, new_write_id
+from stream.counts_keys import DAY_MS, day_of
 from stream.history import UserHistory
 from stream.redis_client import connect
 from stream.strikes import is_infrastructure

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import redis
 
-from stream.counts import DAY_S, DailyCounts, day_of
+from stream.counts import DailyCounts
+from stream.counts_keys import DAY_S, day_of
 from stream.history import ENTRY_MAX_BYTES, REDO_SLACK, UserHistory
 from stream.metrics import HISTORY_MALFORMED
 

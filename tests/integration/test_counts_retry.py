@@ -25,7 +25,8 @@ from redis.retry import Retry
 from serving.lookup_counts import LookupCounts
 from stream import counts as counts_module
 from stream.config import KafkaSettings, RedisSettings
-from stream.counts import DAY_MS, DAY_S, DailyCounts, day_of, new_write_id
+from stream.counts import DailyCounts, new_write_id
+from stream.counts_keys import DAY_MS, DAY_S, day_of
 from stream.errors import ConfigError
 from stream.joiner.config import JoinerSettings
 from stream.joiner.day_counts import DayCountsWriter, add_counts

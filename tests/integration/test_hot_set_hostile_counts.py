@@ -16,6 +16,7 @@ from cache_refresh import hot_set
 from stream import counts as counts_module
 from stream.config import RedisSettings
 from stream.counts import DailyCounts
+from stream.counts_scripts import NAME_MAX_BYTES
 from stream.redis_client import RedisAuthError, connect, describe, failure
 from streamrec.stack import LocalStack
 from tests.integration.test_refresh import CFG
@@ -133,7 +134,7 @@ class _WriteBetweenPages:
     def __init__(self, client: redis.Redis, key: str, member: str, by: float) -> None:
         self.client, self.write = client, (key, by, member)
 
-    def register_script(self, text: str) -> object:  # the page read (counts._TOP_PAGE_BOUNDED)
+    def register_script(self, text: str) -> object:  # the page read (counts_scripts.TOP_PAGE_BOUNDED)
         script = self.client.register_script(text)
 
         def page(*args: object, **kwargs: object) -> object:
@@ -214,7 +215,7 @@ def test_a_huge_name_is_left_in_redis_and_its_id_shown_by_hash_with_a_warning(
         hs = _hot_items(redis_client, prefix)
     assert int(redis_client.info("stats")["total_net_output_bytes"]) - before < 1_000_000  # the names, counts, INFO
     assert hs.stats["top_items"] == [{"name": None, "hash": "456", "count": 3}, {"name": "bob-item", "count": 2}]
-    assert f"longer than {counts_module.NAME_MAX_BYTES} bytes" in caplog.text
+    assert f"longer than {NAME_MAX_BYTES} bytes" in caplog.text
 
 
 def test_a_names_key_of_the_wrong_type_leaves_the_ids_unnamed_with_a_warning(

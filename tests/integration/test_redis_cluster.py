@@ -27,7 +27,8 @@ from learner.delta_writer import redis_notifier
 from learner.features import FeatureConfig, FieldSpec
 from stream import redis_client
 from stream.config import RedisSettings
-from stream.counts import DAY_MS, DailyCounts, day_of
+from stream.counts import DailyCounts
+from stream.counts_keys import DAY_MS, day_of
 from stream.history import ENTRY_MAX_BYTES, UserHistory
 from stream.redis_client import connect, is_cluster, wait_until_up
 from stream.strikes import RedisStrikes, is_infrastructure

@@ -27,7 +27,8 @@ from serving.metrics import ServingMetrics
 from serving.service import ScoringService
 from serving.settings import ServeSettings
 from stream.config import RedisSettings
-from stream.counts import DAY_MS, DailyCounts, day_of
+from stream.counts import DailyCounts
+from stream.counts_keys import DAY_MS, day_of
 from stream.features import hash_value
 from stream.history import UserHistory
 from stream.redis_client import connect as connect_redis

@@ -15,7 +15,7 @@ import redis
 
 from serving.lookup_counts import RECENT_FAILURE_S, LookupCounts
 from serving.metrics import ServingMetrics
-from stream.counts import DAY_S
+from stream.counts_keys import DAY_S
 
 
 class FakeCounts:

@@ -12,7 +12,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream.counts import DAY_MS, DailyCounts, _day_str
+from stream.counts import DailyCounts
+from stream.counts_keys import DAY_MS, day_str
 
 NOW_MS = 1_700_000_000_000
 
@@ -38,11 +39,11 @@ def _expected(counts: DailyCounts, kind: str, ids: list[Any], ts: list[int], nam
     for (d, member), n in days.items():
         pairs, sent = out.setdefault(d, ([], []))
         pairs.extend((n, member))
-        done = named.setdefault(counts.names_key(kind, _day_str(d)), set())
+        done = named.setdefault(counts.names_key(kind, day_str(d)), set())
         if member not in done and member in by_text:
             sent.extend((member, by_text[member]))
             done.add(member)
-    return [(counts.names_key(kind, _day_str(d)), [len(pairs) // 2, *pairs, *sent]) for d, (pairs, sent) in out.items()]
+    return [(counts.names_key(kind, day_str(d)), [len(pairs) // 2, *pairs, *sent]) for d, (pairs, sent) in out.items()]
 
 
 def _calls(counts: DailyCounts) -> list[tuple[str, list[Any]]]:
@@ -84,5 +85,5 @@ def test_record_names_a_uint64_column_as_the_hashes_were_given() -> None:
     calls = _calls(counts)
     hashes = np.array([2**64 - 1, 5, 2**64 - 1], dtype=np.uint64)
     counts.record("user", "click", hashes, [NOW_MS] * 3, names={2**64 - 1: "max", 5: 5})
-    assert _pairs(calls) == {counts.names_key("user", _day_str(NOW_MS // DAY_MS)):
+    assert _pairs(calls) == {counts.names_key("user", day_str(NOW_MS // DAY_MS)):
                              (2, {(2, str(2**64 - 1)), (1, "5")}, {(str(2**64 - 1), "max"), ("5", "5")})}

@@ -39,7 +39,7 @@ class Days:
         self.largest = max(self.largest, len(rows))
         return rows
 
-    def register_script(self, text: str) -> Any:  # the page read (counts._TOP_PAGE_BOUNDED): a ZREVRANGE, flat
+    def register_script(self, text: str) -> Any:  # the page read (counts_scripts.TOP_PAGE_BOUNDED): a ZREVRANGE, flat
         def page(keys: list[str], args: list[int], client: Any = None) -> Any:
             def run() -> list[Any]:
                 rows = self.zrevrange(keys[0], args[0], args[1])
