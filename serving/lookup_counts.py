@@ -62,7 +62,6 @@ from stream.strikes import is_infrastructure
 
 log = logging.getLogger("streamrec.serve")
 
-KINDS = ("user", "item")
 EVENT = "lookup"
 STOP_TIMEOUT_S = 30.0  # LookupCounts.stop's bound on the wait for its flush thread
 TRIES = 2  # flushes a day and kind's lookups are tried in (module docstring): the one they were made for, one retry

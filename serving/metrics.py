@@ -76,7 +76,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from stream.keyspace import TAGS
+from stream.counts_keys import KINDS
 from stream.metrics import HISTORY_MALFORMED
 
 LATENCY_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05,
@@ -258,7 +258,7 @@ class ServingMetrics:
                                      "joiner's keys under the prefix (restarted without persistence, flushed): users' "
                                      "histories are empty until the joiner refills them; by marker tag.", ["tag"],
                                      registry=r)
-        for tag in TAGS:
+        for tag in KINDS:  # the keyspace markers' tags (stream/keyspace.py)
             self.redis_emptied.labels(tag)
         r.register(_SinceStart("streamrec_history_malformed", "Malformed entries in users' Redis click histories, "
                                "skipped when read (as the joiner skips them), since this service started.",

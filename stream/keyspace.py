@@ -26,9 +26,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from stream.counts_keys import KINDS
 from stream.redis_client import wrong_type
-
-TAGS = ("item", "user")  # stream/counts_keys.py's hash tags: on a cluster, the nodes of each kind's counts
 
 
 class KeyspaceWatch:
@@ -36,7 +35,8 @@ class KeyspaceWatch:
 
     def __init__(self, client: Any, prefix: str) -> None:
         self.client = client
-        self.keys = {tag: f"{prefix}:keyspace:{{{tag}}}" for tag in TAGS}
+        # one marker per counts hash tag (stream/counts_keys.py: a kind's): on a cluster, the node of each kind's counts
+        self.keys = {tag: f"{prefix}:keyspace:{{{tag}}}" for tag in KINDS}
         self._seen = False  # a check has run: every marker was there or set by it
         self._read: dict[str, bytes | None] = {}  # changed(): each marker's value at the last look (None: missing)
         self.other_type: list[str] = []  # changed(): the tags whose marker key held another Redis type at the last look
