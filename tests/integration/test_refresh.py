@@ -162,7 +162,10 @@ def test_refresh_now_publishes_notifies_and_rolls_back_via_the_cli(env, tmp_path
     cfg = config_file(tmp_path / "c.toml", rs, kafka, rds)
     pubsub = redis_client.pubsub()
     pubsub.subscribe(f"{rds.prefix}:model-updates")
-    pubsub.get_message(timeout=1)  # the subscribe confirmation
+    # the subscribe confirmation, read here whenever it comes: a 1 s wait that ran out on a loaded machine left it to
+    # the read of the first notification below (reproduced with CLIENT PAUSE 1500 before the SUBSCRIBE)
+    confirmed = pubsub.get_message(timeout=60)
+    assert confirmed is not None and confirmed["type"] == "subscribe", confirmed
 
     assert main(["refresh", "--now", "--json", "--config", str(cfg)]) == 0
     first = json.loads(capsys.readouterr().out)
