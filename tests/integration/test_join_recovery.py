@@ -20,6 +20,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -299,9 +300,12 @@ def test_a_state_log_that_takes_longer_than_the_stall_bound_to_read_still_restor
         kafka: KafkaSettings, monkeypatch: pytest.MonkeyPatch) -> None:
     """The restore reads the state log for as long as records keep coming: a log that takes minutes to read (one
     compaction has not cleaned yet) restored under a fixed bound on the whole read failed at every start, for good
-    (a ``TimeoutError`` is infrastructure: the worker starts again and reads again). Here each record takes 0.1 s to
-    handle and the bound is 0.3 s of no progress, while the whole read takes ~2 s; a bound on the whole read of the
-    same 0.3 s fails it."""
+    (a ``TimeoutError`` is infrastructure: the worker starts again and reads again). Here each record takes half the
+    stall bound to handle, on read_to_end's clock, so a batch of 5 takes 2.5 bounds and the whole read 10, while the
+    broker has the whole bound, in real time, to answer each request; a bound on the whole read of the same length
+    fails it. (The bound was 0.3 s in real time: a broker without a CPU for 0.6 s on a loaded machine failed the
+    progress-bounded read at its metadata request, reproduced by SIGSTOPping the broker for 0.6 s.)"""
+    import stream.kafka as kafka_module
     from stream.joiner import state_log
     from stream.kafka import read_to_end
     from stream.kafka_topics import ensure_topics
@@ -312,14 +316,16 @@ def test_a_state_log_that_takes_longer_than_the_stall_bound_to_read_still_restor
     for i in range(20):
         p.send(topic, b"x", f"0:{i}:0", partition=0)
     p.flush()
+    stall_s, handled_s = 10.0, [0.0]  # time spent handling records, added to read_to_end's clock
+    monkeypatch.setattr(kafka_module, "time", SimpleNamespace(monotonic=lambda: time.monotonic() + handled_s[0]))
 
     def slow(m: Any) -> None:
-        time.sleep(0.1)
+        handled_s[0] += stall_s / 2
 
-    with pytest.raises(TimeoutError, match="did not reach their end in 0.3s"):
-        read_to_end(kafka, topic, slow, timeout_s=0.3, batch=5)
+    with pytest.raises(TimeoutError, match=f"did not reach their end in {stall_s:g}s"):
+        read_to_end(kafka, topic, slow, timeout_s=stall_s, batch=5)
     seen: list[Any] = []
-    assert read_to_end(kafka, topic, lambda m: (slow(m), seen.append(m.key())), timeout_s=None, stall_s=0.3,
+    assert read_to_end(kafka, topic, lambda m: (slow(m), seen.append(m.key())), timeout_s=None, stall_s=stall_s,
                        batch=5) == [0]
     assert len(seen) == 20
     calls: list[dict[str, Any]] = []
