@@ -576,7 +576,10 @@ def test_redis_down_during_serving_scores_without_history_and_uses_it_again_when
     client.close()
     with_hist, without = eager(learner, history=history), eager(learner)
     assert not np.allclose(with_hist, without, atol=1e-4)  # the history matters to these scores
-    ss = ServeSettings(port=0, publish_root=root, poll_s=0.05, redis_timeout_s=0.2, history_retry_after_s=0.2)
+    # Redis down is refused at once (its port closed), so no timeout is waited for here; a timeout of 0.2 s failed the
+    # 20 reads with history after it came back whenever one took longer on a loaded machine (reproduced by
+    # SIGSTOPping Redis for 0.4 s before them)
+    ss = ServeSettings(port=0, publish_root=root, poll_s=0.05, redis_timeout_s=10.0, history_retry_after_s=0.2)
 
     def unavailable(svc: ScoringService) -> float:
         return svc.metrics.registry.get_sample_value("streamrec_serving_history_unavailable_total") or 0.0
