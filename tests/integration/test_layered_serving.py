@@ -745,12 +745,15 @@ def test_a_delta_write_that_times_out_does_not_make_requests_skip_a_redis_that_s
     _, url = own_redis
     admin = redis.Redis.from_url(url)
     path = publish_version(tmp_path, admin, prefix)
-    store = RedisEmbeddingStore(redis.Redis.from_url(url, socket_timeout=0.1), prefix, cache_rows=1000,
+    # the write times out (2 s) long before the pause would end (30 s; lifted once the read is done), and the read has
+    # those 2 s: with a 0.1 s timeout a read slower than that on a loaded machine failed (reproduced by SIGSTOPping
+    # Redis for 0.3 s before it)
+    store = RedisEmbeddingStore(redis.Redis.from_url(url, socket_timeout=2.0), prefix, cache_rows=1000,
                                 retry_after_s=30.0, write_deltas=True)
     try:
         layered = ScoringModel.load(path, store=store)
         user_rows = layered.map_rows(0, np.array([hash_value(u) for u in ADMITTED_USERS[10:12]]))
-        admin.execute_command("CLIENT", "PAUSE", "2000", "WRITE")
+        admin.execute_command("CLIENT", "PAUSE", "30000", "WRITE")
         try:
             layered.apply_delta(torch.tensor(user_rows[:1]), torch.full((1, CFG.embedding_dim + 1), 0.5), None, 1)
             assert store.last_error is not None and "delta" in store.last_error  # the write failed, counted
