@@ -1006,9 +1006,14 @@ def test_an_updater_stopped_during_a_long_load_says_it_stopped_without_that_thre
         publish_version(TinyLearner(), root, "v1")  # the updater thread's next poll loads it, slowly
         assert loading.wait(10)
     finally:
+        threads = list(updater._threads)  # (stop forgets them)
         updater.stop(timeout_s=0.2)
     assert "still busy" in caplog.text and "serve-updater" in caplog.text
-    time.sleep(1.5)  # the load ends on its own (a daemon thread): not left running into the next test
+    # the load ends on its own (a daemon thread), waited for here, not left running into the next test: a fixed 1.5 s
+    # sleep left a load slower than the thread-leak guard's grace on a loaded machine to fail the test
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), t.name
 
 
 def test_a_history_read_the_redis_acl_denies_is_unavailable_not_malformed_on_redis_6(
