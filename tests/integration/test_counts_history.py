@@ -464,13 +464,16 @@ def test_as_of_later_timed_out_leaves_no_answer_on_the_pooled_connection(redis_c
         h = UserHistory(client, prefix=prefix, max_len=10)
         h.append_many([1, 2], [10, 20], [1000, 2000])
         h.as_of([1], [3000])  # the script loaded
-        redis_client.execute_command("CLIENT", "PAUSE", "400", "ALL")
+        # paused far longer than the read's 0.1 s timeout, and waited out by a PING Redis holds until the pause ends:
+        # a 400 ms pause waited out by a 0.5 s sleep let a read sent later than 400 ms after it (this process
+        # without a CPU for a while on a loaded machine) be answered, not time out
+        redis_client.execute_command("CLIENT", "PAUSE", "2000", "ALL")
         collect = h.as_of_later([1], [3000])
         with pytest.raises(redis.TimeoutError):
             collect()
         with pytest.raises(redis.TimeoutError):  # the same error again, nothing read twice
             collect()
-        time.sleep(0.5)  # the pause is over: the first read's answer went to a closed socket
+        redis_client.ping()  # the pause is over: the first read's answer went to a closed socket
         assert len(client.connection_pool._in_use_connections) == 0
         assert h.as_of_later([2], [3000])() == [[20]]
     finally:
