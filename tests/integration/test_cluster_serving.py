@@ -31,11 +31,13 @@ from stream.redis_client import connect
 from tests.integration.test_layered_serving import (
     ADMITTED_USERS,
     NEW_ITEMS,
+    ROWS_READ_S,
     bucket_twin,
     post,
     publish_version,
     request,
 )
+from tests.integration.test_serving import HISTORY_READ_S
 
 HISTORY_ITEMS = [7, 9, 11]  # the test user's clicks (admitted items: the history field shares the item rows)
 
@@ -95,7 +97,11 @@ def test_a_layered_service_with_cluster_nodes_down_answers_200_without_history_o
     degraded = scores_of(in_process, request(bucket_twin(user), NEW_ITEMS), [])  # its bucket row, no history
     assert not np.allclose(full, degraded, atol=1e-4)
     settings = ServeSettings(port=0, publish_root=tmp_path, poll_s=3600, embedding_store=EmbeddingStore.LAYERED,
-                             embedding_store_retry_after_s=0.2, history_retry_after_s=0.2, redis_timeout_s=0.5,
+                             embedding_store_retry_after_s=0.2, history_retry_after_s=0.2,
+                             # the answers with history and rows from Redis need the reads to succeed: the default
+                             # 50 ms row fetch fell back whenever a node took longer on a loaded machine (reproduced by
+                             # SIGSTOPping the row's node for 0.2 s); a node down is refused at once whatever these are
+                             redis_timeout_s=HISTORY_READ_S, embedding_store_timeout_s=ROWS_READ_S,
                              lookup_counts_flush_s=0.2)
     with ScoringService(settings, rds) as svc:
         status, body = post(svc.port, req)
