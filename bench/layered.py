@@ -52,12 +52,13 @@ sys.path.insert(0, str(ROOT))
 from cache_refresh.publish import publish  # noqa: E402
 from learner.artifact import build_artifact  # noqa: E402
 from learner.features import FeatureConfig  # noqa: E402
-from serving.embedding_store import RedisEmbeddingStore, delete_version, write_version  # noqa: E402
+from serving.embedding_store import RedisEmbeddingStore  # noqa: E402
 from serving.features import FeatureEncoder  # noqa: E402
 from serving.metrics import ServingMetrics  # noqa: E402
 from serving.model import ScoringModel  # noqa: E402
 from serving.request import parse_request  # noqa: E402
 from serving.settings import RowDtype  # noqa: E402
+from serving.stored_versions import delete_version, write_version  # noqa: E402
 from stream.features import hash_value  # noqa: E402
 from stream.redis_client import wait_until_up  # noqa: E402
 from streamrec.stack import free_port, redis_binary, redis_server_args  # noqa: E402

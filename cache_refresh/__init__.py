@@ -8,8 +8,9 @@ pin, pruning, the refresh lock, cleanup of killed runs), one run (``job.py``), i
 (``stored_rows.py``), ``--status`` (``status.py``), its schedule (``scheduler.py``) and its settings (``settings.py``).
 
 May import: ``stream/``, ``learner/`` (checkpoints, the artifact format), ``serving.model`` (to load
-what it built exactly as serving will), ``serving.embedding_store`` and ``serving.settings`` (the layered mode's
-rows in Redis, written before a version is published) and ``monitor.alerts`` (its alerts); never ``streamrec/``.
+what it built exactly as serving will), ``serving.stored_versions``, ``serving.row_codec`` and ``serving.settings``
+(the layered mode's rows in Redis, written before a version is published) and ``monitor.alerts`` (its alerts); never
+``streamrec/``.
 Entry points: ``cache_refresh.job.run_now`` (``--now``), ``run_once`` and ``scheduled_run`` (``streamrec refresh``),
 ``cache_refresh.scheduler.run_forever``.
 """

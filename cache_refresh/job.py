@@ -123,7 +123,7 @@ from learner import checkpoint as ckpt_io
 from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
 from learner.tensorpack import SigningKey, load_signing_key
-from serving import embedding_store
+from serving import stored_versions
 from serving.model import ScoringModel
 from serving.settings import EmbeddingStore
 from stream.config import KafkaSettings, RedisSettings
@@ -712,7 +712,7 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
                 on_error: Callable[[str], None] | None = None, between: Callable[[], object] = lambda: None,
                 ) -> dict[str, Any]:
     """The layered deployment: write the validated artifact's non-hot rows to Redis before it is published
-    (serving/embedding_store.py), ``meta`` last, ``between`` (the run's stop check) after each chunk of rows: a stop
+    (serving/stored_versions.py), ``meta`` last, ``between`` (the run's stop check) after each chunk of rows: a stop
     raised there deletes the rows written, as a failure does (nothing is published). A stop signal
     while the rows of a failed write are deleted lets the deletion finish (:class:`StopSignals` raises none while an
     exception is in flight): raised inside it, it left them in Redis and replaced the failure. ``on_error``: the
@@ -724,12 +724,12 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
         _delete_abandoned(client, rds, _owner(rs), on_error, between,
                           published=set(artifact.list_versions(Path(rs.publish_root))))
         try:
-            return embedding_store.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
+            return stored_versions.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
                                                  rs.embedding_store_dtype, owner=_owner(rs), between=between)
         except BaseException as exc:  # any failure, and a stop (RefreshTerminated): the rows written so far go
-            if not isinstance(exc, embedding_store.VersionTaken) and _may_hold(client, rds, model.version, exc):
+            if not isinstance(exc, stored_versions.VersionTaken) and _may_hold(client, rds, model.version, exc):
                 _delete_unfinished(client, rds, model.version)  # (not another writer's rows: nothing was written)
-            if isinstance(exc, embedding_store.VersionTaken):
+            if isinstance(exc, stored_versions.VersionTaken):
                 raise RefreshError("embedding_store", f"{exc}; nothing was published, the live artifact keeps "
                                    "serving") from exc
             if isinstance(exc, redis.RedisError):

@@ -1,4 +1,4 @@
-"""The layered deployment's rows in Redis (``serving/embedding_store.py``) that a refresh cleans up, best effort: the
+"""The layered deployment's rows in Redis (``serving/stored_versions.py``) that a refresh cleans up, best effort: the
 rows of a write that failed, of versions killed runs began to write, of a version a run wrote and did not publish,
 and of versions the publish root no longer holds (pruned), never those of the live version. The write itself is the
 run's ``embedding_store`` stage (``cache_refresh/job.py`` ``_store_rows``)."""
@@ -15,7 +15,7 @@ import redis
 from cache_refresh.redis_client import _redis
 from cache_refresh.settings import RefreshSettings
 from learner import artifact
-from serving import embedding_store
+from serving import row_codec, stored_versions
 from stream.config import RedisSettings
 
 log = logging.getLogger("streamrec.refresh")
@@ -49,7 +49,7 @@ def _may_hold(client: Any, rds: RedisSettings, version: str, exc: BaseException)
     marker, nothing of it. Else (the connection lost, a timeout, any other error), or not known: it may."""
     try:
         return not isinstance(exc, redis.ResponseError) or bool(
-            client.exists(embedding_store.writer_key(rds.prefix, version)))
+            client.exists(row_codec.writer_key(rds.prefix, version)))
     except Exception:  # noqa: BLE001 - not known: the delete decides
         return True
 
@@ -68,11 +68,11 @@ def _delete_unfinished(client: Any, rds: RedisSettings, version: str, why: str =
     """Best effort: delete the rows a failed write left. Rows without ``meta`` are never served, and never pruned
     either (pruning finds a version by its meta), so without this each failed run would leak a table into Redis."""
     try:
-        n = embedding_store.delete_version(client, rds.prefix, version)
+        n = stored_versions.delete_version(client, rds.prefix, version)
         log.info("refresh: deleted %d embedding store keys of %s, %s", n, version, why)
     except Exception as exc:  # noqa: BLE001 - Redis is failing anyway: say what is left behind
         _cleanup_failed(f"refresh: could not delete the rows of {version}, {why} ({exc}); delete the keys "
-                        f"{embedding_store.version_prefix(rds.prefix, version)}* by hand (they are never served)",
+                        f"{row_codec.version_prefix(rds.prefix, version)}* by hand (they are never served)",
                         on_error)
 
 
@@ -80,7 +80,7 @@ def _delete_abandoned(client: Any, rds: RedisSettings, owner: str, on_error: Cal
                       between: Callable[[], object] = lambda: None, published: frozenset[str] | set[str] = frozenset(),
                       ) -> None:
     """Best effort, before this run writes its rows: delete the rows of this publish root's versions that a killed run
-    began to write and never finished (``embedding_store.unfinished_versions``: a writer marker, no meta). Their
+    began to write and never finished (``stored_versions.unfinished_versions``: a writer marker, no meta). Their
     writer is gone: this run holds the publish root's lock, so no other refresh of this root is writing. Without this
     they stayed in Redis for ever (no meta, so pruning never found them), a table per killed run. ``between`` (the
     run's stop check) after each version's delete, which stays whole: a stop ends the cleanup between versions.
@@ -88,7 +88,7 @@ def _delete_abandoned(client: Any, rds: RedisSettings, owner: str, on_error: Cal
     version whose meta Redis evicted (read once, at load: allkeys-lru evicts it first), which rankers may serve; once
     its files are pruned it is deleted here like any other."""
     try:
-        for version in sorted(embedding_store.unfinished_versions(client, rds.prefix, owner) - published):
+        for version in sorted(stored_versions.unfinished_versions(client, rds.prefix, owner) - published):
             _delete_unfinished(client, rds, version, "a killed refresh began to write and never finished", on_error)
             between()
     except Exception as exc:  # noqa: BLE001 - not this run's rows: nothing here may fail it
@@ -126,8 +126,8 @@ def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path, previous:
         client = _redis(rds, rs)
         try:
             keep = set(artifact.list_versions(root)) | ({previous} if previous else set())
-            for version in sorted(embedding_store.stored_versions(client, rds.prefix, owner=_owner(rs)) - keep):
-                n = embedding_store.delete_version(client, rds.prefix, version)
+            for version in sorted(stored_versions.stored_versions(client, rds.prefix, owner=_owner(rs)) - keep):
+                n = stored_versions.delete_version(client, rds.prefix, version)
                 log.info("refresh: deleted %d embedding store keys of pruned version %s", n, version)
         finally:
             client.close()

@@ -17,25 +17,8 @@ Every row a request needs from Redis is asked for in ONE round trip (``MGET``; w
 one MGET per hash slot, pipelined: one round trip per cluster node holding any of them), deduplicated; past
 ``_FETCH_CHUNK`` keys, as pipelined MGETs of that many (still one round trip: one huge MGET outlasts the timeout).
 
-**Key layout: one key per row**, under a per-version prefix. ``MGET`` of N keys is one command, one round trip and
-O(N) on the server, and per-row keys hash to cluster slots independently, so a cluster spreads a version evenly
-with no hash tags. The price is Redis's per-key overhead: ~190 B per float32 row of D = 16 (68 B of values;
-bench/layered.py measured 170 MB for 0.9 M rows). Buckets (a hash of 64-256 rows per key, ``HMGET``) would store
-the same rows in roughly half that (listpack hashes carry little per-field overhead) but cost one command per
-bucket touched (~a hundred per request: a request's rows are scattered over the table), and a pipeline of a hundred
-commands costs more client time than one MGET; memory is the cheaper resource here. The version in every key means
-a new artifact never reads an old artifact's rows (a table's rows mean nothing under another version's hot set and
-deltas): the refresh writes a version's rows before it publishes it, ``meta`` last (a version without ``meta`` is
-incomplete and never served), and deletes the keys of versions it prunes (:func:`write_version`,
-:func:`delete_version`, ``cache_refresh/job.py`` and ``cache_refresh/stored_rows.py``).
-
-**Integrity: a tag per value** (``meta["row_check"] = "wsum32"``, :func:`row_tags`): the last 4 bytes of every value
-are a weighted sum of its bytes, its row and its version and dtype (:func:`tag_key`), mod 2^32. A value of the right
-length that is not this version's row (another version's or dtype's, another row's, garbage, a flipped bit) is
-malformed: its row falls back alone, like a missing key. Cost (bench/layered.py, 1 M rows): +4 B per key (Redis
-170 -> 186 MB for 0.9 M float32 rows), ~13 us per 100 rows fetched (decoding), within the machine's noise on the
-request's p50/p99. A version whose meta has no ``row_check`` (written before the tags) is read untagged; serving
-before this change reads a tagged version's values as of the wrong length: **upgrade serving before the refresh**.
+The keys, and the rows' bytes with their integrity tags: ``serving/row_codec.py``; writing, listing and deleting a
+version (the refresh): ``serving/stored_versions.py``.
 
 **Deltas.** Serving applies the learner's deltas as overrides exactly as in-process (``ScoringModel.apply_delta``),
 so a delta changes layered scores exactly as it changes in-process ones, with or without Redis; the LRU drops the
@@ -72,399 +55,42 @@ deleted version as for a Redis that is down).
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import math
-import re
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 from redis.cluster import PipelineCommand
 from redis.crc import key_slot
-from redis.exceptions import AskError, ClusterError, ResponseError, TryAgainError
+from redis.exceptions import AskError, ClusterError, TryAgainError
 
 from learner.artifact import ArtifactError
+from serving.row_codec import (
+    MAX_ROW_ABS,
+    ROW_CHECK,
+    decode_answer,
+    encode_rows,
+    meta_key,
+    overlay_keys,
+    row_keys,
+    tag_key,
+)
 from serving.settings import RowDtype
+from serving.stored_versions import decode_meta, get_value
 from stream.redis_client import wrong_type
 from stream.redis_deadline import replies_by
 
 log = logging.getLogger("streamrec.serve")
 
-_WRITE_CHUNK = 20_000  # rows per MSET while a version is written (~1.4 MB of float32 rows at D = 16)
 # Keys per MGET when a request's misses are read (single node): more go as pipelined MGETs of at most this many, in
 # the same one round trip. One MGET of the 262,144 rows a request may look up ([serve] max_request_values) kept Redis
 # busy past a 50 ms embedding_store_timeout_s before its first reply byte (measured: a TimeoutError, so EVERY
 # request's misses fell back for retry_after_s); 5,000 keys take Redis ~7 ms, and their reply is read as it comes.
 _FETCH_CHUNK = 5_000
-
-
-# The largest |value| a row may hold (a delta's, an artifact's, one read from Redis; serving/model.py row_problem): a
-# bag pools up to 1,024 rows (events' list limit) and the FM squares the sum over fields; float32 overflows past
-# ~1.8e19 squared. 1e12 leaves 1e7 of headroom there and is far beyond any trained embedding (a row this large means
-# the learner diverged, or Redis holds a value no refresh wrote).
-MAX_ROW_ABS = 1e12
-
-
-def version_prefix(prefix: str, version: str) -> str:
-    """``<prefix>:emb:<version>:``, the start of every key of one version's rows."""
-    return f"{prefix}:emb:{version}:"
-
-
-def glob_literal(text: str) -> str:
-    """``text`` as a SCAN ``MATCH`` pattern matching itself only: a prefix "p?" (legal) or a stray version key
-    named "*" matched other prefixes' and versions' keys, which pruning then deleted."""
-    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
-
-
-def meta_key(prefix: str, version: str) -> str:
-    return version_prefix(prefix, version) + "meta"
-
-
-def writer_key(prefix: str, version: str) -> str:
-    """A version's writer marker, set before its first row and deleted with it last (:func:`unfinished_versions`)."""
-    return version_prefix(prefix, version) + "writer"
-
-
-def row_keys(prefix: str, version: str, rows: np.ndarray) -> list[str]:
-    """The keys of global rows ``rows`` (M,) of a version."""
-    start = version_prefix(prefix, version) + "r:"
-    return [start + str(r) for r in rows.tolist()]
-
-
-def overlay_keys(prefix: str, version: str, rows: np.ndarray) -> list[str]:
-    """The keys of global rows ``rows`` (M,) in a version's delta overlay (module docstring: never its row keys,
-    which hold the artifact's rows only)."""
-    start = version_prefix(prefix, version) + "d:"
-    return [start + str(r) for r in rows.tolist()]
-
-
-ROW_CHECK = "wsum32"  # meta["row_check"]: every value ends in a 4-byte tag (:func:`row_tags`)
-_TAG_BYTES = 4
-_ROW_MIX = np.uint64(0x9E3779B1)
-
-
-def tag_key(version: str, dtype: RowDtype) -> int:
-    """The part of every row's tag that names its version and dtype (a value of another version or dtype fails)."""
-    return zlib.crc32(f"{version}\0{dtype}".encode())
-
-
-@functools.lru_cache(maxsize=16)
-def _weights(width: int) -> np.ndarray:
-    """(width,) odd 32-bit weights, one per byte of a value (a change of any one byte changes the tag), as float64:
-    a BLAS product, exact (each term < 2^40, a sum of W < 2^13 of them < 2^53)."""
-    w = np.random.default_rng(width).integers(0, 2 ** 31, width, dtype=np.uint64) * 2 + 1
-    w.flags.writeable = False
-    return w.astype(np.float64)
-
-
-def row_tags(payload: np.ndarray, rows: np.ndarray, key: int) -> np.ndarray:
-    """(M,) uint32 tags of ``payload`` (M, W) uint8, the values of global ``rows`` (M,) under ``key``
-    (:func:`tag_key`): a weighted sum of the bytes plus the row and the key, mod 2^32. Not a cryptographic check:
-    it refuses a value of another version, dtype or row, and garbage or a damaged value (but for 1 in 2^32), for
-    ~a microsecond per request (one small integer matrix product)."""
-    s = (payload.astype(np.float64) @ _weights(payload.shape[1])).astype(np.uint64)  # (M,), exact
-    s += rows.astype(np.uint64) * _ROW_MIX + np.uint64(key)
-    return (s & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-
-
-def encode_rows(vectors: np.ndarray, dtype: RowDtype, rows: np.ndarray | None = None,
-                key: int | None = None) -> list[bytes]:
-    """(M, D + 1) float -> M little-endian byte strings of ``dtype``, each followed by its 4-byte tag when ``key``
-    (:func:`tag_key`; ``rows`` (M,) the global rows). ValueError for a finite value ``dtype`` cannot hold (beyond
-    float16's 65504: it would be stored as inf, a row every read then refuses)."""
-    with np.errstate(over="ignore"):
-        arr = np.ascontiguousarray(vectors, dtype=np.dtype(str(dtype)).newbyteorder("<"))
-    if dtype is not RowDtype.FLOAT32 and not np.isfinite(arr).all():
-        lost = int((np.isfinite(np.asarray(vectors, np.float64)) & ~np.isfinite(arr)).sum())
-        if lost:
-            raise ValueError(f"{lost} values are beyond {dtype}'s range (max |x| "
-                             f"{float(np.abs(np.asarray(vectors, np.float64)).max()):.6g}): store the rows as float32 "
-                             "([refresh] embedding_store_dtype = \"float32\")")
-    payload = arr.view(np.uint8).reshape(len(arr), -1)  # (M, W)
-    if key is not None:
-        assert rows is not None, "a tagged value names its row"
-        tags = row_tags(payload, np.asarray(rows, np.int64), key).astype("<u4").view(np.uint8).reshape(-1, _TAG_BYTES)
-        payload = np.concatenate([payload, tags], axis=1)  # (M, W + 4)
-    width = payload.shape[1]
-    raw = payload.tobytes()
-    return [raw[i:i + width] for i in range(0, len(raw), width)]
-
-
-def decode_rows(values: list[bytes], dim: int, dtype: RowDtype) -> np.ndarray:
-    """M byte strings of ``dim`` ``dtype`` values each (untagged) -> (M, dim) float32. A value of another length
-    raises ValueError."""
-    dt = np.dtype(str(dtype)).newbyteorder("<")
-    if any(len(v) != dim * dt.itemsize for v in values):  # each value: lengths that only add up would split rows
-        raise ValueError(f"embedding store rows of {sorted({len(v) for v in values})} bytes, expected "
-                         f"{dim * dt.itemsize} ({dim} x {dtype})")
-    return np.frombuffer(b"".join(values), dtype=dt).reshape(len(values), dim).astype(np.float32)
-
-
-def decode_answer(values: list[bytes | None], dim: int, dtype: RowDtype, rows: np.ndarray | None = None,
-                  key: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """An MGET's M answers for global ``rows`` (M,) -> (vectors (M, dim) float32, missing (M,) bool, malformed (M,)
-    bool), row by row: a None is missing; a value of another length, whose tag does not match (with ``key``: the
-    version's :func:`tag_key`, values tagged by :func:`encode_rows`) or holding values non-finite or beyond
-    :data:`MAX_ROW_ABS` is malformed; their vectors are zeros. Never raises on the values: one bad key costs its own
-    row only (module docstring)."""
-    m = len(values)
-    dt = np.dtype(str(dtype)).newbyteorder("<")
-    width = dim * dt.itemsize + (_TAG_BYTES if key is not None else 0)
-    missing = np.zeros(m, dtype=bool)
-    malformed = np.zeros(m, dtype=bool)
-    # The common case: every value there and each of the right length (one join, no Python loop). Each value's
-    # length, not the total: a short value beside a long one, or one key holding two rows beside an empty one, add
-    # up to the right total and would be read across their rows (each of two concatenated rows even passes its tag).
-    if None not in values and set(map(len, cast("list[bytes]", values))) == {width}:
-        arr = np.frombuffer(b"".join(cast("list[bytes]", values)), dtype=np.uint8).reshape(m, width)
-    else:
-        arr = np.zeros((m, width), np.uint8)
-        good: list[int] = []
-        parts: list[bytes] = []
-        for i, v in enumerate(values):
-            if v is None:
-                missing[i] = True
-            elif len(v) != width:
-                malformed[i] = True
-            else:
-                good.append(i)
-                parts.append(v)
-        if good:
-            arr[good] = np.frombuffer(b"".join(parts), dtype=np.uint8).reshape(len(good), width)
-    if key is not None:
-        assert rows is not None, "a tagged value names its row"
-        payload = arr[:, :-_TAG_BYTES]
-        tags = np.ascontiguousarray(arr[:, -_TAG_BYTES:]).view("<u4")[:, 0]  # (M,)
-        malformed |= ~missing & ~malformed & (tags != row_tags(payload, np.asarray(rows, np.int64), key))
-    else:
-        payload = arr
-    out = np.ascontiguousarray(payload).view(dt).astype(np.float32)  # (M, dim)
-    # finite and within the bound every served row keeps (NaN compares False): 1e30 under a matching tag scored NaN
-    servable = (np.abs(out) <= MAX_ROW_ABS).all(axis=1)  # (M,)
-    malformed |= ~missing & ~servable
-    out[missing | malformed] = 0.0
-    return out, missing, malformed
-
-
-# -- writing and deleting a version (the refresh) ----------------------------------------------------------------
-def write_version(client: Any, prefix: str, version: str, table: np.ndarray, rows: np.ndarray, dtype: RowDtype,
-                  chunk: int = _WRITE_CHUNK, owner: str = "", between: Callable[[], object] = lambda: None,
-                  ) -> dict[str, Any]:
-    """Write ``table[rows]`` ((N, D + 1) table, rows (M,) int64) as one key per row, then ``meta`` last.
-
-    ``owner`` (the refresh: its publish root) is recorded in ``meta``; a refresh prunes only its own versions, so
-    two publish roots sharing a Redis prefix never delete each other's rows. It is also written, before the first
-    row, in the version's writer marker (:func:`writer_key`): a write killed before ``meta`` leaves rows no meta
-    names, which pruning (by meta) would never find; :func:`unfinished_versions` finds them by the marker.
-
-    ``client`` is a ``redis.Redis`` or ``RedisCluster`` (``mset_nonatomic`` there: keys of many slots). Redis
-    errors propagate (the refresh fails its stage and publishes nothing). ``between`` (the refresh's stop check) is
-    called after each chunk: what it raises ends the write before ``meta``, as a Redis error does. Returns the meta
-    written."""
-    rows = np.asarray(rows, dtype=np.int64)
-    _claim(client, prefix, version, owner, int(table.shape[0]))  # the writer marker, before any row
-    key = tag_key(version, dtype)  # every value tagged (ROW_CHECK): serving refuses one of another version or row
-    mset = getattr(client, "mset_nonatomic", None) or client.mset
-    for start in range(0, len(rows), chunk):
-        part = rows[start:start + chunk]
-        mset(dict(zip(row_keys(prefix, version, part), encode_rows(table[part], dtype, part, key), strict=True)))
-        between()
-    meta = {"version": version, "rows": int(table.shape[0]), "dim": int(table.shape[1]), "dtype": str(dtype),
-            "stored": int(len(rows)), "owner": owner, "row_check": ROW_CHECK}
-    client.set(meta_key(prefix, version), json.dumps(meta, sort_keys=True))
-    return meta
-
-
-class VersionTaken(ValueError):
-    """:func:`write_version` refused, before writing anything: the store holds the version under another owner."""
-
-
-def _claim(client: Any, prefix: str, version: str, owner: str, rows: int) -> None:
-    """Make ``owner`` the writer of ``version`` (its marker, set only where none is: ``SET NX``), or raise
-    :class:`VersionTaken` when its meta or marker names another owner (or is not one this code writes). Keys carry the
-    version, not the owner: two publish roots sharing a prefix that named a version alike (in the same millisecond)
-    wrote their rows over each other's, and one root's rankers served the other's rows, every tag matching. The marker
-    also holds the table's ``rows``: what :func:`delete_version` deletes by name once the meta is gone."""
-    def taken(what: str) -> VersionTaken:
-        return VersionTaken(f"version {version} is in the embedding store already, {what}, not {owner!r}: nothing "
-                            "was written; the next refresh names another version")
-    try:
-        meta = read_meta(client, prefix, version)  # a version written before the markers has a meta only
-    except ValueError as exc:
-        raise taken(f"its meta not one a refresh writes ({exc})") from None
-    if meta is not None and meta.get("owner", "") != owner:
-        raise taken(f"written by {meta.get('owner', '')}")
-    key = writer_key(prefix, version)
-    if client.set(key, json.dumps({"owner": owner, "rows": rows}), nx=True):
-        return
-    try:
-        raw = get_value(client, key)  # a key of another type: a ValueError naming it
-    except ValueError as exc:
-        raise taken(f"its writer marker not one a refresh writes ({exc})") from None
-    try:
-        held = json.loads(raw or b"null")
-    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is one), or nested past the parser: as it is
-        held = raw[:80]  # type: ignore[index]
-    if not isinstance(held, dict) or held.get("owner") != owner:
-        raise taken(f"its writer marker {held!r}")
-
-
-def read_meta(client: Any, prefix: str, version: str) -> dict[str, Any] | None:
-    """A version's meta (None: never completely written). Redis errors propagate; one that is not JSON, or a key of
-    another Redis type, is a ValueError (:func:`decode_meta`, :func:`get_value`)."""
-    key = meta_key(prefix, version)
-    return decode_meta(key, get_value(client, key))
-
-
-def get_value(client: Any, key: str) -> bytes | None:
-    """``GET key``; a ValueError naming the key when it holds another Redis type (a hash, a list: WRONGTYPE): Redis
-    answered, and the key is not one a refresh writes (not a Redis that is down). Other Redis errors propagate."""
-    try:
-        return cast("bytes | None", client.get(key))
-    except ResponseError as exc:
-        if not wrong_type(exc):
-            raise
-        raise ValueError(f"{key} is a Redis {_type_name(client, key)}, not a value a refresh writes; delete it and "
-                         "republish with `streamrec refresh --now`") from None
-
-
-def _type_name(client: Any, key: str) -> str:
-    try:
-        kind = client.type(key)
-    except Exception:  # noqa: BLE001 - only for the message
-        return "key of another type"
-    return kind.decode() if isinstance(kind, bytes) else str(kind)
-
-
-def decode_meta(key: str, raw: bytes | None) -> dict[str, Any] | None:
-    """The meta stored at ``key`` from its raw value (None: no such key); a ValueError naming the key for a value that
-    is not JSON, not UTF-8, or JSON but no object (``null`` included: the key exists, so the meta is damaged, not
-    absent; read as absent, a refresh wrote over it and serving said the version was not stored): not written by a
-    refresh."""
-    if raw is None:
-        return None
-    try:
-        meta = json.loads(raw)
-        if not isinstance(meta, dict):
-            raise ValueError(f"JSON {type(meta).__name__}, not an object")
-    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is one; RecursionError: "[[[[..." too deep)
-        raise ValueError(f"{key} is not a meta a refresh writes ({type(exc).__name__}: {exc}; {raw[:80]!r}); "
-                         "republish with `streamrec refresh --now`") from None
-    return meta
-
-
-def stored_versions(client: Any, prefix: str, owner: str | None = None) -> set[str]:
-    """Versions whose meta is in the store (with ``owner``: only those that owner wrote)."""
-    start, end = f"{prefix}:emb:", ":meta"
-    out = set()
-    for key in client.scan_iter(match=f"{glob_literal(start)}*{end}", count=1000):
-        k = key.decode() if isinstance(key, bytes) else key
-        version = k[len(start):-len(end)]
-        if owner is not None:
-            try:
-                meta = read_meta(client, prefix, version)
-            except ValueError:  # not a JSON object: not a meta this code wrote, so not this owner's
-                continue
-            if meta is None or meta.get("owner", "") != owner:  # None: deleted since the scan
-                continue
-        out.add(version)
-    return out
-
-
-def unfinished_versions(client: Any, prefix: str, owner: str) -> set[str]:
-    """Versions ``owner`` began to write and never finished: a writer marker naming it and no ``meta`` (a refresh
-    killed while writing its rows, or while deleting a version). Only a caller that knows none of them is being
-    written may delete them: the refresh, holding its publish root's lock, before it writes its own."""
-    start, end = f"{prefix}:emb:", ":writer"
-    out = set()
-    for key in client.scan_iter(match=f"{glob_literal(start)}*{end}", count=1000):
-        k = key.decode() if isinstance(key, bytes) else key
-        version = k[len(start):-len(end)]
-        try:
-            marker = json.loads(get_value(client, k) or b"null")
-        except (ValueError, RecursionError):  # not JSON (or "[[[[..." too deep), not a string: not a marker of ours
-            continue
-        if isinstance(marker, dict) and marker.get("owner") == owner and not client.exists(meta_key(prefix, version)):
-            out.add(version)
-    return out
-
-
-def delete_version(client: Any, prefix: str, version: str, batch: int = 10_000) -> int:
-    """Delete a version's keys, ``meta`` first (so a half-deleted version is never served), then its rows and its
-    delta overlay, and its writer marker last (a delete killed half-way is then an unfinished version, found again);
-    returns how many.
-
-    On a single node the rows are found by SCAN. On a Redis Cluster they are deleted by name, every row and overlay key
-    of rows ``0 .. rows - 1`` (``rows``: the table's, from the meta or the writer marker), ``UNLINK`` per hash slot:
-    a SCAN walks each primary on its own, and a key a resharding moved meanwhile from a node not walked yet to one
-    walked already was never seen, and stayed for good (neither meta nor marker left to find it by). Only a version
-    whose meta and marker name no ``rows`` (a marker of a write before markers held them, its meta deleted) is found
-    by SCAN there too."""
-    rows = _stored_rows(client, prefix, version) if hasattr(client, "mget_nonatomic") else None
-    n = int(client.delete(meta_key(prefix, version)))
-    if rows is not None:
-        step = max(batch, _DELETE_CHUNK)  # rows per call: several keys per slot, or UNLINK per slot is one per key
-        for start in range(0, rows, step):
-            part = np.arange(start, min(rows, start + step), dtype=np.int64)
-            n += _unlink_named(client, row_keys(prefix, version, part) + overlay_keys(prefix, version, part))
-        return n + int(client.delete(writer_key(prefix, version)))
-    keys: list[Any] = []
-    for key in client.scan_iter(match=glob_literal(version_prefix(prefix, version)) + "[rd]:*", count=1000):
-        keys.append(key)
-        if len(keys) >= batch:
-            n += _unlink(client, keys)
-            keys = []
-    if keys:
-        n += _unlink(client, keys)
-    return n + int(client.delete(writer_key(prefix, version)))
-
-
-_DELETE_CHUNK = 100_000  # rows deleted by name per call on a cluster: ~12 keys per hash slot per UNLINK
-
-
-def _stored_rows(client: Any, prefix: str, version: str) -> int | None:
-    """The table rows a version's meta (else its writer marker) names; None where neither does."""
-    for key in (meta_key(prefix, version), writer_key(prefix, version)):
-        try:
-            held = json.loads(get_value(client, key) or b"null")
-        except (ValueError, RecursionError):  # another type, not JSON: not one this code wrote
-            continue
-        rows = held.get("rows") if isinstance(held, dict) else None
-        if isinstance(rows, int) and not isinstance(rows, bool) and 0 <= rows <= _NAMED_ROWS_MAX:
-            return rows
-    return None
-
-
-# The most rows deleted by name (a table of more is found by SCAN): a meta or marker another client wrote with rows
-# 10**12 had the delete name keys for days.
-_NAMED_ROWS_MAX = 1 << 31
-
-
-def _unlink_named(client: Any, keys: list[str]) -> int:
-    """UNLINK ``keys`` on a cluster: one command per hash slot; a slot a resharding has split between two nodes
-    refuses a command on several of its keys (TRYAGAIN, then redis-py's ``ClusterError``), so the keys go again one
-    per command, each followed to its node (ASK). UNLINK again of a key gone is a no-op, so the count may fall short
-    of the keys deleted by the first try only."""
-    try:
-        return int(client.unlink(*keys))
-    except (ResponseError, ClusterError):
-        return _unlink(client, keys)
-
-
-def _unlink(client: Any, keys: list[Any]) -> int:
-    # one key per command in a cluster (keys of many slots); one UNLINK of many on a single node
-    if hasattr(client, "mget_nonatomic"):
-        pipe = client.pipeline()
-        for k in keys:
-            pipe.unlink(k)
-        return sum(int(x) for x in pipe.execute())
-    return int(client.unlink(*keys))
 
 
 # -- the LRU ------------------------------------------------------------------------------------------------------

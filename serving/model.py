@@ -54,8 +54,9 @@ from learner.scorer import (
 )
 from learner.scorer_files import load_scorer
 from learner.tensorpack import SigningKey
-from serving.embedding_store import MAX_ROW_ABS, LayeredRows, RedisEmbeddingStore, VersionNotStored
+from serving.embedding_store import LayeredRows, RedisEmbeddingStore, VersionNotStored
 from serving.metrics import LookupTally
+from serving.row_codec import MAX_ROW_ABS
 
 # ... and a dense weight (the MLP's, ``bias``, ``calibration``): a request's activations reach ~1e19 (dense values
 # |x| < 2**64), and trained weights 1e30x theirs, or +-1e12 each, made NaN scores (a 200 with nulls). The dense part

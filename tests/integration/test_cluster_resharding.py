@@ -17,7 +17,7 @@ import redis
 import redis.cluster
 from redis.crc import key_slot
 
-from serving import embedding_store
+from serving import embedding_store, row_codec, stored_versions
 from serving.metrics import ServingMetrics
 from serving.settings import RowDtype
 from stream.config import RedisSettings
@@ -57,12 +57,12 @@ def test_a_version_deleted_while_a_resharding_moves_its_rows_leaves_no_key_on_an
     with cluster_client(cluster_nodes, prefix, timeout_s=5.0) as client:
         n_rows = 10_000
         table = np.zeros((n_rows, 3), np.float32)  # (N, D + 1)
-        embedding_store.write_version(client, prefix, "v1", table, np.arange(n_rows), RowDtype.FLOAT32,
+        stored_versions.write_version(client, prefix, "v1", table, np.arange(n_rows), RowDtype.FLOAT32,
                                      owner="root")
-        client.mset_nonatomic(dict.fromkeys(embedding_store.overlay_keys(prefix, "v1", np.arange(0, n_rows, 7)), b"x"))
+        client.mset_nonatomic(dict.fromkeys(row_codec.overlay_keys(prefix, "v1", np.arange(0, n_rows, 7)), b"x"))
         share = SLOTS // 3 + 1
         # one slot of node 2 half-moved to node 0 for the whole delete: a command on several of its keys gets TRYAGAIN
-        per_slot = Counter(key_slot(k.encode()) for k in embedding_store.row_keys(prefix, "v1", np.arange(n_rows)))
+        per_slot = Counter(key_slot(k.encode()) for k in row_codec.row_keys(prefix, "v1", np.arange(n_rows)))
         split = next(s for s, n in per_slot.items() if n >= 2 and s >= 2 * share)  # (hundreds to choose from)
         cluster_nodes.begin_move(split, 2, 0, keys=1)
         moved: list[int] = []
@@ -87,7 +87,7 @@ def test_a_version_deleted_while_a_resharding_moves_its_rows_leaves_no_key_on_an
 
         monkeypatch.setattr(client, "scan_iter", scan_iter)
         monkeypatch.setattr(client, "unlink", unlink)
-        embedding_store.delete_version(client, prefix, "v1", batch=5_000)
+        stored_versions.delete_version(client, prefix, "v1", batch=5_000)
         assert moved
         cluster_nodes.finish_move(split, 2, 0)
         assert keys_left(client) == 0
@@ -179,7 +179,7 @@ def rows_sharing_a_slot(prefix: str) -> tuple[int, np.ndarray, list[str], dict[i
     at least two of them (the one a test splits between two nodes mid-move)."""
     n_rows = SLOTS + 1  # more rows than slots: some slot holds two of them
     table = np.arange(n_rows * 3, dtype=np.float32).reshape(n_rows, 3)  # (N, D + 1)
-    keys = embedding_store.row_keys(prefix, "v1", np.arange(n_rows))
+    keys = row_codec.row_keys(prefix, "v1", np.arange(n_rows))
     per_slot: dict[int, list[int]] = {}
     for row, k in enumerate(keys):
         per_slot.setdefault(key_slot(k.encode()), []).append(row)
@@ -192,7 +192,7 @@ def stored_rows_sharing_a_slot(client: Any, prefix: str
     ``(table, keys, per_slot, slot, rows (M,), the version's meta)``."""
     n_rows, table, keys, per_slot, slot = rows_sharing_a_slot(prefix)
     rows = np.array(per_slot[slot] + [r for r in range(0, n_rows, 701) if r not in per_slot[slot]], np.int64)
-    meta = embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
+    meta = stored_versions.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
     return table, keys, per_slot, slot, rows, meta
 
 
@@ -212,7 +212,7 @@ def test_a_request_whose_rows_live_in_a_slot_a_resharding_split_gets_its_rows_no
         src = moving_cluster.index_of(keys[per_slot[slot][0]])
         moving_cluster.begin_move(slot, src, (src + 1) % 3, keys=[keys[per_slot[slot][0]]])  # one row moved
         store = embedding_store.RedisEmbeddingStore(client, prefix, retry_after_s=60.0, cluster=True)
-        key = embedding_store.tag_key("v1", RowDtype.FLOAT32) if meta.get("row_check") else None
+        key = row_codec.tag_key("v1", RowDtype.FLOAT32) if meta.get("row_check") else None
         got, bad = store.fetch("v1", rows, 3, RowDtype.FLOAT32, key)
         assert not bad.any() and store.available and store.last_error is None
         np.testing.assert_array_equal(got, table[rows])
@@ -234,7 +234,7 @@ def test_a_row_key_of_another_redis_type_in_a_split_slot_falls_back_alone_and_ke
         with contextlib.closing(redis.Redis(port=moving_cluster.ports[src])) as node:
             moving_cluster._migrate(node, dst, [keys[moved].encode()])  # the hash stays: the slot is split
         store = embedding_store.RedisEmbeddingStore(client, prefix, retry_after_s=60.0, cluster=True)
-        key = embedding_store.tag_key("v1", RowDtype.FLOAT32) if meta.get("row_check") else None
+        key = row_codec.tag_key("v1", RowDtype.FLOAT32) if meta.get("row_check") else None
         got, bad = store.fetch("v1", rows, 3, RowDtype.FLOAT32, key)
         np.testing.assert_array_equal(bad, rows == hashed)
         np.testing.assert_array_equal(got[~bad], table[rows[~bad]])
@@ -277,7 +277,7 @@ def test_a_fetch_with_rows_late_at_a_split_slot_and_a_missing_row_is_one_error_o
         n_rows, table, keys, per_slot, slot = rows_sharing_a_slot(prefix)
         gone = next(r for r in range(0, n_rows, 701) if r not in per_slot[slot])  # its key deleted: missing
         rows = np.array(per_slot[slot] + [gone], np.int64)
-        embedding_store.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
+        stored_versions.write_version(client, prefix, "v1", table, rows, RowDtype.FLOAT32)
         client.delete(keys[gone])
         src = moving_cluster.index_of(keys[per_slot[slot][0]])
         moving_cluster.begin_move(slot, src, (src + 1) % 3, keys=[keys[per_slot[slot][0]]])  # one row moved
@@ -296,7 +296,7 @@ def test_a_cluster_row_read_routes_each_slots_mget_itself_as_mget_nonatomic_does
     # the store's per-slot MGETs named no node: redis-py found every key's slot again to route each (MGET is split by
     # slot client-side), about 1 ms more than mget_nonatomic for a request of 300 rows. Same values, same order
     with cluster_client(moving_cluster, prefix, timeout_s=5.0) as client:
-        keys = list(embedding_store.row_keys(prefix, "v1", np.arange(300)))
+        keys = list(row_codec.row_keys(prefix, "v1", np.arange(300)))
         client.mset_nonatomic({k: k.encode() for k in keys[::2]})  # every other row missing
         keys += keys[:10]  # (a duplicate reads the same)
         store = embedding_store.RedisEmbeddingStore(client, prefix, cluster=True)

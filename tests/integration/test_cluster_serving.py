@@ -54,8 +54,8 @@ def scores_of(model: ScoringModel, req: dict[str, Any], history: list[int]) -> l
 
 def fill(client: Any, path: Path, prefix: str, rds: RedisSettings, user: str) -> None:
     """What the refresh and the joiner keep in Redis: the version's rows and ``user``'s clicks."""
-    from serving.embedding_store import write_version
     from serving.settings import RowDtype
+    from serving.stored_versions import write_version
 
     model = ScoringModel.load(path)
     write_version(client, prefix, model.version, model.table, model.non_hot_rows(), RowDtype.FLOAT32)

@@ -31,21 +31,15 @@ from learner.row_mapper import RowMapper
 from monitor.rule_engine import RuleEngine
 from monitor.rules import load_rules
 from monitor.scrape import Snapshot
-from serving.embedding_store import (
-    RedisEmbeddingStore,
-    decode_answer,
-    encode_rows,
-    overlay_keys,
-    row_keys,
-    tag_key,
-    write_version,
-)
+from serving.embedding_store import RedisEmbeddingStore
 from serving.features import FeatureEncoder
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
 from serving.request import parse_request
+from serving.row_codec import decode_answer, encode_rows, overlay_keys, row_keys, tag_key
 from serving.service import ScoringService
 from serving.settings import EmbeddingStore, RowDtype, ServeSettings
+from serving.stored_versions import write_version
 from stream.config import RedisSettings
 from stream.errors import BindError
 from stream.features import hash_value
@@ -101,7 +95,7 @@ def publish_version(root: Path, client: Any, prefix: str, dtype: RowDtype = RowD
 
 
 def stored_row(value: Any, row: int, dtype: RowDtype = RowDtype.FLOAT32, version: str = "v1") -> np.ndarray:
-    """A row's value as the refresh or serving wrote it (tagged: serving/embedding_store.py), its tag checked."""
+    """A row's value as the refresh or serving wrote it (tagged: serving/row_codec.py), its tag checked."""
     assert value is not None
     out, missing, malformed = decode_answer([value], CFG.embedding_dim + 1, dtype, np.array([row]),
                                             tag_key(version, dtype))
@@ -371,7 +365,7 @@ def test_a_layered_refresh_writes_rows_before_publishing_and_deletes_a_pruned_ve
     from cache_refresh.settings import RefreshSettings
     from learner import checkpoint as ckpt_io
     from learner.artifact import read_current
-    from serving.embedding_store import read_meta, stored_versions
+    from serving.stored_versions import read_meta, stored_versions
 
     ck = checkpoint()
     meta = {**ck["meta"], "steps": 1, "metrics": {}, "topic": "samples"}
@@ -414,7 +408,7 @@ def test_a_layered_refresh_writes_rows_before_publishing_and_deletes_a_pruned_ve
 # -- Redis Cluster (the redis_cluster fixture: tests/redis_cluster.py) -------------------------------------------
 def test_layered_scores_equal_in_process_scores_on_a_redis_cluster(redis_cluster: str, prefix: str,
                                                                    tmp_path: Path) -> None:
-    from serving.embedding_store import delete_version, stored_versions
+    from serving.stored_versions import delete_version, stored_versions
     from stream.redis_client import connect
 
     rds = RedisSettings(url=redis_cluster, prefix=prefix, cluster=True)
@@ -603,7 +597,7 @@ def test_pruning_skips_a_garbage_meta_of_another_writer_and_still_deletes_its_ow
     # a hand-set key) must not raise out of the prune, nor stop it deleting this root's pruned versions.
     from cache_refresh import stored_rows
     from cache_refresh.settings import RefreshSettings
-    from serving.embedding_store import stored_versions
+    from serving.stored_versions import stored_versions
 
     rs = RefreshSettings(publish_root=tmp_path / "serving", embedding_store=EmbeddingStore.LAYERED)
     rds = RedisSettings(url=stack.redis_url, prefix=prefix)
@@ -632,7 +626,8 @@ def test_keys_of_another_redis_type_under_the_prefix_stop_neither_pruning_nor_th
     # out of the listing: the refresh then deleted none of its own pruned or abandoned versions' rows, each run.
     from cache_refresh import stored_rows
     from cache_refresh.settings import RefreshSettings
-    from serving.embedding_store import stored_versions, unfinished_versions, writer_key
+    from serving.row_codec import writer_key
+    from serving.stored_versions import stored_versions, unfinished_versions
 
     rs = RefreshSettings(publish_root=tmp_path / "serving", embedding_store=EmbeddingStore.LAYERED)
     rds = RedisSettings(url=stack.redis_url, prefix=prefix)
@@ -1112,7 +1107,7 @@ def test_a_layered_refresh_that_does_not_publish_leaves_no_rows_of_its_version_i
     from cache_refresh.settings import RefreshSettings
     from learner import artifact
     from learner import checkpoint as ckpt_io
-    from serving.embedding_store import stored_versions
+    from serving.stored_versions import stored_versions
 
     ck = checkpoint()
     meta = {**ck["meta"], "steps": 1, "metrics": {}, "topic": "samples"}
@@ -1199,7 +1194,7 @@ def test_glob_characters_in_a_prefix_or_a_version_delete_and_list_only_their_own
         redis_client: redis.Redis, prefix: str) -> None:
     """SCAN's MATCH is a glob: a prefix "p?" or a stray version key named "*" (not written by a refresh) matched other
     prefixes' and versions' keys, so pruning them deleted rows another deployment, or the live version, serves."""
-    from serving.embedding_store import delete_version, stored_versions, unfinished_versions
+    from serving.stored_versions import delete_version, stored_versions, unfinished_versions
 
     rows = np.zeros((3, 5), np.float32)
     ours, theirs = f"{prefix}?", f"{prefix}x"  # "p?" is a legal prefix, and matched "px"

@@ -40,9 +40,9 @@ from learner.features import default_config
 from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.trainer import Trainer
-from serving.embedding_store import read_meta
 from serving.model import ScoringModel
 from serving.settings import EmbeddingStore
+from serving.stored_versions import read_meta
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from stream.ids import stable_hash

@@ -19,10 +19,12 @@ import numpy as np
 import pytest
 import redis
 
-from serving.embedding_store import RedisEmbeddingStore, StoreUnavailable, tag_key, write_version
+from serving.embedding_store import RedisEmbeddingStore, StoreUnavailable
 from serving.model import ScoringModel
+from serving.row_codec import tag_key
 from serving.service import ScoringService
 from serving.settings import EmbeddingStore, RowDtype, ServeSettings
+from serving.stored_versions import write_version
 from stream.config import RedisSettings
 from stream.features import hash_value
 from stream.history import UserHistory

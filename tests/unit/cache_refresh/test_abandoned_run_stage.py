@@ -87,7 +87,7 @@ def test_the_run_progress_records_the_redis_errors_of_the_embedding_store_cleanu
     saw: none". Redis here is a closed port: both cleanups fail to connect."""
     import dataclasses
 
-    from serving import embedding_store
+    from serving import stored_versions
     from serving.settings import EmbeddingStore
     from tests.unit.cache_refresh.test_stop_signal_now import _live_and_newer, _now_settings
 
@@ -104,7 +104,7 @@ def test_the_run_progress_records_the_redis_errors_of_the_embedding_store_cleanu
         seen["pruned versions' rows"] = progress.where()
         return None
 
-    monkeypatch.setattr(embedding_store, "write_version", writes)
+    monkeypatch.setattr(stored_versions, "write_version", writes)
     monkeypatch.setattr(job, "notify", notifies)
     summary = job.run_once(rs, KafkaSettings(), RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"),
                            progress=progress)

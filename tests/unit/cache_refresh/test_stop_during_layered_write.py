@@ -14,7 +14,7 @@ import pytest
 
 from cache_refresh import job
 from cache_refresh.settings import RefreshSettings
-from serving import embedding_store
+from serving import stored_versions
 from stream.config import RedisSettings
 
 
@@ -47,9 +47,9 @@ def test_a_stop_during_the_layered_write_deletes_the_rows_written_so_far(monkeyp
         return len(gone)
 
     monkeypatch.setattr(job, "_redis", lambda rds, rs: client)
-    monkeypatch.setattr(embedding_store, "unfinished_versions", lambda *a, **k: set())
-    monkeypatch.setattr(embedding_store, "write_version", write_then_stopped)
-    monkeypatch.setattr(embedding_store, "delete_version", delete_version)
+    monkeypatch.setattr(stored_versions, "unfinished_versions", lambda *a, **k: set())
+    monkeypatch.setattr(stored_versions, "write_version", write_then_stopped)
+    monkeypatch.setattr(stored_versions, "delete_version", delete_version)
     with pytest.raises(job.RefreshTerminated):
         job._store_rows(RefreshSettings(), RedisSettings(prefix="p"), _Model())  # type: ignore[arg-type]
     assert client.keys == set()  # nothing of the unpublished version is left behind
@@ -97,7 +97,7 @@ def test_a_stop_checked_in_the_layered_write_ends_it_after_the_chunk_being_writt
     import numpy as np
 
     client = _DictRedis()
-    n = 2 * embedding_store._WRITE_CHUNK + 5  # three chunks
+    n = 2 * stored_versions._WRITE_CHUNK + 5  # three chunks
 
     class Model:
         version, table = "v002", np.zeros((n, 3), np.float32)

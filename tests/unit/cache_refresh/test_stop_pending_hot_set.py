@@ -17,7 +17,7 @@ import redis
 from cache_refresh import hot_set, job
 from cache_refresh.settings import RefreshSettings
 from learner.features import default_config
-from serving import embedding_store
+from serving import stored_versions
 from stream.config import KafkaSettings, RedisSettings
 from streamrec.stack import free_port
 from tests.unit.cache_refresh.test_stop_pending_stage_end import _stop_inside_a_swallowed_error
@@ -170,9 +170,9 @@ def test_a_stop_kept_pending_while_a_killed_runs_version_is_deleted_ends_the_cle
         return 1
 
     monkeypatch.setattr(job, "_redis", lambda rds, rs: client)
-    monkeypatch.setattr(embedding_store, "unfinished_versions", lambda c, prefix, owner: set(c.left))
-    monkeypatch.setattr(embedding_store, "delete_version", delete_version)
-    monkeypatch.setattr(embedding_store, "write_version", lambda c, prefix, version, *a, **k: c.written.append(version))
+    monkeypatch.setattr(stored_versions, "unfinished_versions", lambda c, prefix, owner: set(c.left))
+    monkeypatch.setattr(stored_versions, "delete_version", delete_version)
+    monkeypatch.setattr(stored_versions, "write_version", lambda c, prefix, version, *a, **k: c.written.append(version))
 
     class Model:
         version, table = "v004", None

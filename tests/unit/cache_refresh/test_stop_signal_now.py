@@ -167,7 +167,7 @@ def test_a_stop_signal_while_the_layered_write_cleans_up_after_a_redis_error_kee
     import redis
 
     from cache_refresh.settings import EmbeddingStore
-    from serving import embedding_store
+    from serving import stored_versions
 
     root, ckpts = _live_and_newer(tmp_path)
     rows = {f"p:emb:x:{i}" for i in range(3)}
@@ -189,9 +189,9 @@ def test_a_stop_signal_while_the_layered_write_cleans_up_after_a_redis_error_kee
         return n
 
     monkeypatch.setattr(job, "_redis", lambda rds, rs: Client())
-    monkeypatch.setattr(embedding_store, "unfinished_versions", lambda *a, **k: set())
-    monkeypatch.setattr(embedding_store, "write_version", oom)
-    monkeypatch.setattr(embedding_store, "delete_version", delete_version)
+    monkeypatch.setattr(stored_versions, "unfinished_versions", lambda *a, **k: set())
+    monkeypatch.setattr(stored_versions, "write_version", oom)
+    monkeypatch.setattr(stored_versions, "delete_version", delete_version)
     rs = dataclasses.replace(_now_settings(root, ckpts), embedding_store=EmbeddingStore.LAYERED)
     with caplog.at_level("WARNING", logger="streamrec.refresh"), pytest.raises(job.RefreshError) as err:
         job.run_now(rs, KafkaSettings(), RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0", prefix="p"))

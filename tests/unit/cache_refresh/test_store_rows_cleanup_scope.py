@@ -1,5 +1,5 @@
 """The layered run's cleanup after a failed ``_store_rows`` (cache_refresh/job.py) deletes this run's own version only
-when something of it may be in Redis: its write (``embedding_store.write_version``) began, so its writer marker may be
+when something of it may be in Redis: its write (``stored_versions.write_version``) began, so its writer marker may be
 set. A stop raised in the cleanup of killed runs' versions, before the write began, ran ``delete_version`` of the
 never-written version anyway: a keyspace SCAN for nothing (minutes on a large store) in a run being stopped.
 
@@ -17,12 +17,12 @@ import redis
 
 from cache_refresh import job, stored_rows
 from cache_refresh.settings import RefreshSettings
-from serving import embedding_store
+from serving import row_codec, stored_versions
 from stream.config import RedisSettings
 from tests.unit.cache_refresh.test_stop_during_layered_write import _DictRedis
 
 PREFIX = "p"
-N = embedding_store._WRITE_CHUNK + 5  # two chunks
+N = stored_versions._WRITE_CHUNK + 5  # two chunks
 
 
 class _Counted(_DictRedis):
@@ -51,7 +51,7 @@ def _with_killed_runs_version(monkeypatch: pytest.MonkeyPatch) -> tuple[_Counted
     """A Redis holding the writer marker of a version (v001) a killed run of this publish root began to write."""
     rs = RefreshSettings()
     client = _Counted()
-    client.set(embedding_store.writer_key(PREFIX, "v001"), json.dumps({"owner": stored_rows._owner(rs)}))
+    client.set(row_codec.writer_key(PREFIX, "v001"), json.dumps({"owner": stored_rows._owner(rs)}))
     monkeypatch.setattr(job, "_redis", lambda rds, rs: client)
     return client, rs
 

@@ -1,4 +1,5 @@
-"""The layered store's pure logic (serving/embedding_store.py): row codec, LRU, bucket fallback, retry-after window.
+"""The layered store's pure logic (serving/embedding_store.py, row_codec.py, stored_versions.py): row codec, LRU,
+bucket fallback, retry-after window.
 
 The Redis behaviour itself (one MGET per request, scores, Redis stopped) is tested against real Redis in
 tests/integration/test_layered_serving.py; the fake client here only raises or answers, to drive the logic.
@@ -15,17 +16,8 @@ import redis
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from serving.embedding_store import (
-    LayeredRows,
-    RedisEmbeddingStore,
-    RowCache,
-    StoreUnavailable,
-    decode_answer,
-    decode_rows,
-    encode_rows,
-    row_keys,
-    tag_key,
-)
+from serving.embedding_store import LayeredRows, RedisEmbeddingStore, RowCache, StoreUnavailable
+from serving.row_codec import decode_answer, decode_rows, encode_rows, row_keys, tag_key
 from serving.settings import RowDtype, ServeSettings
 
 
@@ -308,7 +300,8 @@ class MarkerClient(FakeClient):
 def test_a_meta_key_holding_json_that_is_no_object_is_damaged_not_absent(meta: bytes) -> None:
     """A meta key of JSON ``null`` read as no meta: ``write_version`` wrote over the key as if the version were free,
     and ``open()`` said the version was not stored although its key exists. Any non-object is refused alike."""
-    from serving.embedding_store import VersionNotStored, VersionTaken, write_version
+    from serving.embedding_store import VersionNotStored
+    from serving.stored_versions import VersionTaken, write_version
 
     table = np.zeros((10, 3), np.float32)
     store, client = _store(table, lambda: 0.0)
@@ -329,7 +322,7 @@ def test_a_writer_marker_a_refresh_never_writes_is_refused_naming_what_it_holds(
         values: dict[str, bytes], hashes: set[str], said: str) -> None:
     """A version's writer marker that is not JSON, or a key of another type, was said to be "its writer marker None":
     the error named neither the value nor the key's type."""
-    from serving.embedding_store import VersionTaken, write_version
+    from serving.stored_versions import VersionTaken, write_version
 
     client = MarkerClient(dict(values), hashes)
     with pytest.raises(VersionTaken, match=said):
@@ -370,7 +363,7 @@ def test_any_meta_bytes_open_the_version_or_are_a_value_error(meta: bytes) -> No
 @given(_meta_bytes)
 @settings(max_examples=50, deadline=None)
 def test_any_meta_or_writer_marker_bytes_of_another_writer_are_version_taken(value: bytes) -> None:
-    from serving.embedding_store import VersionTaken, write_version
+    from serving.stored_versions import VersionTaken, write_version
 
     for key in ["p:emb:v:writer", "p:emb:v:meta"]:  # a meta of JSON null too: the key exists, so it is damaged
         client = MarkerClient({key: value})
@@ -392,7 +385,7 @@ class ScanClient(MarkerClient):
 @given(_meta_bytes)
 @settings(max_examples=50, deadline=None)
 def test_any_writer_marker_bytes_are_an_unfinished_version_only_when_they_name_the_owner(value: bytes) -> None:
-    from serving.embedding_store import unfinished_versions
+    from serving.stored_versions import unfinished_versions
 
     client = ScanClient({"p:emb:v:writer": value, "p:emb:w:writer": json.dumps({"owner": "o"}).encode()})
     try:
@@ -407,7 +400,8 @@ def test_a_row_count_no_table_has_is_not_deleted_by_name() -> None:
     """On a cluster a version's keys are deleted by name, rows 0 .. rows - 1 of its meta (else its writer marker): a
     meta another client wrote with ``rows`` 10**12 had the delete name keys for days. Past the bound the keys are found
     by SCAN instead; a count a table can have is taken."""
-    from serving.embedding_store import _stored_rows, meta_key, writer_key
+    from serving.row_codec import meta_key, writer_key
+    from serving.stored_versions import _stored_rows
 
     huge = FakeClient({meta_key("p", "v1"): json.dumps({"rows": 10**12}).encode()})
     assert _stored_rows(huge, "p", "v1") is None
