@@ -9,20 +9,25 @@ back from that list (``state_log.load_chunks`` for real, over a fake ``read_to_e
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+import stream.joiner.kafka_driver as kafka_driver_module
 import stream.joiner.pipeline as pipeline_module
 import stream.joiner.state_log as state_log_module
 from stream.config import KafkaSettings
+from stream.errors import DeliveryFailed
 from stream.events import Click, Impression
 from stream.joiner.config import JoinerSettings
 from stream.joiner.pipeline import JoinPipeline, awake_clock
 from stream.joiner.records import Record
 from stream.joiner.state_log import state_topic
 from stream.joiner.totals import JoinTotals
+from stream.joiner.worker import FaustJoinWorker
 from stream.kafka_limits import MessageLimit
 from stream.limits import DEFAULT_LIMITS
 
@@ -32,20 +37,27 @@ STATE = state_topic(JoinerSettings().app_id)
 
 
 class Log:
-    """Every message the pipelines sent (one broker for all of them), and each dead letter's source."""
+    """Every message the pipelines sent (one broker for all of them), and each dead letter's source, acknowledged at
+    the producer's next flush (``lost``: the next flush with dead letters to acknowledge fails so, and loses them)."""
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, int | None, Any, bytes | None]] = []  # (topic, partition, key, value)
-        self.dead: list[tuple[str, int, int | None]] = []  # (source topic, partition, offset)
+        self.dead: list[tuple[str, int, int | None]] = []  # (source topic, partition, offset), acknowledged
+        self.unflushed: list[tuple[str, int, int | None]] = []
+        self.lost: Exception | None = None
 
     def send(self, topic, value, key=None, headers=None, partition=None) -> None:  # noqa: ANN001 - AckedProducer's
         self.sent.append((topic, partition, key, value))
 
     def flush(self) -> None:
-        pass
+        unflushed, self.unflushed = self.unflushed, []
+        if unflushed and self.lost is not None:
+            error, self.lost = self.lost, None
+            raise error
+        self.dead.extend(unflushed)
 
     def dead_letter(self, topic, key, value, err, partition, offset=None, headers=None) -> None:  # noqa: ANN001
-        self.dead.append((topic, partition, offset))
+        self.unflushed.append((topic, partition, offset))
 
     def read_to_end(self, kafka, topic, handle, *, start=None, **_: Any) -> list[int]:  # noqa: ANN001
         for offset, (t, partition, key, value) in enumerate(self.sent):
@@ -70,7 +82,7 @@ def owner(log: Log, state_bytes: int = 1 << 20) -> JoinPipeline:
     p.kafka, p.js, p.limits, p.state_topic = KAFKA, js, DEFAULT_LIMITS, STATE
     p.cfg = pipeline_module.JoinConfig(window_ms=10_000, lateness_ms=0, watermark_quorum=1)
     p.producer, p.dead_letters = log, SimpleNamespace(send=log.dead_letter)  # type: ignore[assignment]
-    p.strikes = SimpleNamespace(counts={}, reload=lambda *_: None)  # type: ignore[assignment]
+    p.strikes = SimpleNamespace(counts={}, reload=lambda *_: None, forget=lambda *_: None)  # type: ignore[assignment]
     p.gc = SimpleNamespace(between_batches=lambda: 0.0)  # type: ignore[assignment]
     p.day_counts = SimpleNamespace(begin_batch=lambda: None, batch_done=lambda: None)  # type: ignore[assignment]
     p._record_redis = lambda res, imps: None  # type: ignore[method-assign]
@@ -82,6 +94,7 @@ def owner(log: Log, state_bytes: int = 1 << 20) -> JoinPipeline:
     p._joined_suspects, p._batch_records = [], {}
     p.sample_bytes = p.late_click_bytes = 1 << 20
     p.state_bytes, p.message_limits = state_bytes, {STATE: MessageLimit(state_bytes, "test")}
+    p._topics_next = float("inf")  # (check_topics: no topic made again here)
     return p
 
 
@@ -154,3 +167,65 @@ def test_an_impression_whose_state_is_too_large_is_dead_lettered_once_when_it_is
     s = again.totals.summary()
     assert (s["dead_lettered"], s["state_too_large"], s["redelivered_skipped"]) == (0, 0, 2)
     assert set(again.engines[0].pending) == {"a"}
+
+
+class _Consumer:
+    """What the kafka driver's batch and recovery ask of its consumer, with nothing assigned (batches are handed in)."""
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def assignment(self) -> list[Any]:
+        return []
+
+    def committed(self, partitions: list[Any], timeout: float | None = None) -> list[Any]:
+        return []
+
+    def commit(self, **_: Any) -> None:
+        pass
+
+    def pause(self, _: Any) -> None:
+        pass
+
+    def resume(self, _: Any) -> None:
+        pass
+
+
+def kafka_driver(p: JoinPipeline, monkeypatch: pytest.MonkeyPatch) -> Callable[[list[Record]], object]:
+    """``KafkaJoinWorker``'s batch step over ``p``: falsy where it failed and the worker rewound (``_recover``)."""
+    monkeypatch.setattr(kafka_driver_module, "Consumer", _Consumer)
+    w = kafka_driver_module.KafkaJoinWorker(p, KAFKA, p.js)
+    w._backoff_s = 0.0  # no wait before the next batch
+    return lambda batch: w._process(batch, None)
+
+
+def faust_driver(p: JoinPipeline, monkeypatch: pytest.MonkeyPatch) -> Callable[[list[Record]], object]:
+    """``FaustJoinWorker``'s batch step over ``p``: what it acknowledges, nothing where it failed and recovered."""
+    monkeypatch.setattr(FaustJoinWorker, "_build_app", lambda _self: SimpleNamespace(consumer=SimpleNamespace(),
+                                                                                 rebalancing=False))
+    monkeypatch.setattr(FaustJoinWorker, "_die", staticmethod(lambda what, status=1: pytest.fail(what)))  # (os._exit)
+    w = FaustJoinWorker(p, KAFKA, p.js)
+    shutil.rmtree(w._datadir)
+    w._behind = lambda kind, partition: False  # type: ignore[method-assign]  # (no consumer: every input read)
+    return w._process
+
+
+@pytest.mark.parametrize("driver", [kafka_driver, faust_driver])
+def test_bad_records_of_a_batch_that_failed_are_dead_lettered_by_its_retry_not_skipped_as_redelivered(
+        log: Log, monkeypatch: pytest.MonkeyPatch,
+        driver: Callable[[JoinPipeline, pytest.MonkeyPatch], Callable[[list[Record]], object]]) -> None:
+    """The failed try moved its engine's offsets past the bad records in memory (``handled``) and their dead letters
+    were lost with the flush that failed (an outage: the driver recovers in the process and reads the batch again).
+    Its recovery drops the join state, so the retry restores it from the state log, which the failed try never
+    reached: the bad records are dead-lettered then. Kept in memory, the retry took them as redelivered and skipped
+    them: the dead letters lost, in silence."""
+    p = owner(log)
+    step = driver(p, monkeypatch)
+    batch = [imp(0, "a", T0), bad(KAFKA.impressions_topic, 1), click(0, "a", T0 + 1), bad(KAFKA.clicks_topic, 1)]
+    log.lost = DeliveryFailed("the broker acknowledged nothing")
+    assert not step(batch)  # failed: nothing processed, nothing committed
+    assert log.dead == []  # its dead letters lost
+    assert step(batch)
+    assert sorted(log.dead) == sorted([(KAFKA.impressions_topic, 0, 1), (KAFKA.clicks_topic, 0, 1)])
+    assert p.totals.summary()["redelivered_skipped"] == 0
+    assert "a" in p.engines[0].pending
