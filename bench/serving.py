@@ -65,10 +65,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cache_refresh.publish import publish  # noqa: E402
-from learner.artifact import SCORER_FILES, build_artifact, open_artifact, read_current  # noqa: E402
+from learner.artifact import build_artifact, open_artifact  # noqa: E402
+from learner.artifact_versions import read_current  # noqa: E402
 from learner.features import FeatureConfig, FieldSpec  # noqa: E402
 from learner.model import DeepFM  # noqa: E402
-from learner.scorer import ScorerSpec  # noqa: E402
+from learner.scorer import SCORER_FILES, ScorerSpec  # noqa: E402
 from learner.scorer_files import load_scorer  # noqa: E402
 from serving.model import ScoringModel  # noqa: E402
 from stream.features import hash_value  # noqa: E402

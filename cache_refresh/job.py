@@ -11,11 +11,11 @@
 Failures raise :class:`RefreshError` naming the stage and the cause, after the staged artifact was
 removed (nothing is published: the live artifact keeps serving), a firing alert was written to the
 Kafka ``alerts`` topic and the log. Failing closed: the checkpoint is loaded without unpickling code
-(``load_latest(safe=True)``) and checked before anything is built (``artifact.check_checkpoint``: meta,
+(``load_latest(safe=True)``) and checked before anything is built (``artifact_manifest.check_checkpoint``: meta,
 feature config, table shape, finite weights); an unreadable newest checkpoint falls back to the previous
 one (logged, and named in the summary), none loadable is a failure naming each file's reason. With
 ``signing_key_file`` (read at the start of each run, stage ``signing_key``) the manifest of the artifact
-built is signed (``learner/artifact.py``), the staged artifact is loaded and published only if its
+built is signed (``learner/artifact_manifest.py``), the staged artifact is loaded and published only if its
 signature checks, and the live artifact compared against is loaded only if signed with the same key. Only a
 staged artifact that validated is published, and ``publish`` verifies every file again before the
 rename; a failed run is not retried by the job itself (the schedule's next run, or ``--now``, is the
@@ -118,7 +118,7 @@ from cache_refresh.stored_rows import (
     _owner,
     _prune_stored,
 )
-from learner import artifact
+from learner import artifact, artifact_manifest, artifact_versions
 from learner import checkpoint as ckpt_io
 from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
@@ -383,9 +383,9 @@ def _live_source(root: Path) -> tuple[str, dict[str, Any]] | None:
     """The live version's name and its manifest's ``source`` (checkpoint, samples_trained, lineage, ...); None when
     nothing is live, or (with a warning) when it cannot be read: the checkpoint is then not compared with it."""
     try:
-        current = artifact.read_current(root)
-        source = artifact.read_manifest(current)["source"] if current is not None else None
-    except (artifact.ArtifactError, KeyError, TypeError) as exc:
+        current = artifact_versions.read_current(root)
+        source = artifact_manifest.read_manifest(current)["source"] if current is not None else None
+    except (artifact_versions.ArtifactError, KeyError, TypeError) as exc:
         log.warning("the live version's source cannot be read (%s); not comparing the checkpoint with it", exc)
         return None
     if current is None or not isinstance(source, dict):
@@ -460,7 +460,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     timings: dict[str, float] = {}
     t_start = time.time()
     root = Path(rs.publish_root)
-    unpinned: artifact.Pin | None = None
+    unpinned: artifact_versions.Pin | None = None
     after_switch: list[str] = []  # what went wrong in publish() after CURRENT named the version (publish's warnings)
 
     def timed(name: str, t0: float) -> None:
@@ -499,7 +499,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         # samples below); the run alerts when it published from behind skipped ones.
         configs: dict[Path, FeatureConfig] = {}
         ckpt = ckpt_io.load_latest(Path(rs.checkpoint_dir), safe=True, problems=problems, between=stop.check,
-                                   accept=lambda c: configs.__setitem__(c.path, artifact.check_checkpoint(c)))
+                                   accept=lambda c: configs.__setitem__(c.path, artifact_manifest.check_checkpoint(c)))
         if ckpt is None and problems:
             raise RefreshError(stage, f"no checkpoint in {rs.checkpoint_dir} loads and passes the checks: "
                                + "; ".join(f"{p.name}: {why}" for p, why in problems)
@@ -579,7 +579,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
 
         stage = begin("publish")
         t0 = time.monotonic()
-        pin = artifact.pin_holding(root)
+        pin = artifact_versions.pin_holding(root)
         previous = _current_name(root)  # live until rankers swap to the new version: its stored rows stay
         stop.check()
         stop.hold("during the refresh's publish: the run finishes")
@@ -605,7 +605,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         elif isinstance(exc, OSError):
             err = RefreshError(stage, f"{describe_os_error(exc)} (publish root {root}); nothing was published, the "
                                "live artifact keeps serving; fix the file system and run `streamrec refresh --now`")
-        elif isinstance(exc, (validate.ValidationFailed, artifact.ArtifactError, RefreshTerminated)):
+        elif isinstance(exc, (validate.ValidationFailed, artifact_versions.ArtifactError, RefreshTerminated)):
             err = RefreshError(stage, str(exc))
         else:
             err = RefreshError(stage, f"{type(exc).__name__}: {exc}")
@@ -722,7 +722,7 @@ def _store_rows(rs: RefreshSettings, rds: RedisSettings, model: ScoringModel,
     client = _redis(rds, rs)
     try:
         _delete_abandoned(client, rds, _owner(rs), on_error, between,
-                          published=set(artifact.list_versions(Path(rs.publish_root))))
+                          published=set(artifact_versions.list_versions(Path(rs.publish_root))))
         try:
             return stored_versions.write_version(client, rds.prefix, model.version, model.table, model.non_hot_rows(),
                                                  rs.embedding_store_dtype, owner=_owner(rs), between=between)
@@ -745,9 +745,9 @@ def _live_model(root: Path, key: SigningKey | None = None) -> tuple[ScoringModel
     also when it is not signed with it, e.g. after a key rotation): the comparison is then skipped, and the
     publish alerts (:func:`_published_warnings`)."""
     try:
-        current = artifact.read_current(root)
+        current = artifact_versions.read_current(root)
         return (ScoringModel.load(current, signing_key=key, mapped=True) if current is not None else None), None
-    except artifact.ArtifactError as exc:
+    except artifact_versions.ArtifactError as exc:
         log.warning("the live artifact does not load (%s); the holdout comparison is skipped", exc)
         return None, str(exc)
 

@@ -1,6 +1,7 @@
 """Writing a publish root: publish, rollback and the pin, pruning, the refresh lock, cleanup of killed runs.
 
-The layout and every reader of a root are ``learner/artifact.py``; this module is the only writer.
+The layout of a root is ``learner/artifact.py``, every reader of it ``learner/artifact_versions.py``; this module is the
+only writer.
 
 Publishing: an artifact is staged in ``<root>/.staging/`` (``learner.artifact.build_artifact``), fsynced,
 verified (every file against the manifest), renamed into ``versions/`` (same file system, so the rename
@@ -51,9 +52,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from learner.artifact import (
+from learner.artifact import verify
+from learner.artifact_manifest import MANIFEST
+from learner.artifact_versions import (
     CURRENT,
-    MANIFEST,
     PIN,
     STAGING,
     ArtifactError,
@@ -63,7 +65,6 @@ from learner.artifact import (
     list_versions,
     pin_holding,
     read_pin,
-    verify,
     versions_dir,
 )
 from learner.tensorpack import SigningKey

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_refresh import metrics
-from learner import artifact
+from learner import artifact_manifest, artifact_versions
 from stream.files import MAX_STATE_FILE_BYTES, describe_os_error, finite_json, read_regular, write_atomic
 
 log = logging.getLogger("streamrec.refresh")
@@ -87,28 +87,29 @@ def live_published_at(root: Path, now: float | None = None) -> float | None:
     more than :data:`MAX_CLOCK_SKEW_S` in the future is not trusted either (a warning naming it): the next one, or
     None."""
     try:
-        current = artifact.read_current(root)
-    except artifact.ArtifactError:
+        current = artifact_versions.read_current(root)
+    except artifact_versions.ArtifactError:
         return None
     if current is None:
         return None
     try:
-        created = float(artifact.read_manifest(current)["created"])
+        created = float(artifact_manifest.read_manifest(current)["created"])
         if not _in_future(created, now):
             return created
         log.warning("the live version's manifest (%s) says it was created at %s, in the future (more than %g s "
                     "ahead of this host's clock); not trusted: its publish time is taken from %s's modification time",
-                    current / artifact.MANIFEST, _when(created), MAX_CLOCK_SKEW_S, Path(root) / artifact.CURRENT)
-    except artifact.ArtifactError as exc:
+                    current / artifact_manifest.MANIFEST, _when(created), MAX_CLOCK_SKEW_S,
+                    Path(root) / artifact_versions.CURRENT)
+    except artifact_versions.ArtifactError as exc:
         log.warning("the live version's manifest cannot be read (%s); its publish time is taken from %s's "
-                    "modification time", exc, Path(root) / artifact.CURRENT)
+                    "modification time", exc, Path(root) / artifact_versions.CURRENT)
     try:
-        mtime = (Path(root) / artifact.CURRENT).stat().st_mtime
+        mtime = (Path(root) / artifact_versions.CURRENT).stat().st_mtime
     except OSError:
         return None
     if _in_future(mtime, now):
         log.warning("%s was modified at %s, in the future (more than %g s ahead of this host's clock); not trusted: "
-                    "the live version's publish time is unknown", Path(root) / artifact.CURRENT, _when(mtime),
+                    "the live version's publish time is unknown", Path(root) / artifact_versions.CURRENT, _when(mtime),
                     MAX_CLOCK_SKEW_S)
         return None
     return mtime
@@ -163,7 +164,7 @@ def write_last_success(root: Path, when: float, version: str,
         "lineage_switched": lineage_switched}).encode())
 
 
-def write_pin_held(root: Path, when: float, built: str, pin: artifact.Pin) -> None:
+def write_pin_held(root: Path, when: float, built: str, pin: artifact_versions.Pin) -> None:
     """A scheduled run that did not publish because of a rollback pin: added to the record, which keeps
     the last success (and the catch-up at start counts the run as ran: :func:`_record_ran`)."""
     data = read_last_run(root)

@@ -9,14 +9,14 @@ from typing import Any
 
 from cache_refresh.publish import TRASH, unfinished
 from cache_refresh.run_records import read_last_run, read_last_success
-from learner import artifact
+from learner import artifact_manifest, artifact_versions
 from stream.files import describe_os_error
 
 
 def _current_name(root: Path) -> str | None:
     try:
-        return artifact.current_version(root)
-    except artifact.ArtifactError:
+        return artifact_versions.current_version(root)
+    except artifact_versions.ArtifactError:
         return None
 
 
@@ -43,10 +43,10 @@ def status(root: Path) -> dict[str, Any]:
 
 def _status(root: Path) -> dict[str, Any]:
     last = read_last_success(root)
-    pin = artifact.read_pin(root)
+    pin = artifact_versions.read_pin(root)
     last_run = read_last_run(root)
     held = last_run.get("pin_held")
-    versions = artifact.list_versions(root)
+    versions = artifact_versions.list_versions(root)
     out: dict[str, Any] = {"publish_root": str(root), "current": None,
                            "versions": versions,
                            "last_success": last.isoformat() if last else None, "pinned": None,
@@ -57,23 +57,23 @@ def _status(root: Path) -> dict[str, Any]:
         out["not_versions"] = leftovers
     try:  # moved into place by a publish that never made them current (never a rollback target), or one running now
         never, publishing = unfinished(root)
-    except artifact.ArtifactError as exc:
+    except artifact_versions.ArtifactError as exc:
         never, publishing, out["history_error"] = None, None, str(exc)
     if never:
         out["never_current"] = never
     if publishing:
         out["publishing"] = publishing
     try:
-        current = artifact.read_current(root)
+        current = artifact_versions.read_current(root)
         out["error"] = dangling_current(root)  # CURRENT naming a version that is gone: read_current says None
         if current is not None:
-            m = artifact.read_manifest(current)
+            m = artifact_manifest.read_manifest(current)
             out["current"] = current.name
             out["manifest"] = {"version": m["version"], "created_utc": m["created_utc"], "format": m["format"],
                                "source": {k: m["source"].get(k)
                                           for k in ("checkpoint", "samples_trained", "offsets", "lineage")},
                                "hot_set": m["hot_set"], "bytes": {n: f["bytes"] for n, f in m["files"].items()}}
-    except artifact.ArtifactError as exc:  # the status of a broken publish root is that error
+    except artifact_versions.ArtifactError as exc:  # the status of a broken publish root is that error
         out["current"], out["error"] = None, str(exc)
     if pin is not None and (pin.problem is not None or (out["current"] is not None and pin.holds(out["current"]))):
         out["pinned"] = {"version": pin.version, "rolled_back_from": pin.rolled_back_from, "problem": pin.problem,
@@ -86,11 +86,12 @@ def _leftovers(root: Path, versions: list[str]) -> dict[str, str]:
     """The entries of ``versions/`` that are no complete version (name, escaped -> what it is): a version directory
     without a manifest (half-written, or not a refresh's: pruning and rollback skip it, nothing deletes it), and
     anything else but a pruned version being removed. At most 50 named."""
-    d = artifact.versions_dir(root)
+    d = artifact_versions.versions_dir(root)
     found: dict[str, str] = {}
     for name in versions:
-        if not (d / name / artifact.MANIFEST).is_file():
-            found[ascii(name)] = f"no {artifact.MANIFEST}: half-written, or not a refresh's; skipped, not deleted"
+        if not (d / name / artifact_manifest.MANIFEST).is_file():
+            found[ascii(name)] = (f"no {artifact_manifest.MANIFEST}: half-written, or not a refresh's; skipped, "
+                                  "not deleted")
     try:
         others = sorted(p.name for p in d.iterdir() if p.name not in versions and not p.name.startswith(TRASH))
     except OSError:
@@ -103,10 +104,11 @@ def _leftovers(root: Path, versions: list[str]) -> dict[str, str]:
 def dangling_current(root: Path) -> str | None:
     """Why there is no live version although ``CURRENT`` names one (the version is gone), else None."""
     try:
-        name = artifact.current_version(root)
-    except artifact.ArtifactError:
+        name = artifact_versions.current_version(root)
+    except artifact_versions.ArtifactError:
         return None  # a malformed CURRENT: read_current says so itself
-    if name is None or (artifact.versions_dir(root) / name).is_dir():
+    if name is None or (artifact_versions.versions_dir(root) / name).is_dir():
         return None
-    return (f"{Path(root) / artifact.CURRENT} names {name}, which is not in {artifact.versions_dir(root)}: a "
+    return (f"{Path(root) / artifact_versions.CURRENT} names {name}, which is not in "
+            f"{artifact_versions.versions_dir(root)}: a "
             "restarting server has no model; publish with `streamrec refresh --now`")

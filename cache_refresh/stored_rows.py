@@ -14,7 +14,7 @@ import redis
 
 from cache_refresh.redis_client import _redis
 from cache_refresh.settings import RefreshSettings
-from learner import artifact
+from learner import artifact_versions
 from serving import row_codec, stored_versions
 from stream.config import RedisSettings
 
@@ -27,8 +27,8 @@ def _may_be_live(root: Path, version: str) -> bool:
     never delete what the live version needs on the word of an exception alone: rows kept for a version that is not
     live are deleted by the next publish (:func:`_prune_stored`: the version is not in the publish root)."""
     try:
-        live = artifact.current_version(root) == version
-    except artifact.ArtifactError as exc:
+        live = artifact_versions.current_version(root) == version
+    except artifact_versions.ArtifactError as exc:
         log.warning("refresh: %s; the rows of %s are kept in the embedding store (the next publish deletes them if "
                     "it is not live)", exc, version)
         return True
@@ -125,7 +125,7 @@ def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path, previous:
     try:
         client = _redis(rds, rs)
         try:
-            keep = set(artifact.list_versions(root)) | ({previous} if previous else set())
+            keep = set(artifact_versions.list_versions(root)) | ({previous} if previous else set())
             for version in sorted(stored_versions.stored_versions(client, rds.prefix, owner=_owner(rs)) - keep):
                 n = stored_versions.delete_version(client, rds.prefix, version)
                 log.info("refresh: deleted %d embedding store keys of pruned version %s", n, version)

@@ -12,7 +12,8 @@ online calibration (``calibration.py``), the Kafka dataset
 (``kafka_dataset.py``) with what its DataLoader workers count (``worker_counters.py``) and the lag behind it both
 daemons publish (``lag.py``), checkpoints and deltas
 (``checkpoint.py``, ``deltas.py``, ``tensorpack.py``), the serving
-artifact's format, build and readers (``artifact.py``) with its scorer module (``scorer.py``), the scorer's files
+artifact's layout, build and files (``artifact.py``), its manifest (``artifact_manifest.py``) and the readers
+of a publish root (``artifact_versions.py``) with its scorer module (``scorer.py``), the scorer's files
 in each format (``scorer_files.py``; the ONNX Runtime scorer in ``onnx_scorer.py``), the daemon (``daemon.py``) and
 the offline and online evaluation (``evaluation/``). The distributed mode (``torchrun``, ``WORLD_SIZE > 1``): the
 ranks' process group, partition split and lock-step collectives (``distributed.py``), the TorchRec row-wise sharded

@@ -68,7 +68,7 @@ from redis.cluster import PipelineCommand
 from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterError, TryAgainError
 
-from learner.artifact import ArtifactError
+from learner.artifact_versions import ArtifactError
 from serving.row_codec import (
     MAX_ROW_ABS,
     ROW_CHECK,

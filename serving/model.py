@@ -32,16 +32,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from learner.artifact import (
-    COLD_FILE,
-    MANIFEST,
-    VERSIONS,
-    ArtifactError,
-    map_table,
-    open_artifact,
-    read_id_maps,
-    read_table,
-)
+from learner.artifact import map_table, open_artifact, read_id_maps, read_table
+from learner.artifact_manifest import COLD_FILE, MANIFEST
+from learner.artifact_versions import VERSIONS, ArtifactError
 from learner.calibration import identity
 from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
@@ -212,10 +205,11 @@ class ScoringModel:
         and Redis write): copied, each such load held the whole table in anonymous memory besides the checkpoint's.
 
         Every reason it cannot be used is an :class:`ArtifactError`: the manifest
-        (:func:`~learner.artifact.decode_manifest`), with ``signing_key`` a manifest that is unsigned or whose signature
-        does not match (checked right after the manifest is parsed, before any other file is opened; a key also forces
-        ``verify_files``), a manifest naming another version than its directory under ``versions/``, the files (missing,
-        altered, or symlinks leaving the version directory), the cold rows' dtype and shape, the scorer, the id maps,
+        (:func:`~learner.artifact_manifest.decode_manifest`), with ``signing_key`` a manifest that is unsigned or whose
+        signature does not match (checked right after the manifest is parsed, before any other file is opened; a key
+        also forces ``verify_files``), a manifest naming another version than its directory under ``versions/``, the
+        files (missing, altered, or symlinks leaving the version directory), the cold rows' dtype and shape, the scorer,
+        the id maps,
         rows or dense weights past a delta's bounds (:meth:`_check_bounds`), and (``smoke``) one probe scored to a
         finite probability. Order: manifest, signature, every listed file opened once and checked on the open file
         (its size and sha256 unless ``verify_files=False`` without a key), and only then loaded, from those same open

@@ -39,12 +39,12 @@ Failing closed, once:
   serving); the artifact is refused before any file but its manifest is opened.
 * **Paths.** ``CURRENT`` must hold a version name, and the version it names must resolve to a directory
   inside ``<root>/versions``; artifact files and delta files that are symlinks leaving their directory are
-  refused (``learner/artifact.py``, ``learner/deltas.py``).
+  refused (``learner/artifact_versions.py``, ``learner/deltas.py``).
 * **Lineage.** A delta applies only if it is newer than the live artifact's source checkpoint (numbered
   past its ``delta_seq``; by ``samples_trained`` for a source that records none) and of its lineage (when
   both carry one); others are skipped and counted (``streamrec_serving_deltas_skipped_total{reason="lineage"}``).
 * **Rollback.** While ``<root>/PINNED`` names the live version (``streamrec refresh --rollback``; see
-  ``learner/artifact.py``), no deltas are applied: they were all written by the learner that trained
+  ``learner/artifact_versions.py``), no deltas are applied: they were all written by the learner that trained
   past the newer artifact, so applying them would bring the rolled-back model back.
   ``streamrec_serving_deltas_paused`` is 1 meanwhile; the next publish (an operator's ``streamrec refresh
   --now``: scheduled refreshes do not publish over a pin) clears the pin and deltas newer than that
@@ -63,7 +63,7 @@ from typing import Any
 
 import redis
 
-from learner.artifact import CURRENT, PIN, VERSIONS, ArtifactError, current_version, read_pin, version_path
+from learner.artifact_versions import CURRENT, PIN, VERSIONS, ArtifactError, current_version, read_pin, version_path
 from learner.delta_reader import DeltaReader
 from learner.deltas import transient
 from learner.tensorpack import SigningKey

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from learner import artifact, scorer
+from learner import artifact, artifact_manifest, artifact_versions, scorer
 from serving.model import ScoringModel
 from stream import files
 from stream.files import write_synced
@@ -115,8 +115,8 @@ def _hooked_write_synced(path, write):  # noqa: ANN001, ANN202 - a patch
     p = Path(path)
     fault = _fault()
     _erofs(p)
-    half = (KILL_AT == "build:cold_half" and p.name == artifact.COLD_FILE) or (
-        fault == "ENOSPC:build" and p.name == artifact.COLD_FILE and _under_root(p))
+    half = (KILL_AT == "build:cold_half" and p.name == artifact_manifest.COLD_FILE) or (
+        fault == "ENOSPC:build" and p.name == artifact_manifest.COLD_FILE and _under_root(p))
     if half:
         buf = io.BytesIO()
         write(buf)
@@ -156,7 +156,8 @@ _rename, _replace, _mkdir, _unlink, _open, _rmtree = os.rename, os.replace, os.m
 def _hooked_rename(src, dst, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a patch
     _erofs(src)
     _erofs(dst)
-    staged = artifact.STAGING in Path(os.fsdecode(src)).parts and artifact.VERSIONS in Path(os.fsdecode(dst)).parts
+    staged = (artifact_versions.STAGING in Path(os.fsdecode(src)).parts
+              and artifact_versions.VERSIONS in Path(os.fsdecode(dst)).parts)
     if staged:
         _die("publish:before_rename")
     out = _rename(src, dst, *args, **kwargs)
@@ -168,12 +169,12 @@ def _hooked_rename(src, dst, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, 
 def _hooked_replace(src, dst, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a patch
     _erofs(dst)
     name = Path(os.fsdecode(dst)).name
-    if name == artifact.CURRENT:
+    if name == artifact_versions.CURRENT:
         _die("publish:current_tmp")
     elif name == "last_run.json":
         _die("last_run")
     out = _replace(src, dst, *args, **kwargs)
-    if name == artifact.CURRENT:
+    if name == artifact_versions.CURRENT:
         _state["current_replaced"] = True
         _die("publish:current")
     return out

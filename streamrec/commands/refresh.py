@@ -52,7 +52,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     setup_logging(args.log_level or rs.log_level)
     from cache_refresh import job, run_records, status
     from cache_refresh.publish import rollback
-    from learner import artifact
+    from learner import artifact_versions
     from learner.tensorpack import load_signing_key
     if args.status:
         st = status.status(Path(rs.publish_root))
@@ -60,7 +60,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         return EXIT_OK if st["current"] else EXIT_FAILED
     if args.rollback:
         version = rollback(Path(rs.publish_root), signing_key=load_signing_key(rs.signing_key_file))  # error: exit 1
-        path = Path(rs.publish_root) / artifact.VERSIONS / version
+        path = Path(rs.publish_root) / artifact_versions.VERSIONS / version
         receivers = job.notify(rs, rds, version, path)
         emit(args, {"current": version, "path": str(path), "notified": bool(receivers),
                     "notify_receivers": receivers, "pinned": True},

@@ -47,7 +47,7 @@ import torch
 from cache_refresh import job, run_records
 from cache_refresh.publish import refresh_lock, rollback
 from cache_refresh.settings import RefreshSettings
-from learner import artifact
+from learner import artifact, artifact_manifest, artifact_versions
 from learner import checkpoint as ckpt_io
 from learner.batch import to_tensors
 from learner.delta_writer import DeltaWriter
@@ -164,10 +164,10 @@ def make_refresh(tmp_path: Path, server: Service, seed: int = 0, keep: int = 1) 
 def leftovers(root: Path) -> list[str]:
     """What a killed run can leave: staged directories, half-pruned versions, temp files."""
     out = []
-    staging = root / artifact.STAGING
+    staging = root / artifact_versions.STAGING
     if staging.is_dir():
-        out += [f"{artifact.STAGING}/{p.name}" for p in staging.iterdir()]
-    versions = root / artifact.VERSIONS
+        out += [f"{artifact_versions.STAGING}/{p.name}" for p in staging.iterdir()]
+    versions = root / artifact_versions.VERSIONS
     if versions.is_dir():
         out += [f"versions/{p.name}" for p in versions.iterdir() if p.name.startswith(".")]
     if root.is_dir():
@@ -177,11 +177,11 @@ def leftovers(root: Path) -> list[str]:
 
 def assert_current_sound(root: Path) -> str | None:
     """CURRENT is absent or names a version under versions/ whose every file verifies and which loads."""
-    name = artifact.current_version(root)
+    name = artifact_versions.current_version(root)
     if name is None:
         return None
     assert _VERSION_RE.fullmatch(name) and not name.startswith("."), name
-    path = root / artifact.VERSIONS / name
+    path = root / artifact_versions.VERSIONS / name
     assert path.is_dir(), f"CURRENT names {name}, which is not in versions/"
     artifact.verify(path)
     ScoringModel.load(path)  # loads and scores a probe
@@ -197,14 +197,14 @@ class CurrentWatcher(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        path = self.root / artifact.CURRENT
+        path = self.root / artifact_versions.CURRENT
         while not self._stop_event.is_set():
             try:
                 name = path.read_text().strip()
             except OSError:
                 name = ""
             if name and name not in self.seen:
-                manifest = self.root / artifact.VERSIONS / name / artifact.MANIFEST
+                manifest = self.root / artifact_versions.VERSIONS / name / artifact_manifest.MANIFEST
                 ok = _VERSION_RE.fullmatch(name) and not name.startswith(".") and manifest.is_file()
                 if not ok:
                     try:
@@ -268,7 +268,7 @@ def test_sigkill_of_refresh_at_random_points_never_makes_a_partial_version_curre
             kind = ("timer", "publish", "other")[k % 3]
             point = None if kind == "timer" else (publish_points if kind == "publish" else other_points)[
                 (k // 3) % (len(PUBLISH_POINTS) if kind == "publish" else len(OTHER_POINTS))]
-            before = artifact.current_version(rf.root)
+            before = artifact_versions.current_version(rf.root)
             where, err = _killed_refresh(rf, point, rnd)
             if where is None:
                 finished += 1
@@ -284,10 +284,11 @@ def test_sigkill_of_refresh_at_random_points_never_makes_a_partial_version_curre
             # the next run cleans up after the killed one and publishes
             summary = job.run_once(*rf.settings())
             cleaned += summary["cleaned"]
-            assert summary["published"] and artifact.current_version(rf.root) == summary["version"]
+            assert summary["published"] and artifact_versions.current_version(rf.root) == summary["version"]
             assert assert_current_sound(rf.root) == summary["version"]
             assert leftovers(rf.root) == [], leftovers(rf.root)
-            assert artifact.list_versions(rf.root) == [summary["version"]]  # keep 1: the killed runs' orphans too
+            # keep 1: the killed runs' orphans too
+            assert artifact_versions.list_versions(rf.root) == [summary["version"]]
     finally:
         watcher.stop()
     assert watcher.violations == [], f"CURRENT named incomplete versions: {watcher.violations}"
@@ -345,9 +346,9 @@ def test_a_stop_signal_during_refresh_now_ends_the_run_as_a_failed_run(
     assert f'refresh_failed{{stage="{stage}"}}' in err, err[-3000:]
     assert signal.Signals(sig).name in err, err[-3000:]
     assert "streamrec refresh: error:" in err, err[-3000:]
-    assert artifact.current_version(rf.root) == first["version"]
+    assert artifact_versions.current_version(rf.root) == first["version"]
     assert_current_sound(rf.root)
-    assert artifact.list_versions(rf.root) == [first["version"]]
+    assert artifact_versions.list_versions(rf.root) == [first["version"]]
     # a stage directory the signal caught before the run knew it (inside the build) is left, as a kill leaves it:
     # the next run removes it and publishes
     left = leftovers(rf.root)
@@ -507,7 +508,7 @@ def test_sigkill_of_serve_during_requests_swaps_and_deltas_then_it_serves_the_cu
             # restarted by its supervisor (armed for the next planned kill, which it does not reach yet)
             proc = start(hook_for(plan[k + 1] if k + 1 < len(plan) else None))
             want = eager(learner)
-            after = _wait_serving(port, artifact.current_version(root), state["seq"])
+            after = _wait_serving(port, artifact_versions.current_version(root), state["seq"])
             assert np.allclose(after["scores"], want, atol=TOL, rtol=0), (kind, after, want)
             if kind == "random" and (after["model_version"], after["delta_seq"]) == (
                     before["model_version"], before["delta_seq"]):
@@ -646,7 +647,7 @@ def test_a_full_or_read_only_publish_root_fails_the_refresh_and_serving_keeps_se
             assert f"refresh failed {stage}" in err and words in err and "nothing was published" in err, (mode, err)
             said.append(next(ln for ln in err.splitlines() if ln.startswith("streamrec refresh: error:")))
             assert assert_current_sound(rf.root) == live
-            assert artifact.list_versions(rf.root) == [live] and leftovers(rf.root) == [], leftovers(rf.root)
+            assert artifact_versions.list_versions(rf.root) == [live] and leftovers(rf.root) == [], leftovers(rf.root)
             svc.updater.check_now()
             status, ready = _get(svc.port, "/readyz")
             assert status == 200 and ready["model_version"] == live
@@ -678,8 +679,8 @@ def test_a_scheduled_refresh_does_not_end_an_operators_rollback_and_refresh_now_
     assert summary is not None and summary["published"] is False and summary["current"] == v1
     assert summary["pin_held"]["version"] == v1 and summary["pin_held"]["rolled_back_from"] == v2
     assert summary["probe"]["max_abs_diff"] <= rs.validate_tolerance  # it did validate
-    assert artifact.current_version(rf.root) == v1 and artifact.pin_holding(rf.root) is not None
-    assert artifact.list_versions(rf.root) == [v1, v2] and leftovers(rf.root) == []
+    assert artifact_versions.current_version(rf.root) == v1 and artifact_versions.pin_holding(rf.root) is not None
+    assert artifact_versions.list_versions(rf.root) == [v1, v2] and leftovers(rf.root) == []
     assert any("FIRING warning refresh_pinned" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records)
     assert any("did not publish" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
@@ -693,7 +694,7 @@ def test_a_scheduled_refresh_does_not_end_an_operators_rollback_and_refresh_now_
     monkeypatch.setattr(scheduler, "run_forever", lambda fn, *a, **kw: (fn(), 0)[1])  # (returns the exit code)
     cfg_flags = [*rf.flags(), "--config", str(_config(tmp_path / "c.toml", rf))]
     assert main(["refresh", *cfg_flags]) == 0
-    assert artifact.current_version(rf.root) == v1 and artifact.list_versions(rf.root) == [v1, v2]
+    assert artifact_versions.current_version(rf.root) == v1 and artifact_versions.list_versions(rf.root) == [v1, v2]
     capsys.readouterr()
     assert main(["refresh", "--status", "--json", *cfg_flags]) == 0
     st = json.loads(capsys.readouterr().out)
@@ -704,18 +705,18 @@ def test_a_scheduled_refresh_does_not_end_an_operators_rollback_and_refresh_now_
     assert main(["refresh", "--now", "--json", *cfg_flags]) == 0
     now = json.loads(capsys.readouterr().out)
     assert now["published"] and now["unpinned"] == {"version": v1, "rolled_back_from": v2}
-    assert artifact.read_pin(rf.root) is None and artifact.current_version(rf.root) == now["version"]
+    assert artifact_versions.read_pin(rf.root) is None and artifact_versions.current_version(rf.root) == now["version"]
     assert "pin_held" not in run_records.read_last_run(rf.root)
     # and with no pin the schedule publishes again
     again = job.scheduled_run(rs, kafka, rds)
     assert again is not None and again["published"] and again["unpinned"] is None
 
     # a stale pin (naming another version than CURRENT: a crash inside a rollback) does not hold
-    (rf.root / artifact.PIN).write_text(json.dumps({"version": v1, "rolled_back_from": v2, "at": 1.0}))
+    (rf.root / artifact_versions.PIN).write_text(json.dumps({"version": v1, "rolled_back_from": v2, "at": 1.0}))
     stale = job.scheduled_run(rs, kafka, rds)
     assert stale is not None and stale["published"]
     # an unreadable pin holds (fail closed)
-    (rf.root / artifact.PIN).write_bytes(b"\xff not a pin")
+    (rf.root / artifact_versions.PIN).write_bytes(b"\xff not a pin")
     unreadable = job.scheduled_run(rs, kafka, rds)
     assert unreadable is not None and not unreadable["published"] and unreadable["pin_held"]["problem"]
 
@@ -730,7 +731,7 @@ def _config(path: Path, rf: Refresh) -> Path:
 def test_two_refreshes_at_once_the_second_fails_at_once_naming_the_first(tmp_path: Path) -> None:
     root = tmp_path / "serving"
     with refresh_lock(root):
-        with pytest.raises(artifact.ArtifactError, match=rf"another refresh \(pid {os.getpid()}\) is running"):
+        with pytest.raises(artifact_versions.ArtifactError, match=rf"another refresh \(pid {os.getpid()}\) is running"):
             with refresh_lock(root):
                 pass
     with refresh_lock(root):  # released

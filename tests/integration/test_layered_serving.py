@@ -134,7 +134,7 @@ def store_of(stack: LocalStack, prefix: str, cache_rows: int = 1000, metrics: An
 
 def assert_load_refused(stack: LocalStack, prefix: str, path: Path, match: str) -> None:
     """Loading ``path`` in layered mode raises an ArtifactError matching ``match``."""
-    from learner.artifact import ArtifactError
+    from learner.artifact_versions import ArtifactError
     store = store_of(stack, prefix)
     try:
         with pytest.raises(ArtifactError, match=match):
@@ -364,7 +364,7 @@ def test_a_layered_refresh_writes_rows_before_publishing_and_deletes_a_pruned_ve
     from cache_refresh import job
     from cache_refresh.settings import RefreshSettings
     from learner import checkpoint as ckpt_io
-    from learner.artifact import read_current
+    from learner.artifact_versions import read_current
     from serving.stored_versions import read_meta, stored_versions
 
     ck = checkpoint()
@@ -1105,7 +1105,7 @@ def test_a_layered_refresh_that_does_not_publish_leaves_no_rows_of_its_version_i
     table each, until some later run published (a pin can last days)."""
     from cache_refresh import job
     from cache_refresh.settings import RefreshSettings
-    from learner import artifact
+    from learner import artifact_versions
     from learner import checkpoint as ckpt_io
     from serving.stored_versions import stored_versions
 
@@ -1123,19 +1123,20 @@ def test_a_layered_refresh_that_does_not_publish_leaves_no_rows_of_its_version_i
     def keys() -> set[str]:
         return {k.decode().split(":")[2] for k in redis_client.scan_iter(match=f"{prefix}:emb:*")}
 
-    (rs.publish_root / artifact.PIN).write_text(json.dumps({"version": live, "rolled_back_from": None, "at": 0}))
+    (rs.publish_root / artifact_versions.PIN).write_text(json.dumps({"version": live, "rolled_back_from": None,
+                                                                     "at": 0}))
     held = job.scheduled_run(rs, kafka, rds)
     assert held is not None and held["published"] is False and held["built"] != live
     assert keys() == {live} and stored_versions(redis_client, prefix) == {live}
 
     def disk_full(*args: Any, **kwargs: Any) -> Path:
-        raise artifact.ArtifactError("could not make it current: the file system is full (injected)")
+        raise artifact_versions.ArtifactError("could not make it current: the file system is full (injected)")
 
     monkeypatch.setattr(job, "publish", disk_full)
     with pytest.raises(job.RefreshError, match="at publish: .*file system is full"):
         job.run_once(rs, kafka, rds)
     assert keys() == {live}
-    assert artifact.read_current(rs.publish_root).name == live
+    assert artifact_versions.read_current(rs.publish_root).name == live
 
 
 class Killed(BaseException):

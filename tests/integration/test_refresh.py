@@ -34,7 +34,7 @@ from cache_refresh import status as refresh_status
 from cache_refresh.publish import PUBLISHING
 from cache_refresh.scheduler import build_scheduler, make_trigger, missed_run
 from cache_refresh.settings import RefreshSettings
-from learner import artifact, checkpoint
+from learner import artifact_manifest, artifact_versions, checkpoint
 from learner.batch import to_tensors
 from learner.features import default_config
 from learner.model import DeepFM
@@ -170,8 +170,8 @@ def test_refresh_now_publishes_notifies_and_rolls_back_via_the_cli(env, tmp_path
     assert main(["refresh", "--now", "--json", "--config", str(cfg)]) == 0
     first = json.loads(capsys.readouterr().out)
     root = rs.publish_root
-    assert artifact.read_current(root) == Path(first["path"])
-    manifest = json.loads((Path(first["path"]) / artifact.MANIFEST).read_text())
+    assert artifact_versions.read_current(root) == Path(first["path"])
+    manifest = json.loads((Path(first["path"]) / artifact_manifest.MANIFEST).read_text())
     newest = checkpoint.list_checkpoints(rs.checkpoint_dir)[-1]
     assert manifest["source"]["checkpoint"] == str(newest) == first["checkpoint"]
     assert manifest["source"]["samples_trained"] == 30 * 256 and manifest["source"]["offsets"] == {"0": 30}
@@ -190,7 +190,7 @@ def test_refresh_now_publishes_notifies_and_rolls_back_via_the_cli(env, tmp_path
     assert main(["refresh", "--now", "--json", "--config", str(cfg)]) == 0
     second = json.loads(capsys.readouterr().out)
     assert second["holdout"]["live"]["version"] == first["version"] and "auc_drop" in second["holdout"]
-    assert artifact.read_current(root).name == second["version"]
+    assert artifact_versions.read_current(root).name == second["version"]
     assert json.loads(pubsub.get_message(timeout=5)["data"])["version"] == second["version"]
     assert main(["refresh", "--status", "--json", "--config", str(cfg)]) == 0
     status = json.loads(capsys.readouterr().out)
@@ -199,7 +199,7 @@ def test_refresh_now_publishes_notifies_and_rolls_back_via_the_cli(env, tmp_path
 
     assert main(["refresh", "--rollback", "--json", "--config", str(cfg)]) == 0
     assert json.loads(capsys.readouterr().out)["current"] == first["version"]
-    assert artifact.read_current(root).name == first["version"]
+    assert artifact_versions.read_current(root).name == first["version"]
     msg = pubsub.get_message(timeout=5)
     assert msg is not None and json.loads(msg["data"])["version"] == first["version"]
     assert main(["refresh", "--rollback", "--config", str(cfg)]) == 1  # nothing older
@@ -208,9 +208,9 @@ def test_refresh_now_publishes_notifies_and_rolls_back_via_the_cli(env, tmp_path
 
 
 def _assert_nothing_published(rs: RefreshSettings, before: Path | None, versions: list[str]) -> None:
-    assert artifact.read_current(rs.publish_root) == before
-    assert artifact.list_versions(rs.publish_root) == versions
-    staging = rs.publish_root / artifact.STAGING
+    assert artifact_versions.read_current(rs.publish_root) == before
+    assert artifact_versions.list_versions(rs.publish_root) == versions
+    staging = rs.publish_root / artifact_versions.STAGING
     assert not staging.exists() or not any(staging.iterdir())
 
 
@@ -285,7 +285,7 @@ def test_a_publish_that_could_not_check_what_it_should_sends_a_refresh_degraded_
         ("refresh_degraded", "warning", "hot_set")]
     assert [a["message"] for a in alerts] == second["warnings"]
     assert "does not load" in alerts[0]["message"] and diverged.name in alerts[1]["message"]
-    assert artifact.read_current(rs.publish_root).name == second["version"]
+    assert artifact_versions.read_current(rs.publish_root).name == second["version"]
 
 
 def test_a_layered_run_whose_publish_lock_close_reports_eio_after_the_switch_is_published_and_keeps_its_rows(
@@ -298,7 +298,7 @@ def test_a_layered_run_whose_publish_lock_close_reports_eio_after_the_switch_is_
     failed = close_fails_for(monkeypatch, PUBLISHING)
     summary = job.run_once(rs, kafka, rds)
     monkeypatch.undo()
-    assert failed and summary["published"] and artifact.current_version(rs.publish_root) == summary["version"]
+    assert failed and summary["published"] and artifact_versions.current_version(rs.publish_root) == summary["version"]
     assert read_meta(redis_client, rds.prefix, summary["version"]) is not None  # the live version's rows stay
     assert any(PUBLISHING in w and "closing" in w for w in summary["warnings"])  # published, with a warning
     assert run_records.read_last_run(Path(rs.publish_root))["warnings"] == summary["warnings"]  # recorded, and shown
@@ -323,7 +323,7 @@ def test_a_failed_run_keeps_the_rows_of_a_version_current_names(env, monkeypatch
     with pytest.raises(job.RefreshError) as err:
         job.run_once(rs, kafka, rds)
     assert err.value.stage == "publish"
-    live = artifact.current_version(rs.publish_root)
+    live = artifact_versions.current_version(rs.publish_root)
     assert live is not None and read_meta(redis_client, rds.prefix, live) is not None
 
 
@@ -335,19 +335,19 @@ def test_rows_a_failed_run_kept_because_current_could_not_be_read_are_deleted_by
     rs = dataclasses.replace(rs, embedding_store=EmbeddingStore.LAYERED)
     first = job.run_once(rs, kafka, rds)
     failed: list[str] = []
-    real_current = artifact.current_version
+    real_current = artifact_versions.current_version
 
     def publish_fails(root: Path, staged: Path, *args: Any, **kw: Any) -> Path:
-        failed.append(artifact.read_manifest(staged)["version"])
-        raise artifact.ArtifactError(f"could not make {failed[0]} current in {root}: EIO")
+        failed.append(artifact_manifest.read_manifest(staged)["version"])
+        raise artifact_versions.ArtifactError(f"could not make {failed[0]} current in {root}: EIO")
 
     def current_version(root: Path) -> str | None:
         if failed:
-            raise artifact.ArtifactError(f"{Path(root) / artifact.CURRENT} cannot be read (EIO)")
+            raise artifact_versions.ArtifactError(f"{Path(root) / artifact_versions.CURRENT} cannot be read (EIO)")
         return real_current(root)
 
     monkeypatch.setattr(job, "publish", publish_fails)
-    monkeypatch.setattr(artifact, "current_version", current_version)
+    monkeypatch.setattr(artifact_versions, "current_version", current_version)
     with pytest.raises(job.RefreshError):
         job.run_once(rs, kafka, rds)
     monkeypatch.undo()
@@ -362,7 +362,7 @@ def test_an_operators_run_over_an_unreadable_pin_says_the_pin_was_unreadable(
         env, caplog: pytest.LogCaptureFixture) -> None:
     rs, kafka, rds = env
     job.run_once(rs, kafka, rds)
-    (rs.publish_root / artifact.PIN).write_bytes(b"\xff not json")
+    (rs.publish_root / artifact_versions.PIN).write_bytes(b"\xff not json")
     with caplog.at_level("WARNING", logger="streamrec.refresh"):
         second = job.run_once(dataclasses.replace(rs, holdout_messages=0), kafka, rds)  # --now: over the pin
     assert second["unpinned"]["version"] is None
@@ -421,7 +421,7 @@ def test_a_trickling_redis_fails_the_refresh_within_its_timeout_releases_the_loc
         assert done, f"the refresh was still running {bound:.1f} s into a trickling Redis: {outcome}"
         assert isinstance(outcome[0], job.RefreshError), outcome
         assert "at hot_set" in str(outcome[0]) and f"{timeout_s:g} s" in str(outcome[0]), outcome[0]
-        assert artifact.read_current(rs.publish_root) is None  # nothing published
+        assert artifact_versions.read_current(rs.publish_root) is None  # nothing published
 
         proxy.trickling = True  # the CLI: exit 1, one line naming Redis and the timeout
         cfg = config_file(tmp_path / "slow.toml", rs, kafka, slow)
@@ -433,7 +433,7 @@ def test_a_trickling_redis_fails_the_refresh_within_its_timeout_releases_the_loc
         assert len(said) == 1 and "Redis" in said[0] and f"{timeout_s:g} s" in said[0], said
 
         summary = job.run_once(rs, kafka, slow)  # Redis healthy again: the lock was released, the rerun publishes
-    assert artifact.read_current(rs.publish_root) == Path(summary["path"])
+    assert artifact_versions.read_current(rs.publish_root) == Path(summary["path"])
     print(f"\ntrickling redis: {said[0]}")
 
 
@@ -529,7 +529,7 @@ def test_scheduler_process_catches_up_on_start_and_stops_on_sigterm(env, tmp_pat
                       if line.startswith("streamrec_refresh_")}
         # the scheduler serves its metrics while it runs: the published run is counted, with its time and hot set
         assert values.get(published, 0) >= 1, values
-        assert artifact.read_current(rs.publish_root) is not None
+        assert artifact_versions.read_current(rs.publish_root) is not None
         assert run_records.read_last_success(rs.publish_root) is not None
         assert values["streamrec_refresh_last_success_timestamp_seconds"] > time.time() - 120
         assert values["streamrec_refresh_hot_rows"] > 0 and values["streamrec_refresh_duration_seconds"] > 0

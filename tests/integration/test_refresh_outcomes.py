@@ -27,7 +27,7 @@ from prometheus_client import REGISTRY
 
 from cache_refresh import job, run_records
 from cache_refresh.settings import RefreshSettings
-from learner import artifact, checkpoint
+from learner import artifact, artifact_manifest, artifact_versions, checkpoint
 from stream.config import KafkaSettings, RedisSettings
 from stream.counts import DailyCounts
 from streamrec.cli import main
@@ -87,7 +87,7 @@ def test_an_error_after_the_switch_is_a_degraded_warning_of_a_published_run_not_
     published, failed, notify_degraded = runs("published", ""), runs("failed", "notify"), degraded("notify")
     summary = job.run_once(rs, kafka, rds, alerts=alerts)
 
-    assert summary["published"] is True and artifact.current_version(rs.publish_root) == summary["version"]
+    assert summary["published"] is True and artifact_versions.current_version(rs.publish_root) == summary["version"]
     assert summary["notified"] is False
     assert any("'notify'" in w and "the notification client broke" in w for w in summary["warnings"])
     assert runs("published", "") == published + 1 and runs("failed", "notify") == failed
@@ -103,20 +103,21 @@ def test_now_exits_0_with_the_summary_when_the_published_version_cannot_be_read_
     hiccup, a permission changed): ``--now`` exited 1 with "error" although it had published. The summary now
     comes from the manifest the run validated, the one ``publish`` verified and renamed."""
     rs, kafka, rds = env
-    versions = artifact.versions_dir(rs.publish_root)
-    real = artifact.read_manifest
+    versions = artifact_versions.versions_dir(rs.publish_root)
+    real = artifact_manifest.read_manifest
 
     def unreadable_once_published(version_dir: Path, *args: Any, **kwargs: Any) -> dict[str, Any]:
         if Path(version_dir).parent == versions:
-            raise artifact.ArtifactError(f"{version_dir}/manifest.json cannot be read (injected)")
+            raise artifact_versions.ArtifactError(f"{version_dir}/manifest.json cannot be read (injected)")
         return real(version_dir, *args, **kwargs)
 
-    monkeypatch.setattr(artifact, "read_manifest", unreadable_once_published)
+    monkeypatch.setattr(artifact_manifest, "read_manifest", unreadable_once_published)  # the refresh reads it back
+    monkeypatch.setattr(artifact, "read_manifest", unreadable_once_published)  # open_artifact reads it
     cfg = config_file(tmp_path / "c.toml", rs, kafka, rds)
     assert main(["refresh", "--now", "--json", "--config", str(cfg)]) == 0
     summary = json.loads(capsys.readouterr().out)
-    on_disk = json.loads((Path(summary["path"]) / artifact.MANIFEST).read_text())
-    assert summary["published"] is True and summary["version"] == artifact.current_version(rs.publish_root)
+    on_disk = json.loads((Path(summary["path"]) / artifact_manifest.MANIFEST).read_text())
+    assert summary["published"] is True and summary["version"] == artifact_versions.current_version(rs.publish_root)
     assert summary["hot_set"] == on_disk["hot_set"]
     assert summary["bytes"] == {name: f["bytes"] for name, f in on_disk["files"].items()}
 
@@ -170,7 +171,7 @@ def test_a_scheduler_started_without_last_run_json_reports_the_live_versions_pub
     rs, kafka, rds = env
     summary = job.run_once(rs, kafka, rds)
     (rs.publish_root / run_records.LAST_RUN).unlink()
-    created = artifact.read_manifest(Path(summary["path"]))["created"]
+    created = artifact_manifest.read_manifest(Path(summary["path"]))["created"]
     assert last_success_at_start(env, tmp_path) == pytest.approx(created, abs=0.01)
 
 
@@ -196,7 +197,7 @@ def lineage_switches() -> float:
 
 def source_lineage(summary: dict[str, Any]) -> str:
     """The lineage of the checkpoint a published version was built from, as its manifest says."""
-    return artifact.read_manifest(Path(summary["path"]))["source"]["lineage"]
+    return artifact_manifest.read_manifest(Path(summary["path"]))["source"]["lineage"]
 
 
 def test_a_publish_from_another_training_run_alerts_once_naming_both_lineages(
@@ -218,7 +219,7 @@ def test_a_publish_from_another_training_run_alerts_once_naming_both_lineages(
     old, new = source_lineage(first), source_lineage(second)
     assert old and new and old != new
 
-    assert second["published"] is True and artifact.current_version(rs.publish_root) == second["version"]
+    assert second["published"] is True and artifact_versions.current_version(rs.publish_root) == second["version"]
     switches = [a for a in alerts.fired if a.rule == job.LINEAGE_RULE]
     assert len(switches) == 1
     alert = switches[0]

@@ -32,9 +32,12 @@ from hypothesis import strategies as st
 
 from cache_refresh.publish import publish, rollback
 from learner import artifact as A
+from learner import artifact_manifest as M
+from learner import artifact_versions as V
 from learner import checkpoint as ckpt_io
 from learner import tensorpack
-from learner.artifact import ArtifactError, build_artifact
+from learner.artifact import build_artifact
+from learner.artifact_versions import ArtifactError
 from learner.batch import to_tensors
 from learner.delta_writer import DeltaWriter
 from learner.deltas import DeltaError, decode_delta, delta_path, load_delta
@@ -147,7 +150,7 @@ MANIFEST_DAMAGE: dict[str, Any] = {
 
 
 def damage_manifest(version_dir: Path, how: Any) -> None:
-    path = version_dir / A.MANIFEST
+    path = version_dir / M.MANIFEST
     if isinstance(how, bytes):
         path.write_bytes(how)
     else:
@@ -160,7 +163,7 @@ def damage_manifest(version_dir: Path, how: Any) -> None:
 def test_a_malformed_manifest_is_an_artifact_error(tmp_path: Path, case: str) -> None:
     v = publish_version(TinyLearner(), tmp_path, "v001")
     damage_manifest(v, MANIFEST_DAMAGE[case])
-    with pytest.raises(ArtifactError, match=re.escape(str(v / A.MANIFEST))):
+    with pytest.raises(ArtifactError, match=re.escape(str(v / M.MANIFEST))):
         ScoringModel.load(v)
 
 
@@ -171,7 +174,7 @@ def test_a_malformed_manifest_is_rejected_once_and_serving_starts_not_ready(root
     damage_manifest(publish_version(TinyLearner(), root, "v001"), MANIFEST_DAMAGE[case])
     reads: list[Path] = []
     verifies: list[Path] = []
-    real_read, real_open = A.read_manifest, A.open_artifact
+    real_read, real_open = M.read_manifest, A.open_artifact
     monkeypatch.setattr(A, "read_manifest", lambda d: reads.append(Path(d)) or real_read(d))
     monkeypatch.setattr(serving_model, "open_artifact",  # the load's verification (digests from the files it loads)
                         lambda d, *a, **k: verifies.append(Path(d)) or real_open(d, *a, **k))
@@ -201,7 +204,7 @@ def test_a_malformed_newer_manifest_keeps_the_previous_model_serving_and_is_hash
         # (serving hashes the files it opened to load: their names are their paths)
         monkeypatch.setattr(A, "sha256_file", lambda p: hashed.append(Path(getattr(p, "name", p))) or real(p))
         around = A._digest_around  # the cold table is hashed as it is read into memory (learner.artifact.read_table)
-        monkeypatch.setattr(A, "_digest_around", lambda fd, at, body: hashed.append(Path(A.COLD_FILE)) or
+        monkeypatch.setattr(A, "_digest_around", lambda fd, at, body: hashed.append(Path(M.COLD_FILE)) or
                             around(fd, at, body))
         for _ in range(25):
             svc.updater.check_now()
@@ -210,7 +213,7 @@ def test_a_malformed_newer_manifest_keeps_the_previous_model_serving_and_is_hash
         assert hashed == []  # the table is never re-hashed for a manifest that cannot be right
         # ... and a version with a bad checksum is hashed once, not every poll
         v3 = publish_version(learner, root, "v003")
-        cold = v3 / A.COLD_FILE
+        cold = v3 / M.COLD_FILE
         data = bytearray(cold.read_bytes())
         data[-3] ^= 0x10
         cold.write_bytes(bytes(data))
@@ -219,7 +222,7 @@ def test_a_malformed_newer_manifest_keeps_the_previous_model_serving_and_is_hash
             svc.updater.check_now()
         assert score(svc)[1] == before
         assert metric(svc, "streamrec_serving_rejected_total", {"kind": "artifact"}) == 2
-        assert sum(p.name == A.COLD_FILE for p in hashed) == 1
+        assert sum(p.name == M.COLD_FILE for p in hashed) == 1
 
 
 def test_readyz_drops_a_rejection_once_current_names_the_live_version_again_and_says_it_again_if_it_returns(
@@ -235,14 +238,14 @@ def test_readyz_drops_a_rejection_once_current_names_the_live_version_again_and_
 
     with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600), None) as svc:
         v2 = publish_version(learner, root, "v002")
-        (v2 / A.COLD_FILE).write_bytes(b"damaged")
+        (v2 / M.COLD_FILE).write_bytes(b"damaged")
         svc.updater.check_now()
         status, problem = ready()
         assert status == 200 and "v002" in problem  # v001 serves, v002 was rejected
-        (root / A.CURRENT).write_text("v001\n")  # the operator points CURRENT back at the version serving
+        (root / V.CURRENT).write_text("v001\n")  # the operator points CURRENT back at the version serving
         svc.updater.check_now()
         assert ready() == (200, None)
-        (root / A.CURRENT).write_text("v002\n")  # the same damaged files: remembered, not read again, but said
+        (root / V.CURRENT).write_text("v002\n")  # the same damaged files: remembered, not read again, but said
         svc.updater.check_now()
         status, problem = ready()
         assert status == 200 and "v002" in problem
@@ -252,9 +255,9 @@ def test_readyz_drops_a_rejection_once_current_names_the_live_version_again_and_
 @pytest.mark.parametrize("content", [b"../../etc", b"\xff\xfe\x00", b"v001\nv002\n", b"x" * 5000])
 def test_a_current_file_naming_no_valid_version_is_rejected_once(root: Path, content: bytes) -> None:
     publish_version(TinyLearner(), root, "v001")
-    (root / A.CURRENT).write_bytes(content)
+    (root / V.CURRENT).write_bytes(content)
     with pytest.raises(ArtifactError, match="CURRENT"):
-        A.read_current(root)
+        V.read_current(root)
     with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600), None) as svc:
         for _ in range(10):
             svc.updater.check_now()
@@ -282,10 +285,10 @@ def test_a_fifo_in_place_of_current_the_pin_or_a_manifest_is_refused_without_blo
         root: Path, tmp_path: Path, which: str) -> None:
     learner = TinyLearner()
     publish_version(learner, root, "v001")
-    fifo = {"CURRENT": root / A.CURRENT, "PINNED": root / A.PIN, "manifest": root / "versions/v002" / A.MANIFEST}[which]
+    fifo = {"CURRENT": root / V.CURRENT, "PINNED": root / V.PIN, "manifest": root / "versions/v002" / M.MANIFEST}[which]
     if which == "manifest":
         publish_version(learner, root, "v002")
-        (root / A.CURRENT).write_text("v001\n")  # served first; v002's manifest becomes a FIFO, then it is published
+        (root / V.CURRENT).write_text("v001\n")  # served first; v002's manifest becomes a FIFO, then it is published
     fifo.unlink(missing_ok=True)
     os.mkfifo(fifo)
     svc = serving_with_deltas(root, tmp_path / "d")
@@ -295,11 +298,11 @@ def test_a_fifo_in_place_of_current_the_pin_or_a_manifest_is_refused_without_blo
             assert readyz(svc) == 503 and "not a regular file" in str(svc.holder.problem)
             assert metric(svc, "streamrec_serving_rejected_total", {"kind": "artifact"}) == 1
             fifo.unlink()
-            (root / A.CURRENT).write_text("v001\n")
+            (root / V.CURRENT).write_text("v001\n")
         elif which == "PINNED":  # unreadable: it pins whatever is live (deltas paused), the model serves
             assert readyz(svc) == 200 and metric(svc, "streamrec_serving_deltas_paused") == 1
         else:
-            (root / A.CURRENT).write_text("v002\n")
+            (root / V.CURRENT).write_text("v002\n")
             _returns_within(svc.updater.check_now, fifo)
             assert "not a regular file" in str(svc.holder.problem)
             assert metric(svc, "streamrec_serving_rejected_total", {"kind": "artifact"}) == 1
@@ -524,7 +527,7 @@ def test_after_a_rollback_the_newer_deltas_are_not_reapplied_until_the_next_publ
         svc.updater.check_now()
         assert score(svc)[1]["delta_seq"] == 1
         assert rollback(root) == "v001"
-        assert A.read_pin(root) is not None and A.read_pin(root).holds("v001")  # type: ignore[union-attr]
+        assert V.read_pin(root) is not None and V.read_pin(root).holds("v001")  # type: ignore[union-attr]
         for _ in range(3):
             svc.updater.check_now()
         out = score(svc)[1]
@@ -537,7 +540,7 @@ def test_after_a_rollback_the_newer_deltas_are_not_reapplied_until_the_next_publ
         assert score(svc)[1]["delta_seq"] == 0
         # the next publish clears the pin; deltas after it apply again
         publish_version(learner, root, "v003")
-        assert A.read_pin(root) is None
+        assert V.read_pin(root) is None
         learner.train(1, users=["bob"] * 32, label=1)
         write_all_rows(writer, learner)
         svc.updater.check_now()
@@ -551,10 +554,10 @@ def test_rollback_to_a_damaged_version_changes_nothing(tmp_path: Path) -> None:
     learner = TinyLearner()
     v1 = publish_version(learner, tmp_path, "v001")
     publish_version(learner, tmp_path, "v002")
-    (v1 / A.COLD_FILE).write_bytes(b"\x00" * 10)
+    (v1 / M.COLD_FILE).write_bytes(b"\x00" * 10)
     with pytest.raises(ArtifactError, match=r"cannot roll back: no version older than v002 verifies \(v001: "):
         rollback(tmp_path)
-    assert A.current_version(tmp_path) == "v002" and A.read_pin(tmp_path) is None
+    assert V.current_version(tmp_path) == "v002" and V.read_pin(tmp_path) is None
 
 
 def test_rollback_skips_a_damaged_or_half_written_older_version_to_the_newest_one_that_verifies(
@@ -563,17 +566,17 @@ def test_rollback_skips_a_damaged_or_half_written_older_version_to_the_newest_on
     publish_version(learner, tmp_path, "v001")
     v2 = publish_version(learner, tmp_path, "v002")
     publish_version(learner, tmp_path, "v003")
-    (v2 / A.COLD_FILE).write_bytes(b"\x00" * 10)  # damaged
-    (A.versions_dir(tmp_path) / "v0025").mkdir()  # half-written: no manifest
+    (v2 / M.COLD_FILE).write_bytes(b"\x00" * 10)  # damaged
+    (V.versions_dir(tmp_path) / "v0025").mkdir()  # half-written: no manifest
     assert rollback(tmp_path) == "v001"
-    assert A.current_version(tmp_path) == "v001" and A.read_pin(tmp_path).version == "v001"
+    assert V.current_version(tmp_path) == "v001" and V.read_pin(tmp_path).version == "v001"
 
 
 def test_an_unreadable_pin_pauses_deltas(root: Path, tmp_path: Path) -> None:
     learner = TinyLearner()
     d = tmp_path / "d"
     publish_version(learner, root, "v001")
-    (root / A.PIN).write_bytes(b"\xff not json")
+    (root / V.PIN).write_bytes(b"\xff not json")
     with serving_with_deltas(root, d) as svc:
         learner.train(1)
         write_all_rows(DeltaWriter(d, CFG.num_rows, every_s=3600), learner)
@@ -587,10 +590,10 @@ def test_publish_refuses_a_damaged_staged_artifact_and_current_stays(tmp_path: P
     learner = TinyLearner()
     v1 = publish_version(learner, tmp_path, "v001")
     staged = build_artifact(learner.checkpoint(), tmp_path, np.arange(5), version="v002")
-    (staged / A.COLD_FILE).write_bytes((staged / A.COLD_FILE).read_bytes()[:-8])
+    (staged / M.COLD_FILE).write_bytes((staged / M.COLD_FILE).read_bytes()[:-8])
     with pytest.raises(ArtifactError, match="truncated"):
         publish(tmp_path, staged, keep=5)
-    assert A.read_current(tmp_path) == v1 and A.list_versions(tmp_path) == ["v001"]
+    assert V.read_current(tmp_path) == v1 and V.list_versions(tmp_path) == ["v001"]
 
 
 def _refresh(tmp_path: Path) -> Any:
@@ -630,7 +633,7 @@ def test_a_malformed_checkpoint_fails_the_refresh_with_its_reason_and_publishes_
     with pytest.raises(RefreshError, match=reason) as err:
         _refresh(tmp_path)()
     assert err.value.stage == "checkpoint"
-    assert A.read_current(tmp_path / "serving") is None and not (tmp_path / "serving" / A.VERSIONS).exists()
+    assert V.read_current(tmp_path / "serving") is None and not (tmp_path / "serving" / V.VERSIONS).exists()
 
 
 def test_a_checkpoint_that_would_run_code_is_refused_by_the_refresh(tmp_path: Path) -> None:
@@ -767,7 +770,7 @@ def test_a_stalled_redis_costs_one_short_timeout_not_retries(stack, redis_client
 @pytest.fixture(scope="module")
 def good_manifest(tmp_path_factory: pytest.TempPathFactory) -> dict:
     d = tmp_path_factory.mktemp("manifest")
-    return json.loads((publish_version(TinyLearner(), d, "v001") / A.MANIFEST).read_text())
+    return json.loads((publish_version(TinyLearner(), d, "v001") / M.MANIFEST).read_text())
 
 
 JSON_VALUES = st.recursive(
@@ -789,11 +792,11 @@ def _paths(v: Any, path: tuple = ()) -> list[tuple]:
 
 def _decodes_or_artifact_error(raw: bytes) -> None:
     try:
-        m = A.decode_manifest(raw, "fuzz/manifest.json")
+        m = M.decode_manifest(raw, "fuzz/manifest.json")
     except ArtifactError:
         return
     assert isinstance(m, dict) and isinstance(m["files"], dict)
-    A.feature_config_from(m["feature_config"], "fuzz")  # what the decoder accepted, the loader can use
+    M.feature_config_from(m["feature_config"], "fuzz")  # what the decoder accepted, the loader can use
 
 
 @FUZZ
@@ -978,7 +981,7 @@ def test_refresh_status_reports_a_broken_publish_root_and_the_rollback_pin(tmp_p
     assert main(["refresh", "--status", "--json", "--publish-root", str(tmp_path)]) == 0
     st = json.loads(capsys.readouterr().out)
     assert st["current"] == "v001" and st["pinned"]["rolled_back_from"] == "v002"
-    (tmp_path / A.CURRENT).write_text("v002\n")
+    (tmp_path / V.CURRENT).write_text("v002\n")
     damage_manifest(v2, MANIFEST_DAMAGE["not_json"])
     assert main(["refresh", "--status", "--json", "--publish-root", str(tmp_path)]) == 1
     st = json.loads(capsys.readouterr().out)

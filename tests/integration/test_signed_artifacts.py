@@ -24,7 +24,10 @@ from cache_refresh import job
 from cache_refresh.publish import publish, rollback
 from cache_refresh.settings import RefreshSettings
 from learner import artifact as A
-from learner.artifact import ArtifactError, build_artifact
+from learner import artifact_manifest as M
+from learner import artifact_versions as V
+from learner.artifact import build_artifact
+from learner.artifact_versions import ArtifactError
 from learner.config import ArtifactFormat
 from learner.delta_writer import DeltaWriter
 from learner.deltas import delta_path
@@ -58,13 +61,13 @@ def published(learner: TinyLearner, root: Path, version: str, key: SigningKey | 
 
 
 def manifest_of(version_dir: Path) -> dict[str, Any]:
-    return json.loads((version_dir / A.MANIFEST).read_text())
+    return json.loads((version_dir / M.MANIFEST).read_text())
 
 
 def rewrite_manifest(version_dir: Path, change: Any) -> None:
     m = manifest_of(version_dir)
     change(m)
-    (version_dir / A.MANIFEST).write_text(json.dumps(m, indent=2, sort_keys=True))
+    (version_dir / M.MANIFEST).write_text(json.dumps(m, indent=2, sort_keys=True))
 
 
 def updater(root: Path, deltas: Path | None = None, key: SigningKey | None = KEY) -> tuple[ModelUpdater, ModelHolder]:
@@ -92,7 +95,7 @@ def test_a_signed_manifest_carries_the_hmac_of_its_canonical_json_and_loads_with
     m = manifest_of(v)
     body = {k: x for k, x in m.items() if k != "signature"}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-    assert m["signature"] == KEY.sign(canonical) == KEY.sign(A.canonical_manifest(m))
+    assert m["signature"] == KEY.sign(canonical) == KEY.sign(M.canonical_manifest(m))
     assert ScoringModel.load(v, signing_key=KEY).version == "v001"
     assert ScoringModel.load(v).version == "v001"  # a reader without a key ignores the signature
     assert "signature" not in manifest_of(published(learner, tmp_path, "v002", key=None, fmt=fmt))
@@ -134,7 +137,7 @@ def test_serving_with_a_key_refuses_a_bad_signature_before_opening_any_other_fil
             "not_hex": "not 64 hex"}[case]
     with pytest.raises(ArtifactError, match=want) as info:
         ScoringModel.load(v, signing_key=KEY)
-    assert str(v / A.MANIFEST) in str(info.value) and opened == []
+    assert str(v / M.MANIFEST) in str(info.value) and opened == []
     with pytest.raises(ArtifactError, match=want):
         ScoringModel.load(v, signing_key=KEY, verify_files=False)  # a key always verifies
     assert opened == []
@@ -143,9 +146,9 @@ def test_serving_with_a_key_refuses_a_bad_signature_before_opening_any_other_fil
 def test_a_signed_manifest_whose_files_changed_is_refused_by_their_digests(tmp_path: Path,
                                                                          learner: TinyLearner) -> None:
     v = published(learner, tmp_path, "v001")
-    cold = np.load(v / A.COLD_FILE)
+    cold = np.load(v / M.COLD_FILE)
     cold[0, 0] += 1.0
-    np.save(v / A.COLD_FILE, cold)  # same size, other bytes
+    np.save(v / M.COLD_FILE, cold)  # same size, other bytes
     with pytest.raises(ArtifactError, match="sha256"):
         ScoringModel.load(v, signing_key=KEY)
 
@@ -153,12 +156,12 @@ def test_a_signed_manifest_whose_files_changed_is_refused_by_their_digests(tmp_p
 def test_publish_and_rollback_with_a_key_take_only_signed_versions(tmp_path: Path, learner: TinyLearner) -> None:
     with pytest.raises(ArtifactError, match="unsigned"):
         publish(tmp_path, staged(learner, tmp_path, "v000", key=None), keep=5, signing_key=KEY)
-    assert A.read_current(tmp_path) is None
+    assert V.read_current(tmp_path) is None
     publish(tmp_path, staged(learner, tmp_path, "v001", key=None), keep=5)  # an old, unsigned version
     published(learner, tmp_path, "v002")
     with pytest.raises(ArtifactError, match=r"no version older than v002 verifies \(v001: .*unsigned"):
         rollback(tmp_path, signing_key=KEY)
-    assert A.current_version(tmp_path) == "v002" and A.read_pin(tmp_path) is None
+    assert V.current_version(tmp_path) == "v002" and V.read_pin(tmp_path) is None
     published(learner, tmp_path, "v003")
     assert rollback(tmp_path, signing_key=KEY) == "v002"
 
@@ -207,20 +210,20 @@ def test_a_version_directory_symlinked_outside_the_root_is_refused(tmp_path: Pat
     published(learner, root, "v001", key=None)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    shutil.copytree(A.versions_dir(root) / "v001", elsewhere / "v002")
+    shutil.copytree(V.versions_dir(root) / "v001", elsewhere / "v002")
     rewrite_manifest(elsewhere / "v002", lambda m: m.update(version="v002"))
-    (A.versions_dir(root) / "v002").symlink_to(elsewhere / "v002", target_is_directory=True)
-    (root / A.CURRENT).write_text("v002\n")
-    assert A.list_versions(root) == ["v001"]
+    (V.versions_dir(root) / "v002").symlink_to(elsewhere / "v002", target_is_directory=True)
+    (root / V.CURRENT).write_text("v002\n")
+    assert V.list_versions(root) == ["v001"]
     with pytest.raises(ArtifactError, match="outside"):
-        A.read_current(root)
+        V.read_current(root)
     with pytest.raises(ArtifactError, match="outside"):
-        ScoringModel.load(A.versions_dir(root) / "v002")
+        ScoringModel.load(V.versions_dir(root) / "v002")
     u, holder = updater(root, key=None)
     u.check_now()
     u.check_now()
     assert holder.live is None and rejected(u, "artifact") == 1 and "outside" in (holder.problem or "")
-    (root / A.CURRENT).write_text("v001\n")
+    (root / V.CURRENT).write_text("v001\n")
     u.check_now()
     assert holder.live is not None and holder.live.model.version == "v001"
 
@@ -229,9 +232,9 @@ def test_a_version_directory_symlinked_outside_the_root_is_refused(tmp_path: Pat
 def test_a_current_with_a_path_in_it_is_refused(tmp_path: Path, learner: TinyLearner, pointer: str) -> None:
     root = tmp_path / "serving"
     published(learner, root, "v001", key=None)
-    (root / A.CURRENT).write_text(pointer + "\n")
+    (root / V.CURRENT).write_text(pointer + "\n")
     with pytest.raises(ArtifactError, match="not a version name"):
-        A.read_current(root)
+        V.read_current(root)
     u, holder = updater(root, key=None)
     u.check_now()
     assert holder.live is None and rejected(u, "artifact") == 1
@@ -240,8 +243,8 @@ def test_a_current_with_a_path_in_it_is_refused(tmp_path: Path, learner: TinyLea
 def test_a_pin_naming_a_path_is_unreadable_and_pins_whatever_is_live(tmp_path: Path, learner: TinyLearner) -> None:
     root = tmp_path / "serving"
     published(learner, root, "v001", key=None)
-    (root / A.PIN).write_text(json.dumps({"version": "v001", "rolled_back_from": "../../etc", "at": 1.0}))
-    pin = A.read_pin(root)
+    (root / V.PIN).write_text(json.dumps({"version": "v001", "rolled_back_from": "../../etc", "at": 1.0}))
+    pin = V.read_pin(root)
     assert pin is not None and pin.problem is not None and pin.holds("v001")
 
 
@@ -250,9 +253,9 @@ def test_an_artifact_file_symlinked_outside_its_version_is_refused_even_with_mat
     root = tmp_path / "serving"
     v = published(learner, root, "v001")
     outside = tmp_path / "cold_rows.npy"
-    shutil.copyfile(v / A.COLD_FILE, outside)  # the very bytes: size and sha256 match the manifest
-    (v / A.COLD_FILE).unlink()
-    (v / A.COLD_FILE).symlink_to(outside)
+    shutil.copyfile(v / M.COLD_FILE, outside)  # the very bytes: size and sha256 match the manifest
+    (v / M.COLD_FILE).unlink()
+    (v / M.COLD_FILE).symlink_to(outside)
     for load in (lambda: A.verify(v), lambda: ScoringModel.load(v), lambda: ScoringModel.load(v, signing_key=KEY),
                  lambda: ScoringModel.load(v, verify_files=False)):
         with pytest.raises(ArtifactError, match="outside"):
@@ -265,9 +268,9 @@ def test_an_artifact_file_symlinked_outside_its_version_is_refused_even_with_mat
 def test_a_manifest_symlinked_outside_its_version_is_refused(tmp_path: Path, learner: TinyLearner) -> None:
     v = published(learner, tmp_path, "v001", key=None)
     outside = tmp_path / "manifest.json"
-    shutil.copyfile(v / A.MANIFEST, outside)
-    (v / A.MANIFEST).unlink()
-    (v / A.MANIFEST).symlink_to(outside)
+    shutil.copyfile(v / M.MANIFEST, outside)
+    (v / M.MANIFEST).unlink()
+    (v / M.MANIFEST).symlink_to(outside)
     with pytest.raises(ArtifactError, match="outside"):
         ScoringModel.load(v)
 
@@ -301,7 +304,7 @@ def test_the_refresh_signs_what_it_publishes_and_fails_on_an_unreadable_key(stac
     summary = job.run_once(rs, kafka, rds)
     assert summary["published"] and summary["signed"]
     v = Path(summary["path"])
-    A.check_signature(A.read_manifest(v), KEY)  # raises unless signed with KEY
+    M.check_signature(M.read_manifest(v), KEY)  # raises unless signed with KEY
     assert ScoringModel.load(v, signing_key=KEY).format == "safetensors"
     second = job.run_once(rs, kafka, rds)  # the live artifact (signed) is loaded with the key for comparison
     assert second["published"] and second["signed"]
@@ -309,5 +312,5 @@ def test_the_refresh_signs_what_it_publishes_and_fails_on_an_unreadable_key(stac
                           alerts_topic="", signing_key_file=tmp_path / "missing-key")
     with pytest.raises(job.RefreshError, match=r"at signing: \[refresh\] signing_key_file .*missing-key") as info:
         job.run_once(bad, kafka, rds)
-    assert info.value.stage == "signing" and A.current_version(rs.publish_root) == second["version"]
+    assert info.value.stage == "signing" and V.current_version(rs.publish_root) == second["version"]
     assert redact(str(info.value)) == str(info.value)  # no part of the line reads as a secret to the log redactor

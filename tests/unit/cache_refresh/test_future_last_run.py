@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from cache_refresh import metrics, run_records
-from learner import artifact as A
+from learner import artifact_manifest as M
+from learner import artifact_versions as V
 from tests.unit.cache_refresh.test_last_success_fallback import fresh_gauge, gauge, published  # noqa: F401
 
 DAY = 86400.0
@@ -26,7 +27,7 @@ def test_a_last_success_in_the_future_is_no_record_and_the_gauge_is_the_live_ver
     run_records.write_last_success(tmp_path, time.time() + 30 * DAY, version.name)
     with caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
         assert run_records.restore_last_success(tmp_path) is None  # the scheduler's catch-up counts no success either
-    created = json.loads((version / A.MANIFEST).read_text())["created"]
+    created = json.loads((version / M.MANIFEST).read_text())["created"]
     assert gauge() == pytest.approx(created)
     warning = next(r.getMessage() for r in caplog.records if "in the future" in r.getMessage())
     recorded = json.loads((tmp_path / run_records.LAST_RUN).read_text())["last_success_utc"]
@@ -45,10 +46,10 @@ def test_a_future_manifest_and_current_leave_the_gauge_at_0_with_a_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The fallback is held to the same rule: a root copied from a host whose clock is ahead says nothing usable."""
     version = published(tmp_path)
-    manifest = json.loads((version / A.MANIFEST).read_text())
+    manifest = json.loads((version / M.MANIFEST).read_text())
     now = manifest["created"] - 30 * DAY  # this host's clock a month behind the one that built and published it
     future = manifest["created"]
-    os.utime(tmp_path / A.CURRENT, (future, future))
+    os.utime(tmp_path / V.CURRENT, (future, future))
     with caplog.at_level(logging.WARNING, logger="streamrec.refresh"):
         assert run_records.live_published_at(tmp_path, now=now) is None
     assert sum("in the future" in r.getMessage() for r in caplog.records) == 2

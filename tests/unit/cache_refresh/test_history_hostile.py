@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cache_refresh import publish as publishing
-from learner.artifact import ArtifactError
+from learner.artifact_versions import ArtifactError
 from streamrec.cli import main
 from tests.unit.cache_refresh.test_rollback_lock import ckpt, put  # noqa: F401 - the fixture
 

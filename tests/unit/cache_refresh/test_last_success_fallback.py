@@ -17,7 +17,8 @@ from prometheus_client import REGISTRY
 
 from cache_refresh import metrics, run_records
 from cache_refresh.publish import publish
-from learner import artifact as A
+from learner import artifact_manifest as M
+from learner import artifact_versions as V
 from learner.artifact import build_artifact
 from tests.unit.learner.test_artifact import make_checkpoint
 
@@ -53,15 +54,15 @@ def test_without_a_usable_last_run_json_the_gauge_is_the_live_versions_publish_t
     version = published(tmp_path)
     if record is not None:
         (tmp_path / run_records.LAST_RUN).write_bytes(record)
-    created = json.loads((version / A.MANIFEST).read_text())["created"]
+    created = json.loads((version / M.MANIFEST).read_text())["created"]
     assert run_records.restore_last_success(tmp_path) is None  # no record: the scheduler's catch-up is unchanged
     assert gauge() == pytest.approx(created)
 
 
 def test_a_live_version_whose_manifest_cannot_be_read_gives_currents_modification_time(tmp_path: Path) -> None:
     version = published(tmp_path)
-    (version / A.MANIFEST).write_bytes(b"{not json")
-    os.utime(tmp_path / A.CURRENT, (1_750_000_000.0, 1_750_000_000.0))
+    (version / M.MANIFEST).write_bytes(b"{not json")
+    os.utime(tmp_path / V.CURRENT, (1_750_000_000.0, 1_750_000_000.0))
     run_records.restore_last_success(tmp_path)
     assert gauge() == pytest.approx(1_750_000_000.0)
 
@@ -76,12 +77,12 @@ def test_a_record_in_last_run_json_is_the_last_success(tmp_path: Path) -> None:
 @pytest.mark.parametrize("root", ["empty", "missing", "dangling", "malformed"])
 def test_with_nothing_live_the_gauge_stays_0(tmp_path: Path, root: str) -> None:
     if root == "empty":
-        (tmp_path / A.VERSIONS).mkdir()
+        (tmp_path / V.VERSIONS).mkdir()
     elif root == "dangling":  # CURRENT names a version that is gone
         published(tmp_path)
-        (tmp_path / A.CURRENT).write_text("v999\n")
+        (tmp_path / V.CURRENT).write_text("v999\n")
     elif root == "malformed":
-        (tmp_path / A.CURRENT).write_text("../elsewhere\n")
+        (tmp_path / V.CURRENT).write_text("../elsewhere\n")
     path = tmp_path / "nothing" if root == "missing" else tmp_path
     assert run_records.restore_last_success(path) is None
     assert gauge() == 0.0

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 from cache_refresh import job
 from cache_refresh.publish import clean_leftovers, refresh_lock
 from cache_refresh.settings import RefreshSettings
-from learner import artifact
+from learner import artifact_manifest, artifact_versions
 from stream.config import KafkaSettings, RedisSettings
 
 
@@ -23,10 +23,10 @@ def test_leftovers_named_with_this_processs_own_pid_are_an_earlier_processs_and_
     nothing of its own in flight, the run knows they are an earlier process's. They were left: the temp files for
     ever, a staged directory (a whole copy of the cold rows) for an hour."""
     root = tmp_path / "serving"
-    staged = root / artifact.STAGING / f"20260101T030000000Z-{os.getpid()}"
+    staged = root / artifact_versions.STAGING / f"20260101T030000000Z-{os.getpid()}"
     staged.mkdir(parents=True)
-    (staged / artifact.COLD_FILE).write_bytes(b"\0" * 1024)
-    temps = [root / f".{artifact.CURRENT}.tmp-{os.getpid()}-1", root / f".last_run.json.tmp-{os.getpid()}-2"]
+    (staged / artifact_manifest.COLD_FILE).write_bytes(b"\0" * 1024)
+    temps = [root / f".{artifact_versions.CURRENT}.tmp-{os.getpid()}-1", root / f".last_run.json.tmp-{os.getpid()}-2"]
     for t in temps:
         t.write_bytes(b"half")
     with refresh_lock(root):
@@ -41,7 +41,7 @@ def test_a_publish_root_that_cannot_be_listed_fails_at_stage_cleanup_not_signing
     fails naming that stage, in its error, alert and ``streamrec_refresh_runs_total{stage}``: it was reported as
     stage ``signing`` (the stage before), sending an operator to the signing key."""
     def unreadable(root: Path) -> list[str]:
-        raise PermissionError(errno.EACCES, "Permission denied", str(root / artifact.STAGING))
+        raise PermissionError(errno.EACCES, "Permission denied", str(root / artifact_versions.STAGING))
 
     monkeypatch.setattr(job, "clean_leftovers", unreadable)
     rs = RefreshSettings(checkpoint_dir=tmp_path / "ckpt", publish_root=tmp_path / "serving", alerts_topic="")

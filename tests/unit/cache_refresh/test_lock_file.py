@@ -13,7 +13,7 @@ import pytest
 from cache_refresh import job
 from cache_refresh.publish import LOCK, refresh_lock, rollback
 from cache_refresh.settings import RefreshSettings
-from learner.artifact import ArtifactError
+from learner.artifact_versions import ArtifactError
 from stream.config import KafkaSettings, RedisSettings
 
 

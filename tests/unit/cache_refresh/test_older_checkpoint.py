@@ -16,7 +16,7 @@ import pytest
 from cache_refresh import job
 from cache_refresh.publish import publish
 from cache_refresh.settings import RefreshSettings
-from learner import artifact as A
+from learner import artifact_versions as V
 from learner import checkpoint
 from learner.artifact import build_artifact
 from stream.config import KafkaSettings, RedisSettings
@@ -61,7 +61,7 @@ def test_a_torn_newest_checkpoint_does_not_publish_an_older_model(setup) -> None
     assert err.stage == "checkpoint"
     assert "has trained 256 samples, fewer than the live version v001 (512 samples" in str(err)
     assert newest.name in str(err) and "--allow-older" in str(err)
-    assert A.current_version(rs.publish_root) == "v001" and A.list_versions(rs.publish_root) == ["v001"]
+    assert V.current_version(rs.publish_root) == "v001" and V.list_versions(rs.publish_root) == ["v001"]
     # the operator may publish it anyway: the check is passed (the run then fails here at the hot set: no Redis)
     assert stage_of(rs, kafka, rds, allow_older=True).stage == "hot_set"
 
@@ -91,4 +91,4 @@ def test_the_cli_exits_1_with_the_reason_and_allow_older_needs_now(setup, capsys
     assert "refresh failed at checkpoint: the checkpoint" in err and "fewer than the live version v001" in err
     assert main(["refresh", "--status", "--allow-older", "--config", str(cfg)]) == 2
     assert "--allow-older goes with --now" in capsys.readouterr().err
-    assert A.current_version(rs.publish_root) == "v001"
+    assert V.current_version(rs.publish_root) == "v001"

@@ -13,8 +13,10 @@ import pytest
 
 from cache_refresh import publish as publishing
 from cache_refresh.publish import rollback
-from learner import artifact as A
-from learner.artifact import ArtifactError, build_artifact
+from learner import artifact_manifest as M
+from learner import artifact_versions as V
+from learner.artifact import build_artifact
+from learner.artifact_versions import ArtifactError
 from stream import files
 from tests.unit.cache_refresh.test_rollback_history import killed_before_current
 from tests.unit.cache_refresh.test_rollback_lock import ckpt, put  # noqa: F401 - the fixture
@@ -27,11 +29,11 @@ def test_a_version_that_never_was_current_does_not_push_the_rollback_target_out(
     put(tmp_path, ckpt, "v003", keep=2)
     # before: v001, v002 and v003 counted toward keep 2, v001 (the only version a rollback may go to) was pruned and
     # `--rollback` refused ("no version older than v003 was ever current")
-    assert A.list_versions(tmp_path) == ["v001", "v002", "v003"]  # v002 is among the last 2 of all: --status names it
+    assert V.list_versions(tmp_path) == ["v001", "v002", "v003"]  # v002 is among the last 2 of all: --status names it
     assert rollback(tmp_path) == "v001"
     put(tmp_path, ckpt, "v004", keep=2)  # an operator's publish over the pin: v001 and v004 are the two counted
     # v002, not among the last 2 of all, is pruned as before; v003, rolled back from, no rollback target, is not counted
-    assert A.list_versions(tmp_path) == ["v001", "v003", "v004"]
+    assert V.list_versions(tmp_path) == ["v001", "v003", "v004"]
     assert rollback(tmp_path) == "v001"  # live just before v004 (before: v003, the version rolled back from)
 
 
@@ -40,13 +42,13 @@ def test_a_prune_that_raises_after_the_switch_leaves_the_publish_done(
     put(tmp_path, ckpt, "v001")
 
     def unreadable(*_a: object) -> None:
-        raise ArtifactError(f"{tmp_path / A.CURRENT} cannot be read (EIO)")
+        raise ArtifactError(f"{tmp_path / V.CURRENT} cannot be read (EIO)")
 
     monkeypatch.setattr(publishing, "_prune", unreadable)
     # before: the ArtifactError escaped publish() although CURRENT named v002; job.run_once then reported a failed
     # publish and deleted the embedding-store rows of the version that was live
     assert put(tmp_path, ckpt, "v002").name == "v002"
-    assert A.current_version(tmp_path) == "v002"
+    assert V.current_version(tmp_path) == "v002"
 
 
 def close_fails_for(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
@@ -77,7 +79,7 @@ def test_a_close_of_the_publishing_lock_that_reports_eio_after_the_switch_leaves
     # before: the OSError of the close escaped publish() with CURRENT naming v002; the run then reported "nothing was
     # published" and deleted v002's embedding-store rows (tests/integration/test_refresh.py)
     assert publishing.publish(tmp_path, staged, keep=5).name == "v002"
-    assert failed and A.current_version(tmp_path) == "v002" and A.read_current(tmp_path) is not None
+    assert failed and V.current_version(tmp_path) == "v002" and V.read_current(tmp_path) is not None
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     # the publish's close, and the prune's probe of the lock (whose close failing had failed the prune): nothing else
     assert len(warned) == 2 and all(f"{publishing.PUBLISHING} failed" in w for w in warned)
@@ -111,7 +113,7 @@ def test_current_in_place_whose_fsync_fails_keeps_its_version_even_when_current_
 
     def current_version(root: Path) -> str | None:
         if failing:
-            raise ArtifactError(f"{root / A.CURRENT} cannot be read (EIO)")
+            raise ArtifactError(f"{root / V.CURRENT} cannot be read (EIO)")
         return real_current(root)
 
     monkeypatch.setattr(files, "fsync_dir", fsync_dir)
@@ -120,7 +122,7 @@ def test_current_in_place_whose_fsync_fails_keeps_its_version_even_when_current_
     # for serving) and publish() raised "nothing was published, CURRENT still names v001"
     assert publishing.publish(tmp_path, staged, keep=5).name == "v002"
     monkeypatch.undo()
-    assert A.current_version(tmp_path) == "v002" and A.read_current(tmp_path) == A.versions_dir(tmp_path) / "v002"
+    assert V.current_version(tmp_path) == "v002" and V.read_current(tmp_path) == V.versions_dir(tmp_path) / "v002"
     assert "v002 is current, but making that durable failed" in caplog.text
 
 
@@ -131,7 +133,7 @@ def current_written_then_eio(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 
     def write(path: Path, data: bytes) -> None:
         real(path, data)
-        if Path(path).name == A.CURRENT:
+        if Path(path).name == V.CURRENT:
             done.append(Path(path))
             raise OSError(errno.EIO, os.strerror(errno.EIO))
 
@@ -149,8 +151,8 @@ def test_current_renamed_whose_write_reports_eio_is_a_publish_and_its_version_st
     # a CURRENT naming it (no model for a restarting server) and publish() said "nothing was published"
     assert publishing.publish(tmp_path, staged, keep=5, warnings=said).name == "v002"
     monkeypatch.undo()
-    assert done and A.current_version(tmp_path) == "v002"
-    assert A.read_current(tmp_path) == A.versions_dir(tmp_path) / "v002"
+    assert done and V.current_version(tmp_path) == "v002"
+    assert V.read_current(tmp_path) == V.versions_dir(tmp_path) / "v002"
     assert any("v002 is current, but its write reported an error" in w for w in said)
 
 
@@ -163,7 +165,7 @@ def test_current_renamed_whose_write_reports_eio_and_cannot_be_read_again_leaves
 
     def current_version(root: Path) -> str | None:
         if done:
-            raise ArtifactError(f"{root / A.CURRENT} cannot be read (EIO)")
+            raise ArtifactError(f"{root / V.CURRENT} cannot be read (EIO)")
         return real_current(root)
 
     monkeypatch.setattr(publishing, "current_version", current_version)
@@ -172,8 +174,8 @@ def test_current_renamed_whose_write_reports_eio_and_cannot_be_read_again_leaves
     with pytest.raises(ArtifactError, match="whether v002 is live is not known"):
         publishing.publish(tmp_path, staged, keep=5)
     monkeypatch.undo()
-    assert A.current_version(tmp_path) == "v002"
-    assert A.read_current(tmp_path) == A.versions_dir(tmp_path) / "v002"
+    assert V.current_version(tmp_path) == "v002"
+    assert V.read_current(tmp_path) == V.versions_dir(tmp_path) / "v002"
 
 
 def test_a_version_taken_back_out_whose_removal_fails_half_way_leaves_only_what_clean_leftovers_removes(
@@ -183,7 +185,7 @@ def test_a_version_taken_back_out_whose_removal_fails_half_way_leaves_only_what_
     real_write, real_rename = publishing.write_atomic, os.rename
 
     def write(path: Path, data: bytes) -> None:
-        if Path(path).name == A.CURRENT:
+        if Path(path).name == V.CURRENT:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_write(path, data)
 
@@ -193,7 +195,7 @@ def test_a_version_taken_back_out_whose_removal_fails_half_way_leaves_only_what_
         real_rename(src, dst)
 
     def rmtree(path: object, ignore_errors: bool = False) -> None:  # removes the manifest, then fails (EIO)
-        (Path(str(path)) / A.MANIFEST).unlink(missing_ok=True)
+        (Path(str(path)) / M.MANIFEST).unlink(missing_ok=True)
 
     monkeypatch.setattr(publishing, "write_atomic", write)
     monkeypatch.setattr(os, "rename", rename)
@@ -202,6 +204,6 @@ def test_a_version_taken_back_out_whose_removal_fails_half_way_leaves_only_what_
         publishing.publish(tmp_path, staged, keep=5)
     monkeypatch.undo()
     # before: versions/v002 stayed without its manifest: no prune removes such a directory (it may be a foreign one)
-    assert A.list_versions(tmp_path) == ["v001"] and A.current_version(tmp_path) == "v001"
+    assert V.list_versions(tmp_path) == ["v001"] and V.current_version(tmp_path) == "v001"
     publishing.clean_leftovers(tmp_path)
-    assert sorted(p.name for p in A.versions_dir(tmp_path).iterdir()) == ["v001"]
+    assert sorted(p.name for p in V.versions_dir(tmp_path).iterdir()) == ["v001"]

@@ -15,8 +15,9 @@ import pytest
 from cache_refresh import publish as publishing
 from cache_refresh.publish import PUBLISHING, publish, refresh_lock, rollback
 from cache_refresh.status import status
-from learner import artifact as A
-from learner.artifact import ArtifactError, build_artifact
+from learner import artifact_versions as V
+from learner.artifact import build_artifact
+from learner.artifact_versions import ArtifactError
 from tests.unit.cache_refresh.test_rollback_history import killed_before_current
 from tests.unit.cache_refresh.test_rollback_lock import ckpt, put  # noqa: F401 - the fixture
 
@@ -69,7 +70,7 @@ def test_a_rollback_during_a_publish_fails_at_once_and_changes_nothing(
         return "refused"
 
     assert publish_seeing(tmp_path, ckpt, "v003", monkeypatch, roll) == "refused"
-    assert A.current_version(tmp_path) == "v003" and A.read_pin(tmp_path) is None
+    assert V.current_version(tmp_path) == "v003" and V.read_pin(tmp_path) is None
     assert rollback(tmp_path) == "v002"  # the version that was current, not one moved in and never made current
 
 
@@ -82,7 +83,7 @@ def test_a_symlink_at_the_publishing_lock_fails_the_publish_with_nothing_changed
     (tmp_path / PUBLISHING).symlink_to(victim)
     with pytest.raises(ArtifactError, match="symbolic link.*nothing was published"):
         put(tmp_path, ckpt, "v002")
-    assert A.current_version(tmp_path) == "v001" and A.list_versions(tmp_path) == ["v001"]
+    assert V.current_version(tmp_path) == "v001" and V.list_versions(tmp_path) == ["v001"]
     assert victim.read_text() == "keep me"
     assert "never_current" not in status(tmp_path)  # the status cannot probe it: said in the log, nothing misnamed
 
@@ -106,7 +107,7 @@ def test_a_status_probe_that_never_lets_go_delays_a_publish_by_a_bound_not_forev
         assert done.wait(10), "the publish waited on the status probe without a bound"
     finally:
         os.close(fd)
-    assert A.current_version(tmp_path) == "v002"
+    assert V.current_version(tmp_path) == "v002"
     assert any("still held by a status probe" in r.getMessage() for r in caplog.records)
 
 
@@ -139,4 +140,4 @@ def test_a_hard_linked_publishing_lock_is_refused_and_the_file_it_links_to_left_
     os.link(other, tmp_path / PUBLISHING)
     with pytest.raises(ArtifactError, match="not a regular file of its own"):
         put(tmp_path, ckpt, "v002")
-    assert other.read_text() == "precious data" and A.current_version(tmp_path) == "v001"
+    assert other.read_text() == "precious data" and V.current_version(tmp_path) == "v001"

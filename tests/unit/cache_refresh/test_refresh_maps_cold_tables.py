@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cache_refresh import job
-from learner import artifact as A
+from learner import artifact_versions as V
 from stream.config import KafkaSettings, RedisSettings
 from streamrec.stack import free_port
 from tests.unit.cache_refresh.test_stop_signal_now import _live_and_newer, _now_settings
@@ -31,6 +31,6 @@ def test_the_refresh_maps_the_cold_tables_of_the_staged_and_the_live_artifact_in
 
     monkeypatch.setattr(job.ScoringModel, "load", staticmethod(recording_load))
     job.run_now(_now_settings(root, ckpts), KafkaSettings(), RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"))
-    assert len(A.list_versions(root)) == 2  # the run published: both loads happened
+    assert len(V.list_versions(root)) == 2  # the run published: both loads happened
     assert set(tables) == {"live", "staged"}
     assert all(isinstance(t, np.memmap) for t in tables.values()), {k: type(t) for k, t in tables.items()}

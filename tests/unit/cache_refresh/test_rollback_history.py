@@ -12,8 +12,9 @@ import pytest
 
 from cache_refresh import publish as publishing
 from cache_refresh.publish import HISTORY, publish, rollback
-from learner import artifact as A
-from learner.artifact import ArtifactError, build_artifact
+from learner import artifact_versions as V
+from learner.artifact import build_artifact
+from learner.artifact_versions import ArtifactError
 from tests.unit.cache_refresh.test_rollback_lock import ckpt, put  # noqa: F401 - the fixture
 
 
@@ -30,7 +31,7 @@ def killed_before_current(root: Path, ckpt: dict, version: str, monkeypatch: pyt
         m.setattr(publishing, "_set_current", kill)
         with pytest.raises(Killed):
             publish(root, build_artifact(ckpt, root, np.zeros(0), format="eager", version=version), keep=5)
-    assert (A.versions_dir(root) / version).is_dir()
+    assert (V.versions_dir(root) / version).is_dir()
 
 
 def test_rollback_skips_a_version_a_killed_publish_left_that_was_never_current(
@@ -38,10 +39,10 @@ def test_rollback_skips_a_version_a_killed_publish_left_that_was_never_current(
     put(tmp_path, ckpt, "v001")
     put(tmp_path, ckpt, "v002")
     killed_before_current(tmp_path, ckpt, "v003", monkeypatch)
-    assert A.current_version(tmp_path) == "v002"
+    assert V.current_version(tmp_path) == "v002"
     put(tmp_path, ckpt, "v004")
     assert rollback(tmp_path) == "v002"
-    assert A.current_version(tmp_path) == "v002"
+    assert V.current_version(tmp_path) == "v002"
     assert rollback(tmp_path) == "v001"  # and the next rollback goes on back through versions that were current
 
 
@@ -52,7 +53,7 @@ def test_rollback_refuses_when_no_older_version_was_ever_current(
     with pytest.raises(ArtifactError, match="no version older than v002 .* was ever current \\(v001 never was"
                                             ".*CURRENT still names v002"):
         rollback(tmp_path)
-    assert A.current_version(tmp_path) == "v002" and A.read_pin(tmp_path) is None
+    assert V.current_version(tmp_path) == "v002" and V.read_pin(tmp_path) is None
 
 
 def test_a_root_written_before_the_history_rolls_back_by_name_and_begins_one(

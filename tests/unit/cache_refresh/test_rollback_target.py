@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from cache_refresh.publish import HISTORY, rollback
-from learner import artifact as A
-from learner.artifact import ArtifactError
+from learner import artifact_versions as V
+from learner.artifact_versions import ArtifactError
 from tests.unit.cache_refresh.test_rollback_lock import ckpt, put  # noqa: F401 - the fixture
 
 
@@ -23,11 +23,11 @@ def test_rollback_after_a_rollback_and_a_publish_goes_to_the_version_live_before
     assert rollback(tmp_path) == "v002"  # v003 was bad
     put(tmp_path, ckpt, "v004")
     assert rollback(tmp_path) == "v002"  # live just before v004; v003 was rolled back from
-    assert A.current_version(tmp_path) == "v002"
+    assert V.current_version(tmp_path) == "v002"
     assert rollback(tmp_path) == "v001"  # v004 and v003 both rolled back from
     with pytest.raises(ArtifactError, match="rolled back from"):
         rollback(tmp_path)  # nothing left that was live before and not rejected
-    assert A.current_version(tmp_path) == "v001"
+    assert V.current_version(tmp_path) == "v001"
 
 
 def test_a_history_written_before_rolled_back_from_was_recorded_still_excludes_its_rejected_versions(

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from cache_refresh.publish import clean_leftovers, refresh_lock
-from learner import artifact
+from learner import artifact_versions
 
 
 def test_a_symlinked_staging_is_unlinked_and_nothing_in_its_target_is_deleted(tmp_path: Path) -> None:
@@ -26,17 +26,17 @@ def test_a_symlinked_staging_is_unlinked_and_nothing_in_its_target_is_deleted(tm
     two_hours_ago = time.time() - 7200
     os.utime(old, (two_hours_ago, two_hours_ago))
     (victim / "build-999999999").mkdir()  # ends in the pid of a process that does not exist
-    (root / artifact.STAGING).symlink_to(victim)
+    (root / artifact_versions.STAGING).symlink_to(victim)
     with refresh_lock(root):
         cleaned = clean_leftovers(root)
     assert old.read_text() == "precious" and (victim / "build-999999999").is_dir()
-    assert cleaned == [artifact.STAGING]
-    assert not (root / artifact.STAGING).is_symlink() and not (root / artifact.STAGING).exists()
+    assert cleaned == [artifact_versions.STAGING]
+    assert not (root / artifact_versions.STAGING).is_symlink() and not (root / artifact_versions.STAGING).exists()
 
 
 def _victim(tmp_path: Path) -> tuple[Path, Path]:
     root, victim = tmp_path / "serving", tmp_path / "victim"
-    (root / artifact.STAGING).mkdir(parents=True)
+    (root / artifact_versions.STAGING).mkdir(parents=True)
     victim.mkdir()
     (victim / "build-999999999").mkdir()  # ends in the pid of a process that does not exist
     return root, victim
@@ -47,7 +47,7 @@ def test_a_staging_swapped_for_a_symlink_after_the_check_is_not_followed(
     """A ``.staging`` replaced by a link between the cleanup's check (a directory, no link) and its listing: the
     listing followed the link and deleted the dead-pid-named entries of the directory it points to."""
     root, victim = _victim(tmp_path)
-    staging, real_is_symlink = root / artifact.STAGING, Path.is_symlink
+    staging, real_is_symlink = root / artifact_versions.STAGING, Path.is_symlink
 
     def is_symlink_then_swapped(self: Path) -> bool:
         answer = real_is_symlink(self)
@@ -67,7 +67,7 @@ def test_a_staging_link_removed_before_it_is_read_is_no_error(
     """The link gone between the check and reading where it points (``os.readlink``): the FileNotFoundError ended the
     cleanup, and the refresh with it."""
     root, victim = _victim(tmp_path)
-    staging = root / artifact.STAGING
+    staging = root / artifact_versions.STAGING
     staging.rmdir()
     staging.symlink_to(victim)
     real_readlink = os.readlink

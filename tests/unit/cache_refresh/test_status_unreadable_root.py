@@ -11,21 +11,21 @@ from pathlib import Path
 import pytest
 
 from cache_refresh import status as refresh_status
-from learner import artifact as A
+from learner import artifact_versions as V
 from streamrec.cli import main
 
 
 def test_status_of_a_root_whose_versions_cannot_be_listed_is_an_error_naming_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    (A.versions_dir(tmp_path) / "v001").mkdir(parents=True)
-    (tmp_path / A.CURRENT).write_text("v001\n")
+    (V.versions_dir(tmp_path) / "v001").mkdir(parents=True)
+    (tmp_path / V.CURRENT).write_text("v001\n")
 
     def unreadable(root: Path) -> list[str]:
-        raise PermissionError(errno.EACCES, "Permission denied", str(A.versions_dir(root)))
+        raise PermissionError(errno.EACCES, "Permission denied", str(V.versions_dir(root)))
 
     # (status imported above: a module first imported under the patch, cache_refresh.publish, would keep the fake)
     # as root (the tests), a mode of 0700 reads
-    monkeypatch.setattr(refresh_status.artifact, "list_versions", unreadable)
+    monkeypatch.setattr(refresh_status.artifact_versions, "list_versions", unreadable)
     rc = main(["refresh", "--status", "--json", "--publish-root", str(tmp_path)])
     st = json.loads(capsys.readouterr().out)
     assert rc == 1 and st["current"] is None

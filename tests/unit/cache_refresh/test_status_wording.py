@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from learner import artifact as A
+from learner import artifact_versions as V
 from streamrec.cli import main
 
 
@@ -28,8 +28,8 @@ def test_status_names_a_missing_or_non_directory_publish_root(tmp_path: Path,
 
 
 def test_rollback_with_nothing_published_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    A.versions_dir(tmp_path).mkdir(parents=True)
+    V.versions_dir(tmp_path).mkdir(parents=True)
     assert main(["refresh", "--rollback", "--publish-root", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert err == (f"streamrec refresh: error: nothing to roll back to: no version is published in "
-                   f"{A.versions_dir(tmp_path)}\n")
+                   f"{V.versions_dir(tmp_path)}\n")

@@ -67,7 +67,7 @@ def test_a_stop_checked_in_the_holdout_ends_it_after_the_batch_being_scored(
 def test_a_stop_checked_after_the_int8_probe_scoring_ends_the_probe_before_the_live_artifact_loads() -> None:
     """Before, the probe's last check came after the artifact's fp32 path scored it: an INT8 artifact then scored the
     probe again, and the run went on to load the live artifact, with no check in between."""
-    from learner import artifact as A
+    from learner import artifact_manifest as M
     from tests.unit.learner.test_artifact import make_checkpoint
 
     ckpt = make_checkpoint()
@@ -84,7 +84,7 @@ def test_a_stop_checked_after_the_int8_probe_scoring_ends_the_probe_before_the_l
             raise Stopped
 
     model = Int8("new", scored, "onnx_int8")
-    model.feature_config = A.check_checkpoint(ckpt)
+    model.feature_config = M.check_checkpoint(ckpt)
     with pytest.raises(Stopped):
         validate.probe(model, ckpt, 16, 1e-5, between=stop_once_int8_scored)  # type: ignore[arg-type]
     assert scored == ["fp32", "int8"]

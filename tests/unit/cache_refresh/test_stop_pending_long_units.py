@@ -12,6 +12,8 @@ import pytest
 
 from cache_refresh import job, validate
 from learner import artifact as A
+from learner import artifact_manifest as M
+from learner import artifact_versions as V
 from stream.config import KafkaSettings, RedisSettings
 from streamrec.stack import free_port
 from tests.unit.cache_refresh.test_stop_pending_stage_end import _stop_inside_a_swallowed_error
@@ -36,7 +38,7 @@ def test_a_stop_kept_pending_while_the_scorer_is_saved_ends_the_build_before_the
 
     def swallowing_save(*args: Any, **kwargs: Any) -> None:
         save_scorer(*args, **kwargs)
-        if len(stopped) == 0 and Path(args[2]).parent.parent.name == A.STAGING:  # this run's build, not v001's
+        if len(stopped) == 0 and Path(args[2]).parent.parent.name == V.STAGING:  # this run's build, not v001's
             stopped.append(True)
             _stop_inside_a_swallowed_error()
 
@@ -56,8 +58,8 @@ def test_a_stop_kept_pending_while_the_scorer_is_saved_ends_the_build_before_the
     err = _run(root, ckpts)
     assert stopped and err.stage == "build" and "stopped by SIGTERM" in str(err), str(err)
     assert after_stop == []  # no file written or hashed after the stop
-    assert not any((root / A.STAGING).iterdir())  # the staged directory is removed
-    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+    assert not any((root / V.STAGING).iterdir())  # the staged directory is removed
+    assert V.current_version(root) == "v001" and V.list_versions(root) == ["v001"]
 
 
 def test_a_stop_kept_pending_while_the_staged_artifact_loads_ends_the_validate_stage_before_the_probe_scores(
@@ -98,7 +100,7 @@ def test_a_stop_kept_pending_while_the_staged_artifact_loads_ends_the_validate_s
     err = _run(root, ckpts)
     assert stopped and err.stage == "validate" and "stopped by SIGTERM" in str(err), str(err)
     assert after_stop == []
-    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+    assert V.current_version(root) == "v001" and V.list_versions(root) == ["v001"]
 
 
 def test_a_stop_checked_in_the_probe_ends_it_before_its_next_scoring() -> None:
@@ -113,7 +115,7 @@ def test_a_stop_checked_in_the_probe_ends_it_before_its_next_scoring() -> None:
     calls: list[int] = []
 
     class Model:
-        feature_config = A.check_checkpoint(ckpt)
+        feature_config = M.check_checkpoint(ckpt)
         format = "eager"
 
         def score(self, *a: Any, **k: Any) -> Any:

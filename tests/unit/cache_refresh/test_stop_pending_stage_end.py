@@ -15,6 +15,8 @@ import pytest
 from cache_refresh import job
 from cache_refresh.metrics import RUNS
 from learner import artifact as A
+from learner import artifact_manifest as M
+from learner import artifact_versions as V
 from stream.config import KafkaSettings, RedisSettings
 from streamrec.stack import free_port
 from tests.unit.cache_refresh.test_stop_signal_now import _live_and_newer, _now_settings
@@ -61,7 +63,8 @@ def test_a_stop_kept_pending_in_the_lock_signing_or_cleanup_stage_ends_the_run_a
 
         monkeypatch.setattr(job, "clean_leftovers", swallowing_clean)
     checked: list[Any] = []
-    monkeypatch.setattr(A, "check_checkpoint", checked.append)
+    monkeypatch.setattr(M, "check_checkpoint", checked.append)  # the refresh checks each checkpoint it loads
+    monkeypatch.setattr(A, "check_checkpoint", checked.append)  # build_artifact checks it again
     failed = RUNS.labels("failed", stage)
     before = failed._value.get()
     with pytest.raises(job.RefreshError) as err:
@@ -70,7 +73,7 @@ def test_a_stop_kept_pending_in_the_lock_signing_or_cleanup_stage_ends_the_run_a
     assert err.value.stage == stage and "stopped by SIGTERM" in str(err.value), str(err.value)
     assert failed._value.get() == before + 1
     assert checked == []  # no checkpoint was loaded after the stop
-    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+    assert V.current_version(root) == "v001" and V.list_versions(root) == ["v001"]
 
 
 def test_a_stop_kept_pending_while_checkpoints_are_skipped_ends_the_run_before_the_next_older_one_is_loaded(
@@ -90,25 +93,26 @@ def test_a_stop_kept_pending_while_checkpoints_are_skipped_ends_the_run_before_t
         loaded.append(Path(path).name)
         return load(path, *args, **kwargs)
 
-    check = A.check_checkpoint
+    check = M.check_checkpoint
 
     def refusing_check(ckpt: Any) -> Any:  # the newest is refused, and the stop comes while it is
         if Path(ckpt.path) != newest:
             return check(ckpt)
         try:
-            raise A.ArtifactError("the newest checkpoint diverged")
-        except A.ArtifactError:
+            raise V.ArtifactError("the newest checkpoint diverged")
+        except V.ArtifactError:
             signal.raise_signal(signal.SIGTERM)
             raise
 
     monkeypatch.setattr(checkpoint, "load", counted_load)
-    monkeypatch.setattr(A, "check_checkpoint", refusing_check)
+    monkeypatch.setattr(M, "check_checkpoint", refusing_check)  # the refresh checks each checkpoint it loads
+    monkeypatch.setattr(A, "check_checkpoint", refusing_check)  # build_artifact checks it again
     with pytest.raises(job.RefreshError) as err:
         job.run_now(_now_settings(root, ckpts), KafkaSettings(),
                     RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"))
     assert err.value.stage == "checkpoint" and "stopped by SIGTERM" in str(err.value), str(err.value)
     assert loaded == [newest.name]  # the older checkpoint was not loaded after the stop
-    assert A.current_version(root) == "v001"
+    assert V.current_version(root) == "v001"
 
 
 class _Eof:
@@ -168,8 +172,8 @@ def test_a_stop_kept_pending_before_the_holdout_read_ends_the_read_at_its_next_p
 
     def swallowing_live_model(path: Path, key: Any = None) -> Any:
         try:
-            raise A.ArtifactError("the live artifact is torn")
-        except A.ArtifactError as exc:
+            raise V.ArtifactError("the live artifact is torn")
+        except V.ArtifactError as exc:
             signal.raise_signal(signal.SIGTERM)
             return None, str(exc)
 
@@ -182,7 +186,7 @@ def test_a_stop_kept_pending_before_the_holdout_read_ends_the_read_at_its_next_p
         job.run_now(rs, KafkaSettings(), RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"))
     assert err.value.stage == "validate" and "stopped by SIGTERM" in str(err.value), str(err.value)
     assert topic.consumed <= 1, topic.consumed  # not polled on to the partition's end
-    assert A.current_version(root) == "v001"
+    assert V.current_version(root) == "v001"
 
 
 def test_a_pending_stop_checked_while_an_exception_is_in_flight_stays_pending_and_raises_at_the_next_check() -> None:

@@ -28,6 +28,8 @@ from cache_refresh.metrics import RUNS
 from cache_refresh.publish import publish
 from cache_refresh.settings import RefreshSettings
 from learner import artifact as A
+from learner import artifact_manifest as M
+from learner import artifact_versions as V
 from learner import checkpoint
 from learner.artifact import build_artifact
 from stream.config import KafkaSettings, RedisSettings
@@ -53,7 +55,7 @@ def test_a_stop_signal_inside_a_best_effort_except_block_still_ends_refresh_now_
     save(ckpts, 600)
     newest = save(ckpts, 1024)
     checked: list[str] = []
-    check = A.check_checkpoint
+    check = M.check_checkpoint
 
     def signalled_check(ckpt: Any) -> Any:  # the accept callback load_latest calls inside its except Exception
         checked.append(Path(ckpt.path).name)
@@ -61,7 +63,8 @@ def test_a_stop_signal_inside_a_best_effort_except_block_still_ends_refresh_now_
             signal.raise_signal(sig)  # the operator's stop, handled by run_now's handler right here
         return check(ckpt)
 
-    monkeypatch.setattr(A, "check_checkpoint", signalled_check)
+    monkeypatch.setattr(M, "check_checkpoint", signalled_check)  # the refresh checks each checkpoint it loads
+    monkeypatch.setattr(A, "check_checkpoint", signalled_check)  # build_artifact checks it again
     rs = RefreshSettings(checkpoint_dir=ckpts, publish_root=root, holdout_messages=0, alerts_topic="",
                          redis_attempts=1, redis_backoff_s=0.01, redis_timeout_s=0.5, format="eager")
     failed = RUNS.labels("failed", "checkpoint")
@@ -72,7 +75,7 @@ def test_a_stop_signal_inside_a_best_effort_except_block_still_ends_refresh_now_
     assert checked == [newest.name]  # the run stopped there: it did not go on with the older checkpoint
     assert err.value.stage == "checkpoint" and sig.name in str(err.value), str(err.value)
     assert failed._value.get() == before + 1  # recorded as a run that failed at that stage
-    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+    assert V.current_version(root) == "v001" and V.list_versions(root) == ["v001"]
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # put back
 
 
@@ -125,7 +128,7 @@ def test_a_stop_signal_while_refresh_now_handles_a_failure_keeps_that_failure_al
     assert 'refresh_failed{stage="validate"}' in caplog.text and "scores differ" in caplog.text
     assert sig.name in caplog.text  # the signal is said, not hidden
     assert removed and not removed[0].exists()  # the handler went on to remove what was staged
-    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+    assert V.current_version(root) == "v001" and V.list_versions(root) == ["v001"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -153,7 +156,7 @@ def test_a_stop_signal_while_refresh_now_takes_the_lock_ends_it_as_a_failed_run_
     assert err.value.stage == "lock" and sig.name in str(err.value), str(err.value)
     assert failed._value.get() == before + 1
     assert 'refresh_failed{stage="lock"}' in caplog.text
-    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+    assert V.current_version(root) == "v001" and V.list_versions(root) == ["v001"]
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
 
 
@@ -198,7 +201,7 @@ def test_a_stop_signal_while_the_layered_write_cleans_up_after_a_redis_error_kee
     assert err.value.stage == "embedding_store" and "OOM" in str(err.value), str(err.value)
     assert rows == set()  # every row of the failed write deleted
     assert sig.name in caplog.text  # the signal is said, not hidden
-    assert A.current_version(root) == "v001"
+    assert V.current_version(root) == "v001"
 
 
 def _signalled_close(client: Any, sig: signal.Signals, closed: list[str], name: str) -> Any:
@@ -256,7 +259,7 @@ def test_a_stop_signal_in_a_cleanup_of_a_failing_refresh_now_stage_keeps_that_fa
         write_synced, rmtree = A.write_synced, A.shutil.rmtree
 
         def full(path: Path, write: Any) -> None:
-            if path.name == A.COLD_FILE:
+            if path.name == M.COLD_FILE:
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
             write_synced(path, write)
 
@@ -279,8 +282,8 @@ def test_a_stop_signal_in_a_cleanup_of_a_failing_refresh_now_stage_keeps_that_fa
     alerted = [r.getMessage() for r in caplog.records if "refresh_failed" in r.getMessage()]
     assert alerted and all(reason in m and "stopped by" not in m for m in alerted), alerted
     assert sig.name in caplog.text  # the signal is said, not hidden
-    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
-    assert not any((root / A.STAGING).glob("*"))  # nothing staged left: the cleanup was not cut short
+    assert V.current_version(root) == "v001" and V.list_versions(root) == ["v001"]
+    assert not any((root / V.STAGING).glob("*"))  # nothing staged left: the cleanup was not cut short
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -294,8 +297,8 @@ def test_a_stop_signal_kept_pending_in_a_best_effort_except_still_ends_refresh_n
 
     def swallowing(path: Path) -> Any:
         try:
-            raise A.ArtifactError("the live manifest is torn")
-        except A.ArtifactError:
+            raise V.ArtifactError("the live manifest is torn")
+        except V.ArtifactError:
             signal.raise_signal(sig)  # the operator's stop, inside a best-effort except
         return live_source(path)
 
@@ -307,7 +310,7 @@ def test_a_stop_signal_kept_pending_in_a_best_effort_except_still_ends_refresh_n
                     RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"))
     assert err.value.stage == "checkpoint" and f"stopped by {sig.name}" in str(err.value), str(err.value)
     assert failed._value.get() == before + 1
-    assert A.current_version(root) == "v001" and A.list_versions(root) == ["v001"]
+    assert V.current_version(root) == "v001" and V.list_versions(root) == ["v001"]
 
 
 def test_a_stop_signal_during_a_redis_retry_backoff_stops_the_run_at_once_not_after_the_retries() -> None:
@@ -356,7 +359,7 @@ def test_a_failed_scheduled_run_is_alerted_before_its_cleanups_so_an_abandoning_
             pass
 
     def full(*args: Any, **kwargs: Any) -> Any:
-        raise A.ArtifactError("cannot hold PUBLISHING for the publish: No space left on device")
+        raise V.ArtifactError("cannot hold PUBLISHING for the publish: No space left on device")
 
     alerted_at_cleanup: list[list[str]] = []
     monkeypatch.setattr(job, "_store_rows", lambda rs, rds, model, *args, **kwargs: {"stored": 1, "dtype": "float32"})

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from learner import artifact as A
+from learner import artifact_manifest as M
 from learner.artifact import build_artifact
 from stream.files import finite_json
 from streamrec.commands.common import emit
@@ -36,7 +37,7 @@ def test_a_manifest_of_a_checkpoint_with_an_undefined_auc_is_strict_json(tmp_pat
     ck = make_checkpoint()
     ck["meta"]["metrics"] = {"auc": math.nan, "logloss": math.inf, "samples": 3}
     staged = build_artifact(ck, tmp_path, np.zeros(0), format="eager", version="v001")
-    manifest = strict((staged / A.MANIFEST).read_text())
+    manifest = strict((staged / M.MANIFEST).read_text())
     assert manifest["source"]["metrics"] == {"auc": None, "logloss": None, "samples": 3}  # type: ignore[index]
     A.verify(staged)
 

@@ -18,15 +18,21 @@ import torch
 from cache_refresh import publish as publishing
 from cache_refresh.publish import publish, rollback
 from learner import artifact as A
-from learner.artifact import ArtifactError, build_artifact, read_current
+from learner import artifact_manifest as M
+from learner import artifact_versions as V
+from learner.artifact import build_artifact
+from learner.artifact_versions import ArtifactError, read_current
 from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
-from learner.scorer import REDUCED_PRECISION_FORMATS
+from learner.scorer import (
+    FORMATS,
+    REDUCED_PRECISION_FORMATS,
+)
 from serving.model import ScoringModel
 
 TOL = 1e-6
 # INT8 and bf16: tests/unit/learner/test_onnx_scorer.py, test_bf16_scorer.py
-EXACT_FORMATS = [f for f in A.FORMATS if f not in REDUCED_PRECISION_FORMATS]
+EXACT_FORMATS = [f for f in FORMATS if f not in REDUCED_PRECISION_FORMATS]
 
 CFG = FeatureConfig(
     fields=(FieldSpec("user_id", "single", 300), FieldSpec("item_id", "single", 200),
@@ -119,13 +125,13 @@ def test_dropout_model_scores_in_eval_mode(tmp_path: Path) -> None:
 
 def test_manifest_describes_the_artifact(tmp_path: Path, ckpt: dict) -> None:
     staged = build_artifact(ckpt, tmp_path, np.array([5, 5, 9, 400]), hot_stats={"items": 2, "users": 1})
-    m = json.loads((staged / A.MANIFEST).read_text())
+    m = json.loads((staged / M.MANIFEST).read_text())
     assert m["source"]["checkpoint"] == ckpt["path"] and m["source"]["samples_trained"] == 1234
     assert m["source"]["offsets"] == {"0": 7, "1": 9}
     assert FeatureConfig.from_dict(m["feature_config"]) == CFG
     assert m["hot_set"]["rows"] == 3 and m["hot_set"]["items"] == 2
     assert set(m["files"]) == {"scorer.pt", "cold_rows.npy"} and m["format"] == "torchscript"
-    cold = np.load(staged / A.COLD_FILE, mmap_mode="r")
+    cold = np.load(staged / M.COLD_FILE, mmap_mode="r")
     assert cold.shape == (CFG.num_rows, CFG.embedding_dim + 1) and cold.dtype == np.float32
 
 
@@ -231,7 +237,7 @@ def published(tmp_path: Path, ckpt: dict) -> Path:
 
 
 def test_flipped_byte_is_a_checksum_error(published: Path) -> None:
-    path = published / A.COLD_FILE
+    path = published / M.COLD_FILE
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x01
     path.write_bytes(bytes(data))
@@ -240,7 +246,7 @@ def test_flipped_byte_is_a_checksum_error(published: Path) -> None:
 
 
 def test_truncated_cold_rows_is_rejected(published: Path) -> None:
-    path = published / A.COLD_FILE
+    path = published / M.COLD_FILE
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(ArtifactError, match="truncated"):
         ScoringModel.load(published)
@@ -264,15 +270,15 @@ def test_publish_rollback_and_keep_n(tmp_path: Path, ckpt: dict) -> None:
         v = publish(tmp_path, build_artifact(ckpt, tmp_path, np.zeros(0), version=f"2026010{i}T000000000Z"), keep=3)
         names.append(v.name)
         assert read_current(tmp_path) == v
-    assert A.list_versions(tmp_path) == names[1:]  # keep 3
-    assert not any((tmp_path / A.STAGING).iterdir())
+    assert V.list_versions(tmp_path) == names[1:]  # keep 3
+    assert not any((tmp_path / V.STAGING).iterdir())
     assert rollback(tmp_path) == names[2] and read_current(tmp_path).name == names[2]
     assert rollback(tmp_path) == names[1]
     with pytest.raises(ArtifactError, match="no version older"):
         rollback(tmp_path)
     # a new publish after rollbacks: the current version survives pruning even though it is old
     v = publish(tmp_path, build_artifact(ckpt, tmp_path, np.zeros(0), version="20260105T000000000Z"), keep=1)
-    assert read_current(tmp_path) == v and A.list_versions(tmp_path) == [v.name]
+    assert read_current(tmp_path) == v and V.list_versions(tmp_path) == [v.name]
 
 
 def test_crash_mid_publish_leaves_the_old_version_current(tmp_path: Path, ckpt: dict,
@@ -284,7 +290,7 @@ def test_crash_mid_publish_leaves_the_old_version_current(tmp_path: Path, ckpt: 
         raise OSError("simulated crash before CURRENT is replaced")
 
     monkeypatch.setattr(publishing, "_set_current", crash)
-    with pytest.raises(A.ArtifactError, match="simulated.*nothing was published"):  # the OSError, explained
+    with pytest.raises(V.ArtifactError, match="simulated.*nothing was published"):  # the OSError, explained
         publish(tmp_path, staged, keep=3)
     assert read_current(tmp_path) == old
     ScoringModel.load(read_current(tmp_path))  # still complete and valid
@@ -293,10 +299,10 @@ def test_crash_mid_publish_leaves_the_old_version_current(tmp_path: Path, ckpt: 
     monkeypatch.undo()
     staged = build_artifact(make_checkpoint(seed=6), tmp_path, np.zeros(0), version="20260103T000000000Z")
     monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises((OSError, A.ArtifactError)):
+    with pytest.raises((OSError, V.ArtifactError)):
         publish(tmp_path, staged, keep=3)
     monkeypatch.undo()
-    assert read_current(tmp_path) == old and (tmp_path / A.CURRENT).read_text().strip() == old.name
+    assert read_current(tmp_path) == old and (tmp_path / V.CURRENT).read_text().strip() == old.name
 
 
 def test_failed_build_leaves_nothing_behind(tmp_path: Path, ckpt: dict, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -306,7 +312,7 @@ def test_failed_build_leaves_nothing_behind(tmp_path: Path, ckpt: dict, monkeypa
     monkeypatch.setattr(A, "sha256_file", boom)
     with pytest.raises(RuntimeError):
         build_artifact(ckpt, tmp_path, np.zeros(0))
-    assert not any((tmp_path / A.STAGING).iterdir()) and read_current(tmp_path) is None
+    assert not any((tmp_path / V.STAGING).iterdir()) and read_current(tmp_path) is None
 
 
 def test_unknown_format_and_bad_hot_rows(tmp_path: Path, ckpt: dict) -> None:
@@ -332,8 +338,8 @@ def test_a_checkpoint_whose_dense_weights_do_not_match_its_model_settings_is_ref
     want = {"missing": "missing bias", "extra": "unexpected dense_arch.extra.weight",
             "reshaped": r"bias is \(2,\), expected \(1,\)"}[damage]
     with pytest.raises(ArtifactError, match=f"dense weights do not match.*{want}"):
-        A.check_checkpoint(bad)
-    A.check_checkpoint(ckpt)  # the intact one passes
+        M.check_checkpoint(bad)
+    M.check_checkpoint(ckpt)  # the intact one passes
 
 
 def test_a_calibrated_scorer_takes_the_dense_weights_of_a_learner_from_before_calibration(tmp_path: Path,

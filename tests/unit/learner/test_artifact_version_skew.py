@@ -11,8 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from learner import artifact as A
-from learner.artifact import ArtifactError, build_artifact, decode_manifest
+from learner import artifact_manifest as M
+from learner.artifact import build_artifact
+from learner.artifact_manifest import decode_manifest
+from learner.artifact_versions import ArtifactError
+from learner.scorer import SCORER_LAYOUTS
 from serving.model import ScoringModel
 from tests.unit.learner.test_artifact import make_checkpoint
 
@@ -20,7 +23,7 @@ from tests.unit.learner.test_artifact import make_checkpoint
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     staged = build_artifact(make_checkpoint(), tmp_path_factory.mktemp("a"), np.arange(10), format="safetensors")
-    return json.loads((Path(staged) / A.MANIFEST).read_text())
+    return json.loads((Path(staged) / M.MANIFEST).read_text())
 
 
 def test_this_streamrecs_manifest_reads(manifest: dict[str, Any]) -> None:
@@ -28,8 +31,8 @@ def test_this_streamrecs_manifest_reads(manifest: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("change", [
-    {"artifact_format_version": A.ARTIFACT_FORMAT_VERSION + 1},
-    {"scorer": {"input_layout": max(A.SCORER_LAYOUTS) + 1}},
+    {"artifact_format_version": M.ARTIFACT_FORMAT_VERSION + 1},
+    {"scorer": {"input_layout": max(SCORER_LAYOUTS) + 1}},
 ])
 def test_a_newer_streamrecs_manifest_is_refused_saying_to_upgrade_serving(
         manifest: dict[str, Any], change: dict[str, Any]) -> None:
@@ -53,8 +56,8 @@ def test_a_scorer_format_added_by_a_newer_streamrec_is_refused_at_load_saying_to
     """A format name this version does not know read as "corrupt or not this streamrec's; republish": the newer
     refresh job republishes the same format, so the message must point at the reader."""
     staged = Path(build_artifact(make_checkpoint(), tmp_path, np.arange(10), format="safetensors"))
-    m = json.loads((staged / A.MANIFEST).read_text())
-    (staged / A.MANIFEST).write_text(json.dumps({**m, "format": "safetensors_fp8"}))
+    m = json.loads((staged / M.MANIFEST).read_text())
+    (staged / M.MANIFEST).write_text(json.dumps({**m, "format": "safetensors_fp8"}))
     with pytest.raises(ArtifactError, match=r"format 'safetensors_fp8' is not one this streamrec reads \(.*\); a "
                                             r"newer streamrec built it: upgrade the streamrec reading it") as err:
         ScoringModel.load(staged)

@@ -18,8 +18,9 @@ import torch
 
 from cache_refresh import validate
 from cache_refresh.publish import publish
-from learner import artifact as A
-from learner.artifact import build_artifact, read_current
+from learner import artifact_manifest as M
+from learner.artifact import build_artifact
+from learner.artifact_versions import read_current
 from learner.features import default_config
 from learner.model import DeepFM
 from learner.scorer import PICKLE_FREE_FORMATS, REDUCED_PRECISION_FORMATS, Bf16Scorer
@@ -65,7 +66,7 @@ def test_the_mlp_runs_in_bf16_and_the_scores_differ_from_fp32(bf16_model: Scorin
 def test_the_artifact_is_the_safetensors_file_and_unpickles_nothing(tmp_path: Path, ckpt: dict) -> None:
     assert "safetensors_bf16" in PICKLE_FREE_FORMATS and "safetensors_bf16" in REDUCED_PRECISION_FORMATS
     staged = build_artifact(ckpt, tmp_path, np.arange(10), format="safetensors_bf16")
-    m = json.loads((staged / A.MANIFEST).read_text())
+    m = json.loads((staged / M.MANIFEST).read_text())
     assert m["format"] == "safetensors_bf16" and set(m["files"]) == {"scorer.safetensors", "cold_rows.npy"}
 
 

@@ -17,9 +17,12 @@ import pytest
 import torch
 
 from cache_refresh.publish import publish
-from learner import artifact as A
+from learner import artifact_manifest as M
+from learner import artifact_versions as V
 from learner import tensorpack
-from learner.artifact import ArtifactError, build_artifact, decode_manifest
+from learner.artifact import build_artifact
+from learner.artifact_manifest import decode_manifest
+from learner.artifact_versions import ArtifactError
 from learner.deltas import FORMAT, KIND, DeltaError, decode_delta
 from serving.model import ScoringModel
 from tests.unit.learner.test_artifact import make_checkpoint
@@ -29,7 +32,7 @@ from tests.unit.learner.test_artifact import make_checkpoint
 def manifest_text(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = tmp_path_factory.mktemp("serving")
     v = publish(root, build_artifact(make_checkpoint(), root, np.arange(10)), keep=3)
-    return (v / A.MANIFEST).read_text()
+    return (v / M.MANIFEST).read_text()
 
 
 def with_duplicate(text: str, inside: str | None, key: str, value: object) -> str:
@@ -44,7 +47,7 @@ def with_duplicate(text: str, inside: str | None, key: str, value: object) -> st
 @pytest.mark.parametrize("inside, key, value", [
     (None, "scorer", {"num_fields": 1, "dim": 1, "num_dense": 0, "mlp": [1], "dropout": 0.0}),
     (None, "version", "other"),
-    ("files", A.COLD_FILE, {"sha256": "0" * 64, "bytes": 1}),
+    ("files", M.COLD_FILE, {"sha256": "0" * 64, "bytes": 1}),
     ("scorer", "mlp", [4]),
 ])
 def test_a_manifest_with_a_repeated_key_at_any_level_is_refused_naming_it(
@@ -57,8 +60,8 @@ def test_a_manifest_with_a_repeated_key_at_any_level_is_refused_naming_it(
 
 def test_serving_refuses_a_published_manifest_with_a_repeated_key(tmp_path: Path) -> None:
     v = publish(tmp_path, build_artifact(make_checkpoint(), tmp_path, np.arange(10)), keep=3)
-    text = (v / A.MANIFEST).read_text()
-    (v / A.MANIFEST).write_text(with_duplicate(text, None, "format", "eager"))
+    text = (v / M.MANIFEST).read_text()
+    (v / M.MANIFEST).write_text(with_duplicate(text, None, "format", "eager"))
     with pytest.raises(ArtifactError, match="duplicate key 'format'"):
         ScoringModel.load(v)
 
@@ -91,8 +94,8 @@ def test_a_delta_whose_header_repeats_a_key_is_a_delta_error() -> None:
 
 
 def test_a_rollback_pin_with_a_repeated_version_is_an_unreadable_pin_holding_whatever_is_live(tmp_path: Path) -> None:
-    (tmp_path / A.PIN).write_text('{"version": "v001", "rolled_back_from": "v002", "at": 1.0}')
-    assert A.read_pin(tmp_path) == A.Pin("v001", "v002", 1.0)
-    (tmp_path / A.PIN).write_text('{"version": "v002", "version": "v001", "rolled_back_from": "v002", "at": 1.0}')
-    pin = A.read_pin(tmp_path)
+    (tmp_path / V.PIN).write_text('{"version": "v001", "rolled_back_from": "v002", "at": 1.0}')
+    assert V.read_pin(tmp_path) == V.Pin("v001", "v002", 1.0)
+    (tmp_path / V.PIN).write_text('{"version": "v002", "version": "v001", "rolled_back_from": "v002", "at": 1.0}')
+    pin = V.read_pin(tmp_path)
     assert pin is not None and pin.version is None and "duplicate key 'version'" in (pin.problem or "")

@@ -20,9 +20,10 @@ import torch
 
 from cache_refresh import validate
 from cache_refresh.publish import publish
-from learner import artifact as A
+from learner import artifact_manifest as M
 from learner import onnx_scorer
-from learner.artifact import ArtifactError, build_artifact, read_current
+from learner.artifact import build_artifact
+from learner.artifact_versions import ArtifactError, read_current
 from learner.features import default_config
 from learner.model import DeepFM
 from learner.scorer import POOLING_GRAPH_LAYOUT, to_candidate_rows, with_empty_user_row
@@ -58,9 +59,9 @@ def test_onnx_scores_equal_the_eager_models_at_every_batch_size(onnx_model: Scor
 def test_the_artifact_lists_the_graph_and_the_tensors_and_unpickles_nothing(tmp_path: Path, ckpt: dict) -> None:
     with_maps = {**ckpt, "id_maps": {"user_id": {"ids": torch.arange(3), "rows": torch.arange(3)}}}
     staged = build_artifact(with_maps, tmp_path, np.arange(10), format="onnx")
-    m = json.loads((staged / A.MANIFEST).read_text())
+    m = json.loads((staged / M.MANIFEST).read_text())
     assert m["format"] == "onnx"
-    assert set(m["files"]) == {"scorer.onnx", "scorer.safetensors", "cold_rows.npy", A.ID_MAPS_PACK}
+    assert set(m["files"]) == {"scorer.onnx", "scorer.safetensors", "cold_rows.npy", M.ID_MAPS_PACK}
     assert (staged / "scorer.onnx").read_bytes()[:64].find(b"pytorch") >= 0  # an ONNX protobuf from torch.onnx
 
 
@@ -115,9 +116,9 @@ def test_a_tampered_onnx_artifact_file_is_refused(tmp_path: Path, ckpt: dict, fm
 
 def test_a_manifest_without_the_tensors_file_is_refused(tmp_path: Path, ckpt: dict) -> None:
     staged = build_artifact(ckpt, tmp_path, np.arange(10), format="onnx")
-    m = json.loads((staged / A.MANIFEST).read_text())
+    m = json.loads((staged / M.MANIFEST).read_text())
     del m["files"]["scorer.safetensors"]
-    (staged / A.MANIFEST).write_text(json.dumps(m))
+    (staged / M.MANIFEST).write_text(json.dumps(m))
     with pytest.raises(ArtifactError, match="does not list scorer.safetensors"):
         ScoringModel.load(staged)
 
@@ -343,10 +344,10 @@ def test_the_pooling_graph_sums_each_bag_with_one_scatternd_add_of_whole_rows(on
 def _as_layout_2(staged: Path, scorer: onnx_scorer.OnnxScorer, name: str, int8: bool) -> None:
     """Rewrite a staged artifact as the code before the pooling graph wrote it: the dense graph, input layout 2."""
     (staged / name).write_bytes(onnx_scorer.export_dense(scorer, int8))
-    m = json.loads((staged / A.MANIFEST).read_text())
+    m = json.loads((staged / M.MANIFEST).read_text())
     m["scorer"]["input_layout"] = 2
     m["files"][name] = {"sha256": sha256_file(staged / name), "bytes": (staged / name).stat().st_size}
-    (staged / A.MANIFEST).write_text(json.dumps(m))
+    (staged / M.MANIFEST).write_text(json.dumps(m))
 
 
 @pytest.mark.parametrize(("fmt", "name"), [("onnx", "scorer.onnx"), ("onnx_int8", "scorer_int8.onnx")])
@@ -381,15 +382,15 @@ def test_an_artifact_with_the_dense_graph_written_before_the_pooling_graph_still
 
 def test_a_graph_that_is_not_the_one_its_manifest_says_is_refused(tmp_path: Path, ckpt: dict) -> None:
     staged = build_artifact(ckpt, tmp_path, np.arange(10), format="onnx")
-    m = json.loads((staged / A.MANIFEST).read_text())
+    m = json.loads((staged / M.MANIFEST).read_text())
     m["scorer"]["input_layout"] = 2  # but the graph pools (layout 3)
-    (staged / A.MANIFEST).write_text(json.dumps(m))
+    (staged / M.MANIFEST).write_text(json.dumps(m))
     with pytest.raises(ArtifactError, match="input layout 2 but the graph takes table, pos"):
         ScoringModel.load(staged)
     m["scorer"]["input_layout"] = 3
     m["format"] = "safetensors"  # layout 3 is an ONNX graph's only
     with pytest.raises(ArtifactError, match="input_layout 3 .* with format 'safetensors'"):
-        A.decode_manifest(json.dumps(m).encode(), "x")
+        M.decode_manifest(json.dumps(m).encode(), "x")
 
 
 def test_a_graph_reading_a_weight_from_an_external_file_in_the_working_directory_is_refused(
@@ -411,9 +412,9 @@ def test_a_graph_reading_a_weight_from_an_external_file_in_the_working_directory
     weight.data_location = onnx.TensorProto.EXTERNAL
     weight.external_data.add(key="location", value="secret.bin")
     path.write_bytes(proto.SerializeToString())
-    m = json.loads((staged / A.MANIFEST).read_text())
+    m = json.loads((staged / M.MANIFEST).read_text())
     m["files"]["scorer.onnx"] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-    (staged / A.MANIFEST).write_text(json.dumps(m))
+    (staged / M.MANIFEST).write_text(json.dumps(m))
     monkeypatch.chdir(cwd)
     with pytest.raises(ArtifactError, match=rf"keeps tensors {weight.name} in external data files"):
         ScoringModel.load(staged)
@@ -424,6 +425,6 @@ def test_a_server_from_before_the_pooling_graph_refuses_its_manifest_with_a_clea
     """What an older server (reading layouts 1 and 2) says of a new onnx artifact: refused when the manifest is
     read, before any file is opened; it keeps serving the version it has (README: upgrade serving first)."""
     staged = build_artifact(ckpt, tmp_path, np.arange(10), format="onnx")
-    monkeypatch.setattr(A, "SCORER_LAYOUTS", (1, 2))
+    monkeypatch.setattr(M, "SCORER_LAYOUTS", (1, 2))  # decode_manifest reads it
     with pytest.raises(ArtifactError, match=r"scorer input_layout 3, this streamrec reads 1, 2"):
         ScoringModel.load(staged)

@@ -18,6 +18,8 @@ import torch
 
 from cache_refresh.settings import RefreshSettings
 from learner import artifact as A
+from learner import artifact_manifest as M
+from learner import artifact_versions as V
 from learner import checkpoint as ck
 from learner import tensorpack
 from learner.batch import to_tensors
@@ -30,6 +32,7 @@ from learner.features import FeatureConfig, FieldSpec
 from learner.model import DeepFM
 from learner.optim import make_optimizers
 from learner.row_mapper import RowMapper
+from learner.scorer import FORMATS, SCORER_FILES
 from learner.tensorpack import SignatureError, SigningKey, load_signing_key
 from learner.trainer import Trainer
 from serving.model import ScoringModel
@@ -189,7 +192,7 @@ def test_settings_have_an_optional_signing_key_file_and_the_safetensors_format()
     assert LearnerSettings().signing_key_file is None
     assert RefreshSettings().signing_key_file is None and ServeSettings().signing_key_file is None
     assert ArtifactFormat.of("safetensors", "format") is ArtifactFormat.SAFETENSORS
-    assert A.SCORER_FILES["safetensors"] == "scorer.safetensors" and "safetensors" in A.FORMATS
+    assert SCORER_FILES["safetensors"] == "scorer.safetensors" and "safetensors" in FORMATS
 
 
 # -- signed packs and deltas -------------------------------------------------------------------------------
@@ -317,8 +320,8 @@ def test_a_safetensors_artifact_loads_and_scores_without_unpickling_anything(
     ckpt = artifact_checkpoint(model, mapper)
     hot = np.arange(0, CFG.num_rows, 3)
     staged = A.build_artifact(ckpt, tmp_path, hot, format="safetensors", version="v001")
-    manifest = json.loads((staged / A.MANIFEST).read_text())
-    assert set(manifest["files"]) == {"scorer.safetensors", A.COLD_FILE, A.ID_MAPS_PACK}
+    manifest = json.loads((staged / M.MANIFEST).read_text())
+    assert set(manifest["files"]) == {"scorer.safetensors", M.COLD_FILE, M.ID_MAPS_PACK}
     assert (staged / "scorer.safetensors").read_bytes()[8:9] == b"{"  # a JSON header, then raw tensor bytes
     reference = ScoringModel.load(A.build_artifact(ckpt, tmp_path, hot, format="torchscript", version="v002"))
 
@@ -346,10 +349,10 @@ def test_a_safetensors_artifact_loads_and_scores_without_unpickling_anything(
 def test_a_safetensors_manifest_listing_a_pickled_id_maps_file_is_refused(tmp_path: Path) -> None:
     model, mapper, _ = trained()
     staged = A.build_artifact(artifact_checkpoint(model, mapper), tmp_path, np.arange(5), format="safetensors")
-    m = json.loads((staged / A.MANIFEST).read_text())
-    m["files"][A.ID_MAPS_FILE] = m["files"].pop(A.ID_MAPS_PACK)
-    with pytest.raises(A.ArtifactError, match="a pickle, in a safetensors artifact"):
-        A.decode_manifest(json.dumps(m).encode())
+    m = json.loads((staged / M.MANIFEST).read_text())
+    m["files"][M.ID_MAPS_FILE] = m["files"].pop(M.ID_MAPS_PACK)
+    with pytest.raises(V.ArtifactError, match="a pickle, in a safetensors artifact"):
+        M.decode_manifest(json.dumps(m).encode())
 
 
 @pytest.mark.parametrize("mode, warned", [(0o600, False), (0o400, False), (0o640, False), (0o440, False),

@@ -17,11 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from learner import artifact as A
-from learner.artifact import ArtifactError, build_artifact, decode_manifest
+from learner.artifact import build_artifact
+from learner.artifact_manifest import decode_manifest
+from learner.artifact_versions import ArtifactError
 from learner.features import FeatureConfig
 from learner.scorer import (
     CANDIDATE_ROWS_LAYOUT,
+    FORMATS,
     POOLING_GRAPH_LAYOUT,
     REDUCED_PRECISION_FORMATS,
     USER_ROW_LAYOUT,
@@ -86,7 +88,7 @@ def test_with_empty_user_row_puts_f_empty_bags_in_front_of_a_batch() -> None:
 
 
 # -- every format ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", A.FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_scores_a_request_as_the_per_candidate_path_and_the_learner(tmp_path: Path, ckpt: dict,
                                                                                  fmt: str) -> None:
     model = ScoringModel.load(build_artifact(ckpt, tmp_path, np.arange(0, CFG.num_rows, 3), format=fmt))

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from cache_refresh.publish import publish
-from learner import artifact as A
-from learner.artifact import ArtifactError, build_artifact
+from learner import artifact_manifest as M
+from learner.artifact import build_artifact
+from learner.artifact_versions import ArtifactError
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
 from serving.swap import ModelHolder, ModelUpdater
@@ -61,9 +62,9 @@ def test_a_listed_artifact_file_that_is_a_fifo_is_an_artifact_error_not_a_hang(
     """(The cold rows: ``np.load`` opens them in Python, which lets the bounded join see the blocked thread;
     ``torch.jit.load`` blocks in C++ holding the GIL, so the scorer's FIFO, refused by the same check, is not the
     file tested here.)"""
-    name = A.COLD_FILE
+    name = M.COLD_FILE
     published = publish(tmp_path, build_artifact(ckpt, tmp_path, np.arange(10)), keep=3)
-    assert name in A.read_manifest(published)["files"]
+    assert name in M.read_manifest(published)["files"]
     (published / name).unlink()
     os.mkfifo(published / name)
     exc = finishes(published / name, lambda: ScoringModel.load(published, verify_files=verify_files))
@@ -79,8 +80,8 @@ def test_serving_keeps_the_live_model_when_the_next_versions_cold_rows_are_a_fif
     assert holder.live is not None and holder.live.model.version_dir == first
     second = publish(tmp_path, build_artifact(ckpt, tmp_path, np.arange(10)), keep=3)
     assert second != first
-    (second / A.COLD_FILE).unlink()
-    os.mkfifo(second / A.COLD_FILE)
-    assert finishes(second / A.COLD_FILE, updater.check_now) is None
+    (second / M.COLD_FILE).unlink()
+    os.mkfifo(second / M.COLD_FILE)
+    assert finishes(second / M.COLD_FILE, updater.check_now) is None
     assert holder.live is not None and holder.live.model.version_dir == first
     assert "not a regular file" in (updater.last_error or "")

@@ -17,7 +17,9 @@ import pytest
 
 from cache_refresh.publish import publish
 from learner import artifact as A
-from learner.artifact import ArtifactError, build_artifact
+from learner import artifact_manifest as M
+from learner.artifact import build_artifact
+from learner.artifact_versions import ArtifactError
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
 from serving.swap import ModelHolder, ModelUpdater
@@ -42,8 +44,8 @@ def test_every_listed_artifact_file_hard_linked_from_outside_is_refused_with_the
         tmp_path: Path, ckpt: dict, fmt: str) -> None:
     root = tmp_path / "serving"
     version = publish(root, build_artifact(ckpt, root, np.arange(10), format=fmt), keep=3)
-    names = sorted(A.read_manifest(version)["files"])
-    assert A.COLD_FILE in names and len(names) >= 2
+    names = sorted(M.read_manifest(version)["files"])
+    assert M.COLD_FILE in names and len(names) >= 2
     for name in names:
         hard_link_outside(version, name, tmp_path / f"outside-{name}")
         for load in (lambda: A.verify(version), lambda: ScoringModel.load(version),
@@ -64,7 +66,7 @@ def test_serving_keeps_the_live_model_when_the_next_version_has_a_hard_linked_sc
     updater.check_now()
     assert holder.live is not None and holder.live.model.version_dir == first
     second = publish(tmp_path, build_artifact(ckpt, tmp_path, np.arange(10)), keep=3)
-    scorer = next(n for n in A.read_manifest(second)["files"] if n.startswith("scorer"))
+    scorer = next(n for n in M.read_manifest(second)["files"] if n.startswith("scorer"))
     hard_link_outside(second, scorer, tmp_path / "elsewhere.pt")
     updater.check_now()
     assert holder.live is not None and holder.live.model.version_dir == first

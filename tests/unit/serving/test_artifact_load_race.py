@@ -21,7 +21,9 @@ import torch
 
 from cache_refresh.publish import publish
 from learner import artifact as A
-from learner.artifact import ArtifactError, build_artifact
+from learner import artifact_manifest as M
+from learner.artifact import build_artifact
+from learner.artifact_versions import ArtifactError
 from learner.tensorpack import SigningKey
 from serving.model import ScoringModel
 from tests.unit.learner.test_artifact import make_checkpoint
@@ -44,12 +46,12 @@ def test_files_renamed_over_listed_ones_after_their_check_are_never_loaded(
     # Unverified files of the same names, sizes and formats (another checkpoint's, and a table of other values),
     # put beside the listed ones for the rename.
     other = build_artifact(make_checkpoint(seed=1), tmp_path / "other", np.arange(10), format=fmt)
-    names = sorted(A.read_manifest(version)["files"])
+    names = sorted(M.read_manifest(version)["files"])
     for name in names:
         shutil.copyfile(other / name, version / f".evil-{name}")
-    np.save(version / f".evil-{A.COLD_FILE}", np.load(version / A.COLD_FILE) + 1.0)
+    np.save(version / f".evil-{M.COLD_FILE}", np.load(version / M.COLD_FILE) + 1.0)
     real_hash, hashed, swapped = A.sha256_file, [], []
-    by_path = [n for n in names if n != A.COLD_FILE]  # the table's digest is taken as it is read (read_table)
+    by_path = [n for n in names if n != M.COLD_FILE]  # the table's digest is taken as it is read (read_table)
 
     def hash_then_swap(source: Any) -> str:
         digest = real_hash(source)

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from cache_refresh.publish import publish
-from learner import artifact as A
-from learner.artifact import ArtifactError, build_artifact
+from learner import artifact_manifest as M
+from learner.artifact import build_artifact
+from learner.artifact_versions import ArtifactError
 from serving import model as model_module
 from serving.model import ScoringModel
 from stream.files import sha256_file
@@ -59,7 +60,7 @@ print(json.dumps({"before": before, "after": after}))
 
 def test_a_cold_table_truncated_in_place_after_load_neither_kills_serving_nor_changes_its_scores(
         version: Path) -> None:
-    path = version / A.COLD_FILE
+    path = version / M.COLD_FILE
     assert path.stat().st_size > 4 * os.sysconf("SC_PAGE_SIZE")  # rows on pages wholly past the new end
     done = subprocess.run([sys.executable, "-c", _TRUNCATE_THEN_SCORE, str(version), str(path), str(HEADER)],
                           cwd=REPO, capture_output=True, text=True, check=False)
@@ -73,7 +74,7 @@ def test_a_cold_table_truncated_in_place_after_load_neither_kills_serving_nor_ch
 def test_bytes_rewritten_in_place_after_load_are_not_served(version: Path) -> None:
     model = ScoringModel.load(version)
     before = model.score(*probe(CFG))
-    path = version / A.COLD_FILE
+    path = version / M.COLD_FILE
     with open(path, "r+b") as fh:  # the same size, other bytes: a sha256 at load never sees them
         fh.seek(HEADER)
         fh.write(np.full((path.stat().st_size - HEADER) // 4, 0.5, np.float32).tobytes())
@@ -83,11 +84,11 @@ def test_bytes_rewritten_in_place_after_load_are_not_served(version: Path) -> No
 
 def test_a_table_shorter_than_its_header_with_a_manifest_that_matches_it_is_refused_naming_the_file_and_sizes(
         version: Path) -> None:
-    path, manifest_path = version / A.COLD_FILE, version / A.MANIFEST
+    path, manifest_path = version / M.COLD_FILE, version / M.MANIFEST
     full = path.stat().st_size
     path.write_bytes(path.read_bytes()[:full - 4096])  # a publish that wrote (and hashed) a short file
     manifest = json.loads(manifest_path.read_text())
-    manifest["files"][A.COLD_FILE] = {"sha256": sha256_file(path), "bytes": full - 4096}
+    manifest["files"][M.COLD_FILE] = {"sha256": sha256_file(path), "bytes": full - 4096}
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError) as err:
         ScoringModel.load(version)
@@ -99,7 +100,7 @@ def test_a_table_rewritten_in_place_after_its_check_is_refused_not_served(
     """The race a sha256 check before the read leaves: the table's bytes changed in place (same inode, same size) after
     the load opened (and checked) the file, before the table is read into memory. Its digest must be that of the
     bytes read."""
-    path = version / A.COLD_FILE
+    path = version / M.COLD_FILE
     want = ScoringModel.load(version).table.copy()
     real_read, rewritten = model_module.read_table, []
 
@@ -126,7 +127,7 @@ def test_a_table_whose_header_was_corrupted_in_place_is_refused_for_its_sha256_n
     """The table's digest is taken as it is read (``read_table``), after its header is parsed: a header damaged in place
     (same size, a shape of more rows than the file holds) was refused as "the file is truncated" (the header's size
     against the file's), never naming the digest the manifest has for it, as the check at open did."""
-    path = version / A.COLD_FILE
+    path = version / M.COLD_FILE
     raw = bytearray(path.read_bytes())
     rows = int(np.load(path, mmap_mode="r").shape[0])
     at = raw.index(f"({rows},".encode())

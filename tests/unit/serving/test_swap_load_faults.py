@@ -14,6 +14,7 @@ import pytest
 
 from cache_refresh.publish import publish
 from learner import artifact as A
+from learner import artifact_manifest as M
 from learner.artifact import build_artifact
 from serving.metrics import ServingMetrics
 from serving.swap import STORE_RETRY_S, ModelHolder, ModelUpdater
@@ -82,7 +83,7 @@ def test_an_artifact_file_serving_could_not_read_is_loaded_once_its_mode_is_repa
         return real(dir_fd, name)
 
     monkeypatch.setattr(A, "open_entry", open_entry)
-    victim = v1 / A.COLD_FILE
+    victim = v1 / M.COLD_FILE
     victim.chmod(0)
     u, holder = _updater(root)
     u.check_now()
