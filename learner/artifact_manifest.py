@@ -63,17 +63,13 @@ _MAX_MANIFEST = 16 << 20
 
 
 # -- manifest and checkpoint checks ----------------------------------------------------------------
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 _FIELD_TYPES: dict[str, tuple[Any, bool]] = {  # FieldSpec attribute: (check, may be None)
     "name": (lambda v: isinstance(v, str) and v != "", False),
     "kind": (lambda v: v in ("single", "multi", "sequence"), False),
-    "num_buckets": (lambda v: _int(v) and v >= 1, False),
+    "num_buckets": (lambda v: type(v) is int and v >= 1, False),
     "shares": (lambda v: isinstance(v, str), True),
-    "capacity": (lambda v: _int(v) and v >= 0, False),
-    "admit_after": (lambda v: _int(v) and v >= 0, False),
+    "capacity": (lambda v: type(v) is int and v >= 0, False),
+    "admit_after": (lambda v: type(v) is int and v >= 0, False),
     "ttl_s": (lambda v: num(v) and v >= 0, True),
     "init": (lambda v: v in ("bucket", "zero"), False),
     "bucket_half_life_s": (lambda v: num(v) and v > 0, True),
@@ -105,7 +101,7 @@ def feature_config_from(d: Any, where: str) -> FeatureConfig:
         raise bad(f"dense is {show(dense)}, expected a list of names")
     if not (isinstance(dim, int) and not isinstance(dim, bool) and 1 <= dim <= 65536):
         raise bad(f"embedding_dim is {show(dim)}, expected an integer in [1, 65536]")
-    if not _int(version):
+    if type(version) is not int:
         raise bad(f"version is {show(version)}, expected an integer")
     try:
         cfg = FeatureConfig(tuple(FieldSpec(**f) for f in specs), dense=tuple(dense), embedding_dim=dim,
@@ -121,7 +117,7 @@ def _check_source(src: Any, bad: Any) -> None:
         raise bad(f"source is {show(src)}, expected an object")
     for key in ("samples_trained", "delta_seq"):
         value = src.get(key)
-        if value is not None and not (_int(value) and value >= 0):
+        if value is not None and not (type(value) is int and value >= 0):
             raise bad(f"source.{key} is {show(value)}, expected an integer >= 0 or null")
     for key in ("checkpoint", "lineage", "topic"):
         if src.get(key) is not None and not isinstance(src[key], str):
@@ -140,7 +136,7 @@ def _check_files(files: Any, fmt: str, bad: Any) -> None:
         if not NAME_RE.fullmatch(name):
             raise bad(f"files names {show(name)}, not a plain file name of this directory")
         if not (isinstance(want, dict) and isinstance(want.get("sha256"), str) and _SHA_RE.fullmatch(want["sha256"])
-                and _int(want.get("bytes")) and want["bytes"] >= 0):
+                and type(want.get("bytes")) is int and want["bytes"] >= 0):
             raise bad(f"files[{name!r}] is {show(want)}, expected {{sha256: 64 hex digits, bytes: integer >= 0}}")
     for needed in (SCORER_FILES[fmt], *SCORER_EXTRA_FILES.get(fmt, ()), COLD_FILE):
         if needed not in files:
@@ -217,7 +213,7 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
     if signing_key is not None:
         check_signature(m, signing_key, where)
     afv = m.get("artifact_format_version")
-    if not _int(afv) or afv != ARTIFACT_FORMAT_VERSION:
+    if type(afv) is not int or afv != ARTIFACT_FORMAT_VERSION:
         raise ArtifactError(f"{where}: artifact format {show(afv)}, this streamrec reads {ARTIFACT_FORMAT_VERSION}; "
                             f"{_NEWER if isinstance(afv, int) and afv > ARTIFACT_FORMAT_VERSION else _REBUILD}")
     missing = [k for k in ("version", "created", "created_utc", "format", "source", "feature_config", "model",
@@ -241,13 +237,13 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
     _check_files(m["files"], fmt, bad)
     cfg = feature_config_from(m["feature_config"], where)
     sc = m["scorer"]
-    ok = (isinstance(sc, dict) and _int(sc.get("num_fields")) and _int(sc.get("dim")) and _int(sc.get("num_dense"))
-          and isinstance(sc.get("mlp"), list) and all(_int(x) and 1 <= x <= 1 << 20 for x in sc["mlp"])
+    ok = (isinstance(sc, dict) and all(type(sc.get(k)) is int for k in ("num_fields", "dim", "num_dense"))
+          and isinstance(sc.get("mlp"), list) and all(type(x) is int and 1 <= x <= 1 << 20 for x in sc["mlp"])
           and num(sc.get("dropout")) and 0 <= sc["dropout"] < 1)
     if not ok:
         raise bad(f"scorer is {show(sc)}, expected {{num_fields, dim, num_dense, mlp: [sizes], dropout}}")
     layout = sc.get("input_layout", CANDIDATE_ROWS_LAYOUT)  # absent: a scorer from before the user-row layout
-    if not _int(layout) or layout not in SCORER_LAYOUTS:
+    if type(layout) is not int or layout not in SCORER_LAYOUTS:
         raise ArtifactError(f"{where}: scorer input_layout {show(layout)}, this streamrec reads "
                             f"{', '.join(map(str, SCORER_LAYOUTS))}; "
                             f"{_NEWER if isinstance(layout, int) and layout > max(SCORER_LAYOUTS) else _REBUILD}")
@@ -282,10 +278,10 @@ def check_checkpoint(checkpoint: Any) -> FeatureConfig:
         raise ArtifactError(f"{where}: meta.model mlp {show(ms['mlp'])} / dropout {show(ms.get('dropout'))} "
                             "are not layer sizes and a rate")
     samples = meta.get("samples_trained")
-    if not (_int(samples) and samples >= 0):
+    if not (type(samples) is int and samples >= 0):
         raise ArtifactError(f"{where}: meta.samples_trained is {show(samples)}, expected an integer >= 0")
     delta_seq = meta.get("delta_seq")
-    if delta_seq is not None and not (_int(delta_seq) and delta_seq >= 0):
+    if delta_seq is not None and not (type(delta_seq) is int and delta_seq >= 0):
         raise ArtifactError(f"{where}: meta.delta_seq is {show(delta_seq)}, expected an integer >= 0 or null")
     state = checkpoint.get("model")
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

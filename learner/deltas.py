@@ -283,10 +283,6 @@ def rough_bytes(obj: Any) -> int:
     return 64
 
 
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 _FINITE_CHUNK = 1 << 22  # values checked at a time: the check's mask stays small whatever the delta's size
 
 
@@ -327,9 +323,9 @@ def decode_delta(raw: bytes | bytearray | memoryview, path: Path, key: SigningKe
     if missing:
         raise DeltaError(f"{where}: missing {', '.join(sorted(missing))}; the writer is not this streamrec's")
     seq, samples, created = tree["seq"], tree["samples_trained"], tree["created"]
-    if not (_int(seq) and seq >= 1):
+    if not (type(seq) is int and seq >= 1):
         raise DeltaError(f"{where}: seq {str(seq)[:40]!r}, expected an integer >= 1")
-    if not (_int(samples) and samples >= 0):
+    if not (type(samples) is int and samples >= 0):
         raise DeltaError(f"{where}: samples_trained {str(samples)[:40]!r}, expected an integer >= 0")
     if not (isinstance(created, (int, float)) and not isinstance(created, bool) and math.isfinite(created)):
         raise DeltaError(f"{where}: created {str(created)[:40]!r}, expected a finite unix time")

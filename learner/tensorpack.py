@@ -230,19 +230,15 @@ def pack(tree: Any, key: SigningKey | None = None) -> bytes:
 
 
 # -- reading ---------------------------------------------------------------------------------------
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _tensor(i: int, spec: Any, data: memoryview) -> torch.Tensor:
     if not (isinstance(spec, list) and len(spec) == 4):
         raise PackError(f"tensor {i}: spec {str(spec)[:80]} is not [dtype, shape, offset, nbytes]")
     name, shape, offset, nbytes = spec
     if not isinstance(name, str) or name not in _DTYPES:
         raise PackError(f"tensor {i}: dtype {str(name)[:40]!r} is not one of {', '.join(_DTYPES)}")
-    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_int(d) and d >= 0 for d in shape)):
+    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(type(d) is int and d >= 0 for d in shape)):
         raise PackError(f"tensor {i}: shape {str(shape)[:80]} is not a list of at most {_MAX_DIMS} sizes >= 0")
-    if not (_int(offset) and _int(nbytes) and offset >= 0 and nbytes >= 0):
+    if not (type(offset) is int and type(nbytes) is int and offset >= 0 and nbytes >= 0):
         raise PackError(f"tensor {i}: offset {offset!r} and nbytes {nbytes!r} must be integers >= 0")
     dt = _DTYPES[name]
     count = math.prod(shape)
@@ -271,7 +267,7 @@ def _tree(v: Any, tensors: list[torch.Tensor | None], specs: list[Any], data: me
         if any(k.startswith("$") for k in v):
             if set(v) == {"$tensor"}:
                 i = v["$tensor"]
-                if not _int(i) or not 0 <= i < len(specs):
+                if type(i) is not int or not 0 <= i < len(specs):
                     raise PackError(f"tensor reference {str(i)[:40]} is not an index into {len(specs)} tensors")
                 t = tensors[i]
                 if t is None:
