@@ -1,15 +1,13 @@
 """The serving artifact: what the learner's checkpoint becomes, ``cache_refresh`` publishes and ``serving`` loads.
 
-The one file format those stages share, so it lives here beside the checkpoints and deltas it is
-built from: the layout of a publish root, the manifest and its checks, :func:`build_artifact` and
-:func:`verify`, and the READERS of a publish root (``CURRENT``, the versions, the rollback pin). Writing
-a root (publish, rollback, pruning, the refresh lock, cleanup) is ``cache_refresh/publish.py``; the
-scorer module is ``learner/scorer.py``; the loaded, scoring runtime is ``serving/model.py``.
-
-This module builds an artifact and opens, verifies and reads its files; the manifest and its checks (and the
-"Signatures" part of this docstring) are ``learner/artifact_manifest.py``; the readers of a publish root, its names
-and paths (the "Paths" and "Errors" parts, and :class:`~learner.artifact_versions.ArtifactError`) are
-``learner/artifact_versions.py``.
+The one file format those stages share, so it lives in ``learner/`` beside the checkpoints and deltas it is
+built from. This module holds the layout of a publish root (below), builds an artifact (:func:`build_artifact`) and
+opens, verifies (:func:`verify`) and reads its files; the manifest, its checks and its signature are
+``learner/artifact_manifest.py`` (its docstring, "Signatures"); the READERS of a publish root (``CURRENT``, the
+versions, the rollback pin), the names and paths they accept and :class:`~learner.artifact_versions.ArtifactError`
+are ``learner/artifact_versions.py`` (its docstring, "Paths" and "Errors"). Writing a root (publish, rollback,
+pruning, the refresh lock, cleanup) is ``cache_refresh/publish.py``; the scorer module is ``learner/scorer.py``; the
+loaded, scoring runtime is ``serving/model.py``.
 
 Layout under a publish root::
 
@@ -129,9 +127,9 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
     ``hot_rows`` (int64, any order, duplicates allowed) are global rows of the fused table placed in the
     scorer. The staged directory (``out_dir/.staging/<version>-<pid>``) is complete and fsynced when this
     returns; ``cache_refresh.publish.publish`` makes it a version. On error nothing is left behind. With
-    ``signing_key`` the manifest carries its ``signature`` (module docstring). ``between`` (a caller's stop check)
-    is called between the units of the build (the scorer saved, each file written, each file hashed): what it raises
-    ends the build, its staged directory removed.
+    ``signing_key`` the manifest carries its ``signature`` (``learner/artifact_manifest.py``, "Signatures").
+    ``between`` (a caller's stop check) is called between the units of the build (the scorer saved, each file
+    written, each file hashed): what it raises ends the build, its staged directory removed.
     """
     between = between or (lambda: None)
     if format not in FORMATS:
@@ -325,8 +323,9 @@ def open_artifact(version_dir: Path, manifest: dict[str, Any] | None = None, sig
     opened once and checked on the open file (:func:`_open_listed`; with ``digests`` its size and sha256 too), as
     :class:`ArtifactFiles`: the loader reads those open files, so a file renamed over a listed one after its check is
     never what is loaded. ArtifactError for a version directory or a file that is a symlink or a path resolving outside
-    where it belongs (module docstring; a symlink inside the version directory is refused too: every file is opened
-    without following one), missing, not a regular file, a hard link, or (``digests``) of another size or digest.
+    where it belongs (``learner/artifact_versions.py``, "Paths"; a symlink inside the version directory is refused
+    too: every file is opened without following one), missing, not a regular file, a hard link, or (``digests``) of
+    another size or digest.
 
     ``hashed_on_read``: names whose sha256 the loader takes from the very bytes it reads (:func:`read_table` given the
     manifest's digest) instead of here, so that bytes rewritten in place between a check and the read are never what is

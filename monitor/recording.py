@@ -1,6 +1,7 @@
 """What a run recorded, read back: the monitor's run log (:class:`Recording`, :func:`read_recording`) and what the
-batch stages wrote themselves (their ``--json`` summaries, the publish root's ``last_run.json``, the learner's delta
-files). Used by the report (``monitor/report.py``) and its progress lines (``monitor/follow.py``).
+batch stages wrote themselves (their ``--json`` summaries, the learner's delta files; the publish root's
+``last_run.json`` is read by ``cache_refresh.run_records.read_last_run`` and only checked here,
+:func:`usable_last_run`). Used by the report (``monitor/report.py``) and its progress lines (``monitor/follow.py``).
 
 The records are read in the order the monitor wrote them (rotated files oldest first) and split into epochs where the
 wall clock stepped back (``t`` below the record's before, whatever either record is: :attr:`Recording.epoch`).

@@ -34,10 +34,10 @@ but does not make requests skip Redis). Requests never read the overlay: every r
 version holds their rows as overrides until its next artifact, and one that does not apply them (a pinned rollback)
 must not see them; rows of deltas pruned before a ranker read them wait for the next artifact, as in-process
 (``learner/deltas.py``). The overlay is what serving has applied to the version, newest write wins (for tools and
-for inspection), and is deleted with the version (:func:`delete_version`); it can grow to one value per non-hot row
-the deltas touch in the version's life, as large as the version's own rows, which is why it is off unless a tool
-reads it. Versions written before the overlay existed may hold delta rows under ``r:``: ``streamrec refresh --now``
-writes a clean version.
+for inspection), and is deleted with the version (:func:`~serving.stored_versions.delete_version`); it can grow to
+one value per non-hot row the deltas touch in the version's life, as large as the version's own rows, which is why
+it is off unless a tool reads it. Versions written before the overlay existed may hold delta rows under ``r:``:
+``streamrec refresh --now`` writes a clean version.
 
 **Redis down** (refused, timed out): the round trip counts in ``streamrec_serving_embedding_store_errors_total`` (the
 default alert rule ``embedding_store_errors`` fires on it), requests skip Redis for ``embedding_store_retry_after_s``

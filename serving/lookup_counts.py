@@ -12,7 +12,7 @@ The request path only appends the hashed ids it already has (``stream.features.h
 them) to an in-memory list under a lock, filed under the UTC day (wall clock) of the request: no Redis call, no
 hashing, O(1) per request. A background thread flushes every ``flush_s`` seconds (at most a day), or sooner once
 ``flush_ids`` lookups are waiting: it counts them per distinct id (``np.unique``) and adds the counts to the
-``lookup`` day keys of ``stream/counts.py`` (``{prefix}:counts:{kind}:lookup:{YYYYMMDD}``, beside the joiner's
+``lookup`` day keys (``{prefix}:counts:{kind}:lookup:{YYYYMMDD}``, ``stream/counts_keys.py``, beside the joiner's
 impression counts) of the day they were made, not of the flush (a flush just after midnight writes the last seconds
 of the day before to that day), with one pipelined round trip.
 

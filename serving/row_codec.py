@@ -9,10 +9,10 @@ malformed: its row falls back alone, like a missing key. Cost (bench/layered.py,
 request's p50/p99. A version whose meta has no ``row_check`` (written before the tags) is read untagged; serving
 before this change reads a tagged version's values as of the wrong length: **upgrade serving before the refresh**.
 
-What is written under these keys, and when (the key layout, a version's writer marker, :func:`write_version`,
-:func:`unfinished_versions`, :func:`delete_version`): ``serving/stored_versions.py``. What serving reads from them
-(the "module docstring" the docstrings here name: the delta overlay, a bad row falling back alone):
-``serving/embedding_store.py``.
+What is written under these keys, and when (the key layout, a version's writer marker,
+:func:`~serving.stored_versions.write_version`, :func:`~serving.stored_versions.unfinished_versions`,
+:func:`~serving.stored_versions.delete_version`): ``serving/stored_versions.py``. What serving reads from them (the
+delta overlay, a bad row falling back alone): ``serving/embedding_store.py``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def meta_key(prefix: str, version: str) -> str:
 
 
 def writer_key(prefix: str, version: str) -> str:
-    """A version's writer marker, set before its first row and deleted with it last (:func:`unfinished_versions`)."""
+    """A version's writer marker, set before its first row and deleted with it last
+    (:func:`~serving.stored_versions.unfinished_versions`)."""
     return version_prefix(prefix, version) + "writer"
 
 
@@ -60,8 +61,8 @@ def row_keys(prefix: str, version: str, rows: np.ndarray) -> list[str]:
 
 
 def overlay_keys(prefix: str, version: str, rows: np.ndarray) -> list[str]:
-    """The keys of global rows ``rows`` (M,) in a version's delta overlay (module docstring: never its row keys,
-    which hold the artifact's rows only)."""
+    """The keys of global rows ``rows`` (M,) in a version's delta overlay (``serving/embedding_store.py``'s
+    docstring: never its row keys, which hold the artifact's rows only)."""
     start = version_prefix(prefix, version) + "d:"
     return [start + str(r) for r in rows.tolist()]
 
@@ -134,7 +135,7 @@ def decode_answer(values: list[bytes | None], dim: int, dtype: RowDtype, rows: n
     bool), row by row: a None is missing; a value of another length, whose tag does not match (with ``key``: the
     version's :func:`tag_key`, values tagged by :func:`encode_rows`) or holding values non-finite or beyond
     :data:`MAX_ROW_ABS` is malformed; their vectors are zeros. Never raises on the values: one bad key costs its own
-    row only (module docstring)."""
+    row only (``serving/embedding_store.py``'s docstring)."""
     m = len(values)
     dt = np.dtype(str(dtype)).newbyteorder("<")
     width = dim * dt.itemsize + (_TAG_BYTES if key is not None else 0)

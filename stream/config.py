@@ -501,9 +501,9 @@ class RedisSettings:
     Redis Cluster: ``cluster = true`` (``STREAMREC_REDIS_CLUSTER=1``) says ``url`` names one node of a Redis Cluster
     (the clients discover the others); every client ``connect`` builds is then a redis-py ``RedisCluster`` (made at
     its first use): counts, history, strikes, pub/sub, the layered embedding store. Their keys are laid out so that
-    each script call and MULTI/EXEC touches one hash slot (``stream/counts.py``, ``stream/history.py``). ``[serve]``
-    and ``[refresh] embedding_store_cluster``, which asked for a cluster before this setting existed, are accepted
-    as aliases of it (:meth:`clustered`).
+    each script call and MULTI/EXEC touches one hash slot (``stream/counts_keys.py``, ``stream/history.py``).
+    ``[serve]`` and ``[refresh] embedding_store_cluster``, which asked for a cluster before this setting existed, are
+    accepted as aliases of it (:meth:`clustered`).
     """
 
     url: str = "redis://127.0.0.1:16379/0"

@@ -298,7 +298,7 @@ _NAMED_MAX = 1 << 17  # names remembered as written (DailyCounts._named), ~12 MB
 
 
 class DailyCounts:
-    """Item and user occurrence counts per UTC day (see the module docstring for keys and expiry)."""
+    """Item and user occurrence counts per UTC day (keys: ``stream/counts_keys.py``; expiry: the module docstring)."""
 
     def __init__(self, client: Client, prefix: str = "streamrec", ttl_days: int = 8,
                  future_s: float = 3600.0, write_timeout_s: float | None = None) -> None:
@@ -338,7 +338,8 @@ class DailyCounts:
         return self._key(kind, event, day)
 
     def names_key(self, kind: str, day: str) -> str:
-        """The key of ``kind``'s names on ``day`` (member -> raw id text; see the module docstring)."""
+        """The key of ``kind``'s names on ``day`` (member -> raw id text: ``stream/counts_keys.py``; "Names" in the
+        module docstring)."""
         check_kind_event(kind, EVENTS[0])
         parse_day(day)
         return self._names_key(kind, day)

@@ -22,7 +22,7 @@
     │       └── ValidationError      a decoded event breaks its schema (field, value, expected)
     ├── learner/
     │   ├── checkpoint.ExitCheckpointFailed  the learner's checkpoint at exit was not written
-    │   ├── artifact.ArtifactError   an artifact or publish root that cannot be used
+    │   ├── artifact_versions.ArtifactError      an artifact or publish root that cannot be used
     │   │   └── cache_refresh.publish.PinHeld   a scheduled publish held back by a rollback pin
     │   ├── deltas.DeltaError (ValueError)       a delta file that cannot be used
     │   └── tensorpack.PackError (ValueError)    bytes that are not an intact tensor pack

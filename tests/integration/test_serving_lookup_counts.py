@@ -2,7 +2,7 @@
 item 5), against the real Redis of the session stack.
 
 * A scored request counts its user (``user``), its candidates and its user's history items (``item``) in today's
-  ``{prefix}:counts:{item}:lookup:{day}`` (``{user}``) (stream/counts.py), written by the background flush.
+  ``{prefix}:counts:{item}:lookup:{day}`` (``{user}``) (stream/counts_keys.py), written by the background flush.
 * Redis down: every request is still answered 200, and the lookups are kept for one retry, then dropped and counted.
 * The hot set ranks by lookups; the joiner's impression counts fill what lookups leave empty, and without any lookup
   counts it is the impression-ranked hot set.

@@ -1,7 +1,8 @@
 """The monitor's files (the run log it appends to, its firing-state file) and what ``streamrec report`` reads (the run
-log, ``--json`` summaries, ``last_run.json``) are opened with ``stream.files.open_regular`` / ``open_append_regular``:
-one that is a FIFO or a device is refused (a ConfigError at the monitor's start, a logged skip of the state, an
-OSError naming it to the report), where a blocking open of a FIFO hung the process for good.
+log, ``--json`` summaries, ``last_run.json`` by its one reader, ``cache_refresh.run_records.read_last_run``) are
+opened with ``stream.files.open_regular`` / ``open_append_regular``: one that is a FIFO or a device is refused (a
+ConfigError at the monitor's start, a logged skip of the state, an OSError naming it to the report, no record of the
+last run), where a blocking open of a FIFO hung the process for good.
 
 Each FIFO read here is fed a valid file by a writer thread (``tests.fifos``), and the one appended to has a reader
 open, so the old code read or opened it and fails on the assertion instead of hanging the run."""
