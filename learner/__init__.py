@@ -20,7 +20,9 @@ ranks' process group, partition split and lock-step collectives (``distributed.p
 model (``sharded_model.py``), its training step (``sharded_trainer.py``) with the boost of young rows around
 fbgemm's fused update (``sharded_boost.py``), dynamic ids on N ranks, each field's map sharded with its rows
 (``sharded_ids.py``), serving deltas from N ranks (``sharded_deltas.py``), DCP checkpoints and the reshard to one
-process (``sharded_checkpoint.py``) and its daemon (``sharded_daemon.py``); only these import TorchRec.
+process (``sharded_checkpoint.py``) and its daemon (``sharded_daemon.py``) with what every rank checks before the
+group trains (``rank_checks.py``: the same settings, the same cluster, the checkpoint directory held); only these
+import TorchRec.
 
 May import: ``stream/`` and third-party libraries; never ``cache_refresh/``, ``serving/`` or
 ``monitor/``. Entry points: ``learner.daemon.Learner`` (``streamrec train``),

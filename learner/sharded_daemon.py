@@ -11,6 +11,10 @@ partitions (``learner/distributed.py``: partition p to rank p % N), all ranks st
                               commits the group offsets (lag dashboards only) and every rank sets the lag
                               of its own partitions (learner/lag.py) on its own /metrics
 
+Before any of it, every rank checks with the others (``learner/rank_checks.py``) that they were started with the
+same settings and read one Kafka cluster, and rank 0 holds the checkpoint directory; each refusal is the same
+ConfigError on every rank.
+
 Exactly once, as in the single-process daemon: a checkpoint holds the model and, for every samples partition,
 the offset of the next message to train, written by all ranks at one step boundary; a restart (torchrun's
 elastic restart after a rank died restarts every rank) loads the newest complete checkpoint and every rank reads
@@ -36,8 +40,9 @@ let the first round's steps train against the prior's bias, and 2 ranks ended 0.
 AUC on the test stream).
 
 ``accumulation`` micro-batches are trained as one step of their rows (:func:`rows_per_step`: the same update).
-What the distributed mode does not do (each refused at start with a ConfigError, or turned off with a warning):
-``sparse_adam``. The boost of young rows is applied around fbgemm's fused update (``learner/sharded_boost.py``).
+What the distributed mode does not do (each refused at start with a ConfigError, ``rank_checks.check_settings``,
+or turned off with a warning): ``sparse_adam``. The boost of young rows is applied around fbgemm's fused update
+(``learner/sharded_boost.py``).
 
 Poison messages (``stream/strikes.py``): a round's rows of every rank meet in its collective stages (the id
 lookup by the key's owner rank, the base-rate bias, rank 0's quality metrics and calibration), so a fault one
@@ -63,7 +68,6 @@ import sys
 import time
 import traceback
 from collections import Counter
-from dataclasses import fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -75,7 +79,7 @@ from confluent_kafka import KafkaException, TopicPartition
 from learner import checkpoint, sharded_checkpoint
 from learner.batch import TensorBatch
 from learner.calibration import OnlineCalibration, identity
-from learner.config import CheckpointMismatch, LearnerSettings, SparseOptimizer, check_topic, parse_mlp, shape_of
+from learner.config import CheckpointMismatch, LearnerSettings, check_topic, parse_mlp, shape_of
 from learner.daemon import (
     AUC,
     CALIBRATION_SCALE,
@@ -129,6 +133,7 @@ from learner.lag import publish_lag
 from learner.model import autocast_dtype
 from learner.progressive import ProgressiveMetrics
 from learner.quality import IdMetrics, TrainingQuality
+from learner.rank_checks import check_same_cluster, check_same_settings, check_settings, hold_checkpoint_dir
 from learner.row_mapper import MapStats, user_keys
 from learner.sharded_boost import ShardedBoost
 from learner.sharded_checkpoint import aggregate_metrics, dense_opt_state, merged_metrics
@@ -139,8 +144,8 @@ from learner.sharded_trainer import ShardedTrainer
 from learner.worker_counters import count_worker_counters
 from learner.worker_stall import watched
 from stream.config import KafkaSettings, RedisSettings
-from stream.errors import ConfigError, close_after_error, shown
-from stream.files import NotDurable, describe_os_error, write_atomic
+from stream.errors import ConfigError, close_after_error
+from stream.files import NotDurable, describe_os_error
 from stream.joiner.partitions import ensure_samples
 from stream.kafka import new_consumer
 from stream.kafka_topics import topic_identity
@@ -154,130 +159,6 @@ log = logging.getLogger("streamrec.train")
 
 class RoundFailed(RuntimeError):
     """The strike's error of a message whose round failed on another rank: that rank's error."""
-
-
-def check_settings(ls: LearnerSettings) -> None:
-    """The settings the distributed mode cannot honour: a ConfigError naming each and the fix."""
-    bad = []
-    if ls.sparse_optimizer is not SparseOptimizer.ROWWISE_ADAGRAD:
-        bad.append(f"sparse_optimizer = {ls.sparse_optimizer.value} (only rowwise_adagrad is sharded: fbgemm's CPU "
-                   "kernels have no Adam, and its CUDA Adam was not tried here)")
-    if bad:
-        raise ConfigError("streamrec train on several ranks cannot use: " + "; ".join(bad))
-
-
-# [learner] settings each rank may set for itself: its host's loader and metrics endpoint, and paths only rank 0
-# opens (the deltas it writes, their signing key). checkpoint_dir is every rank's, but may be mounted at another path
-# on another host: check_same_settings checks that it is rank 0's directory, not that its path is rank 0's.
-RANK_LOCAL_SETTINGS = frozenset({"num_workers", "prefetch_factor", "persistent_workers", "pin_memory", "metrics_port",
-                                 "metrics_host", "deltas_dir", "signing_key_file", "deltas_redis_url",
-                                 "checkpoint_dir"})
-GROUP_FILE = ".group"  # in checkpoint_dir: rank 0's token of this start (check_same_settings)
-
-
-def check_same_settings(kafka: KafkaSettings, ls: LearnerSettings, rank: int,
-                        limits: EventLimits = DEFAULT_LIMITS) -> None:
-    """Collective, every rank at start: a ConfigError on EVERY rank (so none waits in a collective for the others)
-    when the ranks were started with different settings, e.g. one host's config file or environment differing.
-    Each rank decides from its own value (its step's size, its stop at ``max_samples``, its learning rates, its
-    topic), so a difference made the ranks' collectives diverge or their replicas drift apart, and a rank with
-    another ``checkpoint_dir`` wrote its shards where no load looks while rank 0 renamed a checkpoint without them
-    into place as complete. The ``[learner]`` settings but :data:`RANK_LOCAL_SETTINGS`, the samples topic and the
-    ``[limits]`` bounds a samples message is read under (``kafka_dataset.check_strings``: a message dead-lettered on
-    one rank was trained on another, as its partition fell) must be equal; ``checkpoint_dir`` must be the directory
-    rank 0 writes (a token rank 0 writes there, read by every rank)."""
-    import uuid
-
-    mine = {f.name: getattr(ls, f.name) for f in fields(ls) if f.name not in RANK_LOCAL_SETTINGS}
-    mine["[kafka] samples_topic"] = kafka.samples_topic
-    mine.update({f"[limits] {name}": getattr(limits, name) for name in ("max_str_len", "max_key_len")})
-    everyone = all_gather_objects(mine)
-    differ = {k: [e.get(k) for e in everyone] for k in everyone[0]
-              if any(e.get(k) != everyone[0][k] for e in everyone[1:])}
-    if differ:
-        raise ConfigError("the ranks were started with different settings (every rank must use the same [learner], "
-                          "[kafka] samples_topic and [limits]): " + "; ".join(
-                              f"{k}: " + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(vals))
-                              for k, vals in differ.items()))
-    token = broadcast_object(uuid.uuid4().hex if rank == 0 else None)
-    group_file, refused = Path(ls.checkpoint_dir) / GROUP_FILE, None
-    if rank == 0:  # its failure (a full disk, a read-only directory) goes to every rank: none waits for a rank 0 gone
-        try:
-            group_file.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(group_file, token.encode())
-        except OSError as exc:
-            refused = (f"[learner] checkpoint_dir {ls.checkpoint_dir}: rank 0 cannot write its {GROUP_FILE} "
-                       f"({describe_os_error(exc)}): free space there, fix its permissions, or name another")
-    refused = broadcast_object(refused)  # after rank 0's write: the others read the token only after it
-    if refused is not None:
-        raise ConfigError(refused)
-    try:
-        seen = group_file.read_text() == token
-    except OSError:
-        seen = False
-    dirs = all_gather_objects((seen, str(ls.checkpoint_dir)))
-    elsewhere = [(r, d) for r, (ok, d) in enumerate(dirs) if not ok]
-    if elsewhere:
-        raise ConfigError("checkpoint_dir must be one directory every rank sees (rank 0 writes each checkpoint's "
-                          f"metadata, every rank its shards): rank 0 writes {dirs[0][1]} but " + ", ".join(
-                              f"rank {r}'s {d}" for r, d in elsewhere) + " is not that directory")
-
-
-def check_same_cluster(bootstrap_servers: str, identity: dict[str, str]) -> None:
-    """Collective, every rank before it reads: the same ConfigError on EVERY rank unless all read one Kafka cluster's
-    samples topic. ``identity``: this rank's ``stream.kafka_topics.topic_identity``, asked of its own
-    ``bootstrap_servers``.
-    The offsets a checkpoint restores (and rank 0's topic-id check of them, ``_partitions``) are of rank 0's cluster;
-    a rank started against another cluster (its host's config file or environment) read its partitions there from
-    offsets that mean nothing in it: records below them skipped, others trained twice, all without a word."""
-    if (why := cluster_mismatch(all_gather_objects((bootstrap_servers, identity)))) is not None:
-        raise ConfigError(why)
-
-
-def cluster_mismatch(seen: list[tuple[str, dict[str, str]]]) -> str | None:
-    """Why the ranks' ``(bootstrap_servers, topic identity)`` (rank order) are not one cluster, or None. Two ranks
-    whose brokers both name their cluster agree when the cluster ids are equal (another address of it is fine) and
-    the topic ids, where both are given, too; where either gives no id (a broker without them, or one not answering)
-    only equal ``bootstrap_servers`` tell they read the same cluster."""
-    servers0, ident0 = seen[0]
-
-    def agrees(servers: str, ident: dict[str, str]) -> bool:
-        if not (ident.get("cluster_id") and ident0.get("cluster_id")):
-            return servers == servers0
-        return ident["cluster_id"] == ident0["cluster_id"] and (
-            not (ident.get("topic_id") and ident0.get("topic_id")) or ident["topic_id"] == ident0["topic_id"])
-
-    if all(agrees(*each) for each in seen[1:]):
-        return None
-    return ("[kafka] bootstrap_servers: the ranks read the samples topic from different Kafka clusters (or from "
-            "brokers that do not say they are one): " + ", ".join(
-                f"rank {r} {shown(servers)} (cluster {ident.get('cluster_id', 'unknown')}, topic id "
-                f"{ident.get('topic_id', 'unknown')})" for r, (servers, ident) in enumerate(seen)) +
-            ". The checkpoint's offsets are of one cluster's partitions: give every rank the same [kafka] "
-            "bootstrap_servers (STREAMREC_KAFKA_BOOTSTRAP_SERVERS on each host): the cluster the checkpoint was "
-            "trained from")
-
-
-def hold_checkpoint_dir(ls: LearnerSettings, rank: int) -> int | None:
-    """Collective, every rank at start, before any checkpoint is read: rank 0 takes ``<checkpoint_dir>/LOCK``
-    (:func:`learner.checkpoint.hold_directory`, the single-process learner's lock, so a job and a single-process
-    learner exclude each other too), and one broadcast tells every rank whether it did: if not, the same ConfigError
-    on every rank, naming the holder (none waits in a collective for a rank 0 that stopped). Two jobs on one directory
-    numbered their serving deltas from their own counters and pruned each other's checkpoints. Rank 0's descriptor
-    (None on the others) for :func:`learner.checkpoint.release_directory`; forked DataLoader workers do not keep it."""
-    fd, refused = None, None
-    if rank == 0:
-        try:
-            fd = checkpoint.hold_directory(Path(ls.checkpoint_dir))
-        except ConfigError as exc:
-            refused = str(exc)
-        except OSError as exc:  # its pid cannot be written (a full disk; one it cannot open is a ConfigError)
-            refused = (f"[learner] checkpoint_dir {ls.checkpoint_dir}: rank 0 cannot take its {checkpoint.LOCK} "
-                       f"({describe_os_error(exc)}): fix the directory's permissions, or name another")
-    refused = broadcast_object(refused)
-    if refused is not None:
-        raise ConfigError(refused)
-    return fd
 
 
 def rows_per_step(ls: LearnerSettings) -> int:

@@ -342,7 +342,7 @@ def _settings_of_each_rank(rank: int, world: int, tmp: str, out: str) -> None:
     import json
 
     from learner.config import LearnerSettings
-    from learner.sharded_daemon import check_same_settings, hold_checkpoint_dir
+    from learner.rank_checks import check_same_settings, hold_checkpoint_dir
     from stream.config import KafkaSettings
 
     ckpt, kafka = Path(tmp) / "ckpt", KafkaSettings(samples_topic="samples")
@@ -371,19 +371,19 @@ def _settings_of_each_rank(rank: int, world: int, tmp: str, out: str) -> None:
         got["limits"] = None
     except ConfigError as exc:
         got["limits"] = str(exc)
-    from learner import sharded_daemon
+    from learner import rank_checks
 
     def full(path: Path, data: object) -> None:  # rank 0's disk is full when it writes the .group token
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    real, sharded_daemon.write_atomic = sharded_daemon.write_atomic, full if rank == 0 else sharded_daemon.write_atomic
+    real, rank_checks.write_atomic = rank_checks.write_atomic, full if rank == 0 else rank_checks.write_atomic
     try:
         check_same_settings(kafka, LearnerSettings(checkpoint_dir=ckpt, step_rows=100), rank)
         got["full"] = None
     except ConfigError as exc:
         got["full"] = str(exc)
     finally:
-        sharded_daemon.write_atomic = real
+        rank_checks.write_atomic = real
     try:  # the test holds ckpt's LOCK, as a running learner does
         hold_checkpoint_dir(LearnerSettings(checkpoint_dir=ckpt), rank)
         got["locked"] = None
@@ -449,7 +449,7 @@ def test_ranks_started_with_different_settings_directories_or_on_one_in_use_all_
 def test_ranks_whose_brokers_name_different_kafka_clusters_are_refused_naming_bootstrap_servers_and_each_rank() -> None:
     """The ranks' ``(bootstrap_servers, topic identity)``: another address of rank 0's cluster is fine; another
     cluster (a host's config pointing elsewhere), or brokers that give no ids at different addresses, are not."""
-    from learner.sharded_daemon import cluster_mismatch
+    from learner.rank_checks import cluster_mismatch
 
     a = {"cluster_id": "clusterA", "topic_id": "topicA"}
     assert cluster_mismatch([("kafka-1:9092", a), ("kafka-2:9092", dict(a))]) is None  # two brokers of one cluster
@@ -471,7 +471,7 @@ def test_a_rank_restored_against_another_kafka_cluster_stops_before_reading_its_
     rank, before the dataset seeks the restored offsets) raises the ConfigError; it used to take rank 0's partition
     list and read its own cluster's partitions from rank 0's cluster's offsets. The collectives are faked: rank 0's
     answer is given, and nothing may go on to the partition list's broadcast."""
-    from learner import sharded_daemon
+    from learner import rank_checks, sharded_daemon
     from learner.config import LearnerSettings
     from learner.distributed import RankContext
     from learner.sharded_daemon import ShardedLearner
@@ -481,7 +481,7 @@ def test_a_rank_restored_against_another_kafka_cluster_stops_before_reading_its_
 
     mine = {"cluster_id": "clusterB", "topic_id": "topicB"}
     monkeypatch.setattr(sharded_daemon, "topic_identity", lambda kafka, topic: dict(mine))
-    monkeypatch.setattr(sharded_daemon, "all_gather_objects",
+    monkeypatch.setattr(rank_checks, "all_gather_objects",
                         lambda obj: [("kafka-1:9092", {"cluster_id": "clusterA", "topic_id": "topicA"}), obj])
     monkeypatch.setattr(sharded_daemon, "broadcast_object", read_on)
     learner = ShardedLearner(KafkaSettings(bootstrap_servers="dr-kafka:9092"),

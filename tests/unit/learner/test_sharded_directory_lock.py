@@ -80,7 +80,7 @@ def test_a_sharded_jobs_rank_0_holds_the_directory_while_it_trains_and_gives_it_
 @pytest.mark.usefixtures("one_rank_group")
 def test_a_lock_file_rank_0_cannot_open_stops_every_rank_with_a_config_error_naming_it(tmp_path: Path) -> None:
     """Not rank 0 alone raising past the broadcast, the other ranks left waiting in it."""
-    from learner.sharded_daemon import hold_checkpoint_dir
+    from learner.rank_checks import hold_checkpoint_dir
 
     (tmp_path / "LOCK").mkdir()
     with pytest.raises(ConfigError, match=rf"{tmp_path}: cannot open its LOCK \(.*directory"):
