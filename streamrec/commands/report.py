@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cache_refresh import run_records
 from cache_refresh.settings import RefreshSettings
 from learner.config import LearnerSettings
 from monitor.cli_text import FOLLOW_HELP
@@ -40,6 +39,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cache_refresh import run_records  # (here, as monitor: run_records reads artifacts, which import torch)
     from monitor import follow, recording, report, sections
     from streamrec.settings import SettingsError
 

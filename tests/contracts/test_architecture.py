@@ -5,6 +5,8 @@ no import cycle between modules (function-level imports included), no plugin loa
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,18 @@ def test_no_module_is_loaded_by_name() -> None:
 def test_streamrec_is_only_the_process_edge() -> None:
     lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "streamrec").rglob("*.py"))
     assert lines < EDGE_MAX_LINES, f"streamrec/ has {lines} lines"
+
+
+def test_the_command_line_and_the_joiner_load_without_torch() -> None:
+    # torch is ~180 MB of a process and a second of its start: only a command that runs the model imports it, when it
+    # runs. `streamrec report` imported cache_refresh.run_records at the top (it reads the artifacts' manifest module,
+    # which imports torch): every command, the joiner's included, paid for it (peak RSS 430 -> 610 MB, bench/joiner.py)
+    code = ("import sys; from streamrec.cli import build_parser; build_parser(); "
+            "import stream.joiner.worker, stream.joiner.kafka_driver, stream.joiner.faust_delivery; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:5])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
