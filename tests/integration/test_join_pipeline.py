@@ -446,7 +446,7 @@ def test_a_failed_batch_gives_strikes_to_the_records_held_before_it_and_leaves_t
     real = JoinPipeline._apply_all
     calls = []
 
-    def failing(self: JoinPipeline, batches, drain: bool = False):  # noqa: ANN001, ANN202 - the real signature
+    def failing(self: JoinPipeline, batches, drain: bool = False, handled=None):  # noqa: ANN001, ANN202 - the real signature
         calls.append([(partition, [ev.impression_id for _, ev in imps]) for partition, imps, _ in batches])
         raise ValueError("injected")
 
