@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from learner.artifact_versions import NAME_RE, ArtifactError, check_version_dir, num, read_regular, resolve_inside, show
+from learner.artifact_versions import NAME_RE, ArtifactError, check_version_dir, num, read_regular, resolve_inside
 from learner.config import parse_mlp
 from learner.features import FeatureConfig, FieldSpec
 from learner.scorer import (
@@ -44,7 +44,7 @@ from learner.scorer import (
     ScorerSpec,
 )
 from learner.tensorpack import SigningKey
-from stream.errors import BadMessage
+from stream.errors import BadMessage, shown
 from stream.events import count_keys, reject_duplicate_keys
 
 __all__ = ["ARTIFACT_FORMAT_VERSION", "COLD_FILE", "ID_MAPS_FILE", "ID_MAPS_PACK", "MANIFEST", "SIGNATURE",
@@ -83,26 +83,26 @@ def feature_config_from(d: Any, where: str) -> FeatureConfig:
                              "learner or refresh (rebuild it with `streamrec refresh --now`)")
 
     if not isinstance(d, dict):
-        raise bad(f"is {show(d)}, expected an object")
+        raise bad(f"is {shown(d)}, expected an object")
     fields = d.get("fields")
     if not isinstance(fields, (list, tuple)) or not fields:  # a list in JSON, a tuple in a checkpoint
-        raise bad(f"fields is {show(fields)}, expected a non-empty list")
+        raise bad(f"fields is {shown(fields)}, expected a non-empty list")
     specs = []
     for i, f in enumerate(fields):
         if not isinstance(f, dict) or "name" not in f or set(f) - set(_FIELD_TYPES):
-            raise bad(f"fields[{i}] is {show(f)}, expected an object with name and only {sorted(_FIELD_TYPES)}")
+            raise bad(f"fields[{i}] is {shown(f)}, expected an object with name and only {sorted(_FIELD_TYPES)}")
         for key, value in f.items():
             check, nullable = _FIELD_TYPES[key]
             if not ((value is None and nullable) or (value is not None and check(value))):
-                raise bad(f"fields[{i}].{key} is {show(value)}")
+                raise bad(f"fields[{i}].{key} is {shown(value)}")
         specs.append(f)
     dense, dim, version = d.get("dense", []), d.get("embedding_dim"), d.get("version", 1)
     if not (isinstance(dense, (list, tuple)) and all(isinstance(x, str) for x in dense)):
-        raise bad(f"dense is {show(dense)}, expected a list of names")
+        raise bad(f"dense is {shown(dense)}, expected a list of names")
     if not (isinstance(dim, int) and not isinstance(dim, bool) and 1 <= dim <= 65536):
-        raise bad(f"embedding_dim is {show(dim)}, expected an integer in [1, 65536]")
+        raise bad(f"embedding_dim is {shown(dim)}, expected an integer in [1, 65536]")
     if type(version) is not int:
-        raise bad(f"version is {show(version)}, expected an integer")
+        raise bad(f"version is {shown(version)}, expected an integer")
     try:
         cfg = FeatureConfig(tuple(FieldSpec(**f) for f in specs), dense=tuple(dense), embedding_dim=dim,
                             version=version)
@@ -114,30 +114,30 @@ def feature_config_from(d: Any, where: str) -> FeatureConfig:
 
 def _check_source(src: Any, bad: Any) -> None:
     if not isinstance(src, dict):
-        raise bad(f"source is {show(src)}, expected an object")
+        raise bad(f"source is {shown(src)}, expected an object")
     for key in ("samples_trained", "delta_seq"):
         value = src.get(key)
         if value is not None and not (type(value) is int and value >= 0):
-            raise bad(f"source.{key} is {show(value)}, expected an integer >= 0 or null")
+            raise bad(f"source.{key} is {shown(value)}, expected an integer >= 0 or null")
     for key in ("checkpoint", "lineage", "topic"):
         if src.get(key) is not None and not isinstance(src[key], str):
-            raise bad(f"source.{key} is {show(src[key])}, expected a string or null")
+            raise bad(f"source.{key} is {shown(src[key])}, expected a string or null")
     created = src.get("created")
     if created is not None and not (num(created) and created >= 0):
-        raise bad(f"source.created is {show(created)}, expected a unix time >= 0 or null")
+        raise bad(f"source.created is {shown(created)}, expected a unix time >= 0 or null")
     if not isinstance(src.get("offsets", {}), dict):
-        raise bad(f"source.offsets is {show(src.get('offsets'))}, expected an object")
+        raise bad(f"source.offsets is {shown(src.get('offsets'))}, expected an object")
 
 
 def _check_files(files: Any, fmt: str, bad: Any) -> None:
     if not isinstance(files, dict) or not files:
-        raise bad(f"files is {show(files)}, expected an object of {{name: {{sha256, bytes}}}}")
+        raise bad(f"files is {shown(files)}, expected an object of {{name: {{sha256, bytes}}}}")
     for name, want in files.items():
         if not NAME_RE.fullmatch(name):
-            raise bad(f"files names {show(name)}, not a plain file name of this directory")
+            raise bad(f"files names {shown(name)}, not a plain file name of this directory")
         if not (isinstance(want, dict) and isinstance(want.get("sha256"), str) and _SHA_RE.fullmatch(want["sha256"])
                 and type(want.get("bytes")) is int and want["bytes"] >= 0):
-            raise bad(f"files[{name!r}] is {show(want)}, expected {{sha256: 64 hex digits, bytes: integer >= 0}}")
+            raise bad(f"files[{name!r}] is {shown(want)}, expected {{sha256: 64 hex digits, bytes: integer >= 0}}")
     for needed in (SCORER_FILES[fmt], *SCORER_EXTRA_FILES.get(fmt, ()), COLD_FILE):
         if needed not in files:
             raise bad(f"files does not list {needed}, which a {fmt} artifact reads")
@@ -164,7 +164,7 @@ def check_signature(manifest: Mapping[str, Any], key: SigningKey, where: str | P
         raise ArtifactError(f"{where}: the manifest is unsigned, and this reader has a signing key (signing_key_file "
                             f"{key.source or 'set'}): refused before any other file was opened; {fix}")
     if not (isinstance(sig, str) and _SHA_RE.fullmatch(sig)):
-        raise ArtifactError(f"{where}: signature is {show(sig)}, not 64 hex digits: refused; {fix}")
+        raise ArtifactError(f"{where}: signature is {shown(sig)}, not 64 hex digits: refused; {fix}")
     try:
         body = canonical_manifest(manifest)
     except (TypeError, ValueError) as exc:  # JSON from a file always re-encodes; kept so nothing else escapes
@@ -209,30 +209,30 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
     except (ValueError, RecursionError) as exc:
         raise bad(f"not valid JSON ({str(exc)[:120]})") from None
     if not isinstance(m, dict):
-        raise bad(f"holds {show(m)}, expected a JSON object")
+        raise bad(f"holds {shown(m)}, expected a JSON object")
     if signing_key is not None:
         check_signature(m, signing_key, where)
     afv = m.get("artifact_format_version")
     if type(afv) is not int or afv != ARTIFACT_FORMAT_VERSION:
-        raise ArtifactError(f"{where}: artifact format {show(afv)}, this streamrec reads {ARTIFACT_FORMAT_VERSION}; "
+        raise ArtifactError(f"{where}: artifact format {shown(afv)}, this streamrec reads {ARTIFACT_FORMAT_VERSION}; "
                             f"{_NEWER if isinstance(afv, int) and afv > ARTIFACT_FORMAT_VERSION else _REBUILD}")
     missing = [k for k in ("version", "created", "created_utc", "format", "source", "feature_config", "model",
                            "scorer", "hot_set", "files") if k not in m]
     if missing:
         raise bad(f"missing {', '.join(missing)}")
     if not (isinstance(m["version"], str) and NAME_RE.fullmatch(m["version"])):
-        raise bad(f"version is {show(m['version'])}, expected a plain name (letters, digits, . _ -)")
+        raise bad(f"version is {shown(m['version'])}, expected a plain name (letters, digits, . _ -)")
     if not num(m["created"]) or not isinstance(m["created_utc"], str):
-        raise bad(f"created {show(m['created'])} / created_utc {show(m['created_utc'])}: expected a unix time "
+        raise bad(f"created {shown(m['created'])} / created_utc {shown(m['created_utc'])}: expected a unix time "
                   "and a string")
     fmt = m["format"]
     if isinstance(fmt, str) and fmt not in FORMATS and NAME_RE.fullmatch(fmt):  # a format added after this version
         raise ArtifactError(f"{where}: format {fmt!r} is not one this streamrec reads ({', '.join(FORMATS)}); {_NEWER}")
     if not isinstance(fmt, str) or fmt not in FORMATS:
-        raise bad(f"format is {show(fmt)}, expected one of {', '.join(FORMATS)}")
+        raise bad(f"format is {shown(fmt)}, expected one of {', '.join(FORMATS)}")
     for key in ("model", "hot_set"):
         if not isinstance(m[key], dict):
-            raise bad(f"{key} is {show(m[key])}, expected an object")
+            raise bad(f"{key} is {shown(m[key])}, expected an object")
     _check_source(m["source"], bad)
     _check_files(m["files"], fmt, bad)
     cfg = feature_config_from(m["feature_config"], where)
@@ -241,10 +241,10 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
           and isinstance(sc.get("mlp"), list) and all(type(x) is int and 1 <= x <= 1 << 20 for x in sc["mlp"])
           and num(sc.get("dropout")) and 0 <= sc["dropout"] < 1)
     if not ok:
-        raise bad(f"scorer is {show(sc)}, expected {{num_fields, dim, num_dense, mlp: [sizes], dropout}}")
+        raise bad(f"scorer is {shown(sc)}, expected {{num_fields, dim, num_dense, mlp: [sizes], dropout}}")
     layout = sc.get("input_layout", CANDIDATE_ROWS_LAYOUT)  # absent: a scorer from before the user-row layout
     if type(layout) is not int or layout not in SCORER_LAYOUTS:
-        raise ArtifactError(f"{where}: scorer input_layout {show(layout)}, this streamrec reads "
+        raise ArtifactError(f"{where}: scorer input_layout {shown(layout)}, this streamrec reads "
                             f"{', '.join(map(str, SCORER_LAYOUTS))}; "
                             f"{_NEWER if isinstance(layout, int) and layout > max(SCORER_LAYOUTS) else _REBUILD}")
     if layout == POOLING_GRAPH_LAYOUT and fmt not in ONNX_FORMATS:
@@ -269,20 +269,20 @@ def check_checkpoint(checkpoint: Any) -> FeatureConfig:
     cfg = feature_config_from(meta.get("feature_config"), where)
     ms = meta.get("model")
     if not isinstance(ms, dict) or "mlp" not in ms:
-        raise ArtifactError(f"{where}: meta.model is {show(ms)}, expected the model settings with mlp")
+        raise ArtifactError(f"{where}: meta.model is {shown(ms)}, expected the model settings with mlp")
     try:
         layers_ok = all(x >= 1 for x in parse_mlp(ms["mlp"]))
     except (ValueError, TypeError):
         layers_ok = False
     if not layers_ok or not num(ms.get("dropout", 0.0)):
-        raise ArtifactError(f"{where}: meta.model mlp {show(ms['mlp'])} / dropout {show(ms.get('dropout'))} "
+        raise ArtifactError(f"{where}: meta.model mlp {shown(ms['mlp'])} / dropout {shown(ms.get('dropout'))} "
                             "are not layer sizes and a rate")
     samples = meta.get("samples_trained")
     if not (type(samples) is int and samples >= 0):
-        raise ArtifactError(f"{where}: meta.samples_trained is {show(samples)}, expected an integer >= 0")
+        raise ArtifactError(f"{where}: meta.samples_trained is {shown(samples)}, expected an integer >= 0")
     delta_seq = meta.get("delta_seq")
     if delta_seq is not None and not (type(delta_seq) is int and delta_seq >= 0):
-        raise ArtifactError(f"{where}: meta.delta_seq is {show(delta_seq)}, expected an integer >= 0 or null")
+        raise ArtifactError(f"{where}: meta.delta_seq is {shown(delta_seq)}, expected an integer >= 0 or null")
     state = checkpoint.get("model")
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ArtifactError(f"{where}: model is not a state dict of tensors")
@@ -319,7 +319,7 @@ def _check_dense_state(where: str, cfg: FeatureConfig, ms: Mapping[str, Any],
         parts = ([f"missing {', '.join(missing[:5])}"] if missing else []) + \
                 ([f"unexpected {', '.join(extra[:5])}"] if extra else []) + \
                 [f"{k} is {have[k]}, expected {want[k]}" for k in reshaped[:5]]
-        raise ArtifactError(f"{where}: its dense weights do not match its model settings (mlp {show(ms['mlp'])}, "
+        raise ArtifactError(f"{where}: its dense weights do not match its model settings (mlp {shown(ms['mlp'])}, "
                             f"{cfg.num_fields} fields, dim {cfg.embedding_dim}, {len(cfg.dense)} dense): "
                             f"{'; '.join(parts)}")
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stream.errors import BadMessage, StreamrecError
+from stream.errors import BadMessage, StreamrecError, shown
 from stream.events import count_keys, reject_duplicate_keys
 from stream.files import open_regular
 
@@ -64,11 +64,6 @@ def is_version_name(name: str) -> bool:
 
 def num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def show(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 _TIME_NAME_RE = re.compile(r"\d{8}T\d{9}Z")  # new_version_name's form
@@ -180,7 +175,7 @@ def version_path(root: Path, name: str) -> Path:
     """``<root>/versions/<name>``, checked: ArtifactError when ``name`` is not a version name or the entry
     resolves outside ``<root>/versions`` (a symlink). It need not exist."""
     if not (isinstance(name, str) and is_version_name(name)):
-        raise ArtifactError(f"{show(name)} is not a version name (letters, digits, . _ -): refused")
+        raise ArtifactError(f"{shown(name)} is not a version name (letters, digits, . _ -): refused")
     path = versions_dir(root) / name
     resolve_inside(path, versions_dir(root), f"a version must be a directory in {versions_dir(root)}")
     return path
@@ -202,7 +197,7 @@ def current_version(root: Path) -> str | None:
     if name == "":
         return None
     if name is None or len(raw) > _MAX_POINTER or not NAME_RE.fullmatch(name):
-        raise ArtifactError(f"{path} holds {show(raw[:60])}, not a version name: it was not written by "
+        raise ArtifactError(f"{path} holds {shown(raw[:60])}, not a version name: it was not written by "
                             "`streamrec refresh`; publish again with `streamrec refresh --now` or write a version "
                             f"from {versions_dir(root)} into it")
     return name
@@ -256,7 +251,7 @@ def read_pin(root: Path) -> Pin | None:
                or (isinstance(d["rolled_back_from"], str) and NAME_RE.fullmatch(d["rolled_back_from"])))
           and (d.get("at") is None or num(d["at"])))
     if not ok or len(raw) > _MAX_POINTER:
-        return Pin(None, None, None, f"{path} holds {show(raw[:60])}, not a rollback pin{why}; deltas stay paused "
+        return Pin(None, None, None, f"{path} holds {shown(raw[:60])}, not a rollback pin{why}; deltas stay paused "
                    "and scheduled refreshes do not publish until an operator publishes (`streamrec refresh --now`)")
     return Pin(d["version"], d.get("rolled_back_from"), d.get("at"))
 
