@@ -126,7 +126,7 @@ def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path, previous:
         client = _redis(rds, rs)
         try:
             keep = set(artifact_versions.list_versions(root)) | ({previous} if previous else set())
-            for version in sorted(stored_versions.stored_versions(client, rds.prefix, owner=_owner(rs)) - keep):
+            for version in sorted(stored_versions.version_names(client, rds.prefix, owner=_owner(rs)) - keep):
                 n = stored_versions.delete_version(client, rds.prefix, version)
                 log.info("refresh: deleted %d embedding store keys of pruned version %s", n, version)
         finally:

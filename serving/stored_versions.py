@@ -148,7 +148,7 @@ def decode_meta(key: str, raw: bytes | None) -> dict[str, Any] | None:
     return meta
 
 
-def stored_versions(client: Any, prefix: str, owner: str | None = None) -> set[str]:
+def version_names(client: Any, prefix: str, owner: str | None = None) -> set[str]:
     """Versions whose meta is in the store (with ``owner``: only those that owner wrote)."""
     start, end = f"{prefix}:emb:", ":meta"
     out = set()

@@ -365,7 +365,7 @@ def test_a_layered_refresh_writes_rows_before_publishing_and_deletes_a_pruned_ve
     from cache_refresh.settings import RefreshSettings
     from learner import checkpoint as ckpt_io
     from learner.artifact_versions import read_current
-    from serving.stored_versions import read_meta, stored_versions
+    from serving.stored_versions import read_meta, version_names
 
     ck = checkpoint()
     meta = {**ck["meta"], "steps": 1, "metrics": {}, "topic": "samples"}
@@ -394,13 +394,13 @@ def test_a_layered_refresh_writes_rows_before_publishing_and_deletes_a_pruned_ve
     second = job.run_once(rs, kafka, rds)  # keep_versions=1: the first version's files are pruned ...
     assert read_current(rs.publish_root).name == second["version"] != first["version"]
     # ... but its rows stay while rankers may still serve it (it was live until this publish)
-    assert stored_versions(redis_client, prefix) == {first["version"], second["version"], "other"}
+    assert version_names(redis_client, prefix) == {first["version"], second["version"], "other"}
     redis_client.set(overlay_keys(prefix, first["version"], np.array([1]))[0], b"a delta row serving wrote")
     time.sleep(0.01)
     ckpt_io.save(ckpt_dir, state, {**meta, "samples_trained": 30})
     third = job.run_once(rs, kafka, rds)  # now the first version is neither kept nor the one live before
     assert read_current(rs.publish_root).name == third["version"]
-    assert stored_versions(redis_client, prefix) == {second["version"], third["version"], "other"}  # another
+    assert version_names(redis_client, prefix) == {second["version"], third["version"], "other"}  # another
     assert not list(redis_client.scan_iter(match=f"{prefix}:emb:{first['version']}:*"))  # root's version stays
     # (and the first version's delta overlay went with its rows)
 
@@ -408,7 +408,7 @@ def test_a_layered_refresh_writes_rows_before_publishing_and_deletes_a_pruned_ve
 # -- Redis Cluster (the redis_cluster fixture: tests/redis_cluster.py) -------------------------------------------
 def test_layered_scores_equal_in_process_scores_on_a_redis_cluster(redis_cluster: str, prefix: str,
                                                                    tmp_path: Path) -> None:
-    from serving.stored_versions import delete_version, stored_versions
+    from serving.stored_versions import delete_version, version_names
     from stream.redis_client import connect
 
     rds = RedisSettings(url=redis_cluster, prefix=prefix, cluster=True)
@@ -426,7 +426,7 @@ def test_layered_scores_equal_in_process_scores_on_a_redis_cluster(redis_cluster
         for req in some_requests(10):
             assert torch.equal(score(in_process, req), score(layered, req))
         assert store.last_error is None and layered.cold_lookups > 0
-        assert stored_versions(writer, prefix) == {"v1"}
+        assert version_names(writer, prefix) == {"v1"}
         delete_version(writer, prefix, "v1")
         assert sum(n.redis_connection.dbsize() for n in writer.get_primaries()) == 0
     finally:
@@ -597,7 +597,7 @@ def test_pruning_skips_a_garbage_meta_of_another_writer_and_still_deletes_its_ow
     # a hand-set key) must not raise out of the prune, nor stop it deleting this root's pruned versions.
     from cache_refresh import stored_rows
     from cache_refresh.settings import RefreshSettings
-    from serving.stored_versions import stored_versions
+    from serving.stored_versions import version_names
 
     rs = RefreshSettings(publish_root=tmp_path / "serving", embedding_store=EmbeddingStore.LAYERED)
     rds = RedisSettings(url=stack.redis_url, prefix=prefix)
@@ -607,7 +607,7 @@ def test_pruning_skips_a_garbage_meta_of_another_writer_and_still_deletes_its_ow
     redis_client.set(f"{prefix}:emb:list:meta", b"[1]")
     stored_rows._prune_stored(rs, rds, tmp_path / "serving", None)  # no exception
     assert not list(redis_client.scan_iter(match=f"{prefix}:emb:old:*"))
-    assert stored_versions(redis_client, prefix) == {"junk", "list"}  # not ours: left alone
+    assert version_names(redis_client, prefix) == {"junk", "list"}  # not ours: left alone
 
 
 def test_a_meta_key_of_another_redis_type_is_refused_at_load_not_taken_for_redis_down(
@@ -627,7 +627,7 @@ def test_keys_of_another_redis_type_under_the_prefix_stop_neither_pruning_nor_th
     from cache_refresh import stored_rows
     from cache_refresh.settings import RefreshSettings
     from serving.row_codec import writer_key
-    from serving.stored_versions import stored_versions, unfinished_versions
+    from serving.stored_versions import unfinished_versions, version_names
 
     rs = RefreshSettings(publish_root=tmp_path / "serving", embedding_store=EmbeddingStore.LAYERED)
     rds = RedisSettings(url=stack.redis_url, prefix=prefix)
@@ -638,7 +638,7 @@ def test_keys_of_another_redis_type_under_the_prefix_stop_neither_pruning_nor_th
     redis_client.hset(writer_key(prefix, "hash"), "a", "b")  # a writer marker beside the hash meta
     stored_rows._prune_stored(rs, rds, tmp_path / "serving", None)
     assert not list(redis_client.scan_iter(match=f"{prefix}:emb:old:*"))
-    assert stored_versions(redis_client, prefix) == {"hash"}  # not ours: left alone
+    assert version_names(redis_client, prefix) == {"hash"}  # not ours: left alone
     assert unfinished_versions(redis_client, prefix, stored_rows._owner(rs)) == set()
 
 
@@ -1107,7 +1107,7 @@ def test_a_layered_refresh_that_does_not_publish_leaves_no_rows_of_its_version_i
     from cache_refresh.settings import RefreshSettings
     from learner import artifact_versions
     from learner import checkpoint as ckpt_io
-    from serving.stored_versions import stored_versions
+    from serving.stored_versions import version_names
 
     ck = checkpoint()
     meta = {**ck["meta"], "steps": 1, "metrics": {}, "topic": "samples"}
@@ -1127,7 +1127,7 @@ def test_a_layered_refresh_that_does_not_publish_leaves_no_rows_of_its_version_i
                                                                      "at": 0}))
     held = job.scheduled_run(rs, kafka, rds)
     assert held is not None and held["published"] is False and held["built"] != live
-    assert keys() == {live} and stored_versions(redis_client, prefix) == {live}
+    assert keys() == {live} and version_names(redis_client, prefix) == {live}
 
     def disk_full(*args: Any, **kwargs: Any) -> Path:
         raise artifact_versions.ArtifactError("could not make it current: the file system is full (injected)")
@@ -1195,17 +1195,17 @@ def test_glob_characters_in_a_prefix_or_a_version_delete_and_list_only_their_own
         redis_client: redis.Redis, prefix: str) -> None:
     """SCAN's MATCH is a glob: a prefix "p?" or a stray version key named "*" (not written by a refresh) matched other
     prefixes' and versions' keys, so pruning them deleted rows another deployment, or the live version, serves."""
-    from serving.stored_versions import delete_version, stored_versions, unfinished_versions
+    from serving.stored_versions import delete_version, unfinished_versions, version_names
 
     rows = np.zeros((3, 5), np.float32)
     ours, theirs = f"{prefix}?", f"{prefix}x"  # "p?" is a legal prefix, and matched "px"
     write_version(redis_client, theirs, "v1", rows, np.arange(3), RowDtype.FLOAT32, owner="/root")
     write_version(redis_client, ours, "v1", rows, np.arange(3), RowDtype.FLOAT32, owner="/root")
     redis_client.set(f"{theirs}:emb:v2:writer", b'{"owner": "/root"}')  # theirs: unfinished, not ours
-    assert stored_versions(redis_client, ours) == {"v1"} and unfinished_versions(redis_client, ours, "/root") == set()
+    assert version_names(redis_client, ours) == {"v1"} and unfinished_versions(redis_client, ours, "/root") == set()
     assert delete_version(redis_client, ours, "v1") == 5  # meta, 3 rows, writer marker: its own
     write_version(redis_client, theirs, "*", rows, np.arange(3), RowDtype.FLOAT32, owner="/root")
-    assert stored_versions(redis_client, theirs, owner="/root") == {"v1", "*"}
+    assert version_names(redis_client, theirs, owner="/root") == {"v1", "*"}
     assert delete_version(redis_client, theirs, "*") == 5  # the version literally named "*": not v1
     assert len(list(redis_client.scan_iter(match=f"{theirs}:emb:v1:r:*"))) == 3
     assert redis_client.get(f"{theirs}:emb:v1:meta") is not None
