@@ -38,7 +38,7 @@ from typing import Any
 
 from stream.errors import BadMessage, StreamrecError, shown
 from stream.events import count_keys, reject_duplicate_keys
-from stream.files import open_regular
+from stream.files import OutsideDirectory, open_regular, resolved_entry
 
 __all__ = ["CURRENT", "PIN", "STAGING", "VERSIONS", "ArtifactError", "Pin", "current_version", "is_version_name",
            "list_versions", "new_version_name", "pin_holding", "read_current", "read_pin", "version_path",
@@ -136,13 +136,12 @@ def resolve_inside(path: Path, parent: Path, what: str) -> Path:
     """``path`` with every symlink resolved; ArtifactError unless that is an entry directly inside ``parent``
     (resolved too: a publish root that is itself a symlink is fine)."""
     try:
-        target, home = Path(path).resolve(), Path(parent).resolve()
-    except (OSError, RuntimeError) as exc:  # a symlink loop
-        raise ArtifactError(f"{path} cannot be resolved ({exc}): {what}; refused") from None
-    if target.parent != home:
-        raise ArtifactError(f"{path} resolves to {target}, outside {home} (a symlink or a path leaving it): {what}; "
-                            "refused. Publish with `streamrec refresh --now`, which writes plain directories and files")
-    return target
+        return resolved_entry(path, parent)
+    except OutsideDirectory as exc:
+        if exc.target is None:  # a symlink loop
+            raise ArtifactError(f"{path} cannot be resolved ({exc}): {what}; refused") from None
+        raise ArtifactError(f"{exc} (a symlink or a path leaving it): {what}; refused. Publish with `streamrec "
+                            "refresh --now`, which writes plain directories and files") from None
 
 
 def check_version_dir(version_dir: Path) -> Path:

@@ -126,7 +126,7 @@ import torch
 
 from learner.tensorpack import PackError, SignatureError, SigningKey, is_signed, pack, unpack
 from stream.errors import StreamrecError
-from stream.files import MAX_STATE_FILE_BYTES, open_entry, read_regular
+from stream.files import MAX_STATE_FILE_BYTES, OutsideDirectory, open_entry, read_regular, resolved_entry
 
 log = logging.getLogger("streamrec.deltas")
 
@@ -380,14 +380,12 @@ def _check_inside(path: Path) -> Path:
     """What ``path`` resolves to; DeltaError when it is a symlink (or lies under one) resolving outside its own
     directory, or a symlink loop."""
     try:
-        directory = path.parent.resolve()
-        target = path.resolve()
-    except RuntimeError as exc:  # a symlink loop (pathlib's resolve)
-        raise DeltaError(f"delta {path}: {exc}; refused unread") from None
-    if target.parent != directory:
-        raise DeltaError(f"delta {path}: resolves to {target}, outside the deltas directory {directory} (a symlink): "
-                         "refused unread; deltas are plain files written there by the learner")
-    return target
+        return resolved_entry(path, path.parent)
+    except OutsideDirectory as exc:
+        if exc.target is None:  # a symlink loop
+            raise DeltaError(f"delta {path}: {exc}; refused unread") from None
+        raise DeltaError(f"delta {path}: resolves to {exc.target}, outside the deltas directory {exc.home} (a "
+                         "symlink): refused unread; deltas are plain files written there by the learner") from None
 
 
 def _open_inside(path: Path) -> int:

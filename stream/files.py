@@ -191,6 +191,28 @@ def open_entry(dir_fd: int, name: str) -> int:
     return os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
 
 
+class OutsideDirectory(OSError):
+    """:func:`resolved_entry`: the path resolves elsewhere than an entry of its directory (``target``: where it
+    resolves, ``home``: the directory resolved), or cannot be resolved (a symlink loop: ``target`` None)."""
+
+    def __init__(self, message: str, target: Path | None, home: Path | None) -> None:
+        super().__init__(message)
+        self.target, self.home = target, home
+
+
+def resolved_entry(path: Path, parent: Path) -> Path:
+    """What ``path`` resolves to, every symlink followed, checked to be an entry directly inside ``parent`` (resolved
+    too: a parent that is itself a symlink is fine); :class:`OutsideDirectory` otherwise. The one check of "a symlink
+    or a path leaving the directory" that the artifact versions and the deltas both make before reading."""
+    try:
+        target, home = Path(path).resolve(), Path(parent).resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop (pathlib raises either, by version)
+        raise OutsideDirectory(str(exc), None, None) from None
+    if target.parent != home:
+        raise OutsideDirectory(f"{path} resolves to {target}, outside {home}", target, home)
+    return target
+
+
 class NotRegularFile(OSError):
     """:func:`open_regular` found something else than a regular file (a FIFO, a device, a directory, a socket)."""
 
