@@ -15,9 +15,9 @@ from stream.joiner.backpressure import IMPRESSIONS, PAUSED
 from stream.metrics import DLQ_MESSAGES, EVENTS
 
 if TYPE_CHECKING:
-    from stream.joiner.engine import BatchResult, PartitionJoin
+    from stream.joiner.engine import PartitionJoin
 
-__all__ = ["ASSIGN_RETRIES", "DLQ_MESSAGES", "forget", "held", "record"]
+__all__ = ["ASSIGN_RETRIES", "BATCHES_FAILED", "DLQ_MESSAGES", "counted", "forget", "gauges", "held"]
 
 SAMPLES = PCounter("streamrec_join_samples_total", "Samples written, by label.", ["label"])
 CLICKS = PCounter("streamrec_join_clicks_total", "Clicks by outcome (joined, late, orphan, duplicate, "
@@ -40,6 +40,13 @@ SNAPSHOTS = PCounter("streamrec_join_state_snapshots_total", "State chunks writt
                      "stands still (an input stalled) compacting over and over.")
 LIVE_CHUNKS = Gauge("streamrec_join_state_live_chunks", "Chunks of the join state log not retired (tombstoned) yet, "
                     "per partition: what a restore of the partition reads. Compaction keeps it bounded.", ["partition"])
+
+BATCHES_FAILED = PCounter("streamrec_join_batches_failed_total", "Tries of a batch that failed before its state was "
+                          "durable (an outage, a producer error: the worker rewinds and does the batch again from its "
+                          "input, or stops). What such a try counted is dropped: the other streamrec_join_* counters "
+                          "and streamrec_events_total{stage=\"join\"} count each batch once, when it is durable "
+                          "(stream/joiner/totals.py). streamrec_dlq_messages_total counts dead letters sent, a retry's "
+                          "again.")
 
 ASSIGN_RETRIES = PCounter("streamrec_join_assign_retries_total", "Times the kafka driver could not read the partition "
                           "layout or the start positions (the group's committed offsets) of partitions assigned to it "
@@ -80,17 +87,25 @@ def forget(partitions: Iterable[int]) -> None:
                 gauge.remove(*values)
 
 
-def record(res: BatchResult, positives: int, engines: dict[int, PartitionJoin], totals: Counter[str]) -> None:
-    s = res.stats
-    EVENTS.labels("join", "impressions").inc(s["impressions"])
-    EVENTS.labels("join", "clicks").inc(s["clicks"])
-    SAMPLES.labels("1").inc(positives)
-    SAMPLES.labels("0").inc(len(res.samples) - positives)
+def counted(done: Counter[str], totals: Counter[str]) -> None:
+    """A durable batch's counts (``JoinTotals.batch_done``: what it staged, once, whatever tries failed before it) added
+    to the counters; the click coverage from the run's totals."""
+    EVENTS.labels("join", "impressions").inc(done["impressions"])
+    EVENTS.labels("join", "clicks").inc(done["clicks"])
+    SAMPLES.labels("1").inc(done["positives"])
+    SAMPLES.labels("0").inc(done["samples"] - done["positives"])
     for outcome in ("joined", "late", "orphan", "duplicate", "before_impression"):
-        if s[f"{outcome}_clicks"]:
-            CLICKS.labels(outcome).inc(s[f"{outcome}_clicks"])
+        if done[f"{outcome}_clicks"]:
+            CLICKS.labels(outcome).inc(done[f"{outcome}_clicks"])
+    if done["snapshots"]:
+        SNAPSHOTS.inc(done["snapshots"])
     if totals["clicks"]:
         COVERAGE.set(totals["joined_clicks"] / totals["clicks"])
+
+
+def gauges(engines: dict[int, PartitionJoin], totals: Counter[str]) -> None:
+    """The gauges after a partition's join, live (a failed batch's engines are dropped and restored, and these set
+    again): pending impressions, and per partition its watermark, oldest pending age and live state chunks."""
     PENDING.set(totals["pending_impressions"])
     for p, eng in engines.items():
         if eng.watermark is not None:

@@ -34,7 +34,8 @@ much counting; a batch's exception in either driver writes them before the exit)
 that finds it, and its counts stay for the next flush, which retries it as it was under its write id before writing
 what came since: a write whose reply was lost after Redis ran it is counted once (``stream/counts.py``, "Retries";
 ``stream/joiner/day_counts.py``). A batch's own counts join that buffer only once its state is durable: a failed
-batch is done again, and is counted once.
+batch is done again, and is counted once. So do its counts in the summary and the ``streamrec_join_*`` counters
+(``stream/joiner/totals.py``; the failed tries in ``batches_failed``).
 
 Message size: at start the pipeline learns what each topic it writes to takes (``kafka_limits.message_limits``: the
 topic's ``max.message.bytes`` by DescribeConfigs, the producer's ``message.max.bytes``, the smaller): samples, state,
@@ -670,7 +671,8 @@ class JoinPipeline:
         only = {(r.topic, r.partition) for r in records} if self.strikes.counts else None
         before = {tp: h.snapshot() for tp, h in self._held_groups.items()}
         try:
-            self._join(records, behind, only)
+            with self._batch():  # its counts count once it is durable
+                self._join(records, behind, only)
         except Exception as exc:
             held = [r for tp, h in self._held_groups.items() if tp in before and (only is None or tp in only)
                     for r in h.records[before[tp][1]:before[tp][0]]]  # held before this run, joined with it
@@ -785,10 +787,10 @@ class JoinPipeline:
             for r, event in zip(recs, events, strict=True):
                 if isinstance(event, BadMessage):
                     if r.offset <= applied:
-                        self.totals.counts["redelivered"] += 1
+                        self.totals.batch["redelivered"] += 1
                         continue
                     self.dead_letters.send(r.topic, r.key, r.value, event, r.partition, r.offset, kept_headers(r))
-                    self.totals.counts["dead_lettered"] += 1
+                    self.totals.batch["dead_lettered"] += 1
                 else:
                     into.append((r.offset, event))  # type: ignore[arg-type]
         self.totals.stage_s["decode"] += time.monotonic() - t0
@@ -827,7 +829,7 @@ class JoinPipeline:
             room = len(h.ts) if limit is None else engine.within(_ENGINE_INPUT[key[0]], h.ts, limit)
             if key[0] == CLICKS and behind(IMPRESSIONS, tp[1]):  # never past the waiting cap while impressions come
                 capped = self._within_cap(engine, h, room)
-                self.totals.counts["clicks_held_at_cap"] += room - capped  # held by the cap, not by time
+                self.totals.batch["clicks_held_at_cap"] += room - capped  # held by the cap, not by time
                 room = capped
             if room >= len(h.ts):  # nothing past the frontier: all of it, bad records after the last good one too
                 cut = len(h)
@@ -835,7 +837,7 @@ class JoinPipeline:
                 cut = room if h.clean else nth_good(h.events[h.lo:], room)
             if cut:
                 groups[tp] = h.take(cut)
-            self.totals.counts["held_back"] += len(h)
+            self.totals.batch["held_back"] += len(h)
         return groups
 
     @staticmethod
@@ -855,7 +857,8 @@ class JoinPipeline:
     def drain(self) -> None:
         """End of input: expire every pending impression of the partitions this worker holds."""
         self._batch_records = {}
-        self._commit_state(self._apply_all([(p, [], []) for p in sorted(self.engines)], drain=True))
+        with self._batch():
+            self._commit_state(self._apply_all([(p, [], []) for p in sorted(self.engines)], drain=True))
 
     def _apply_all(self, batches: list[tuple[int, list[tuple[int, Impression]], list[tuple[int, Click]]]],
                    drain: bool = False, handled: dict[int, list[int]] | None = None
@@ -943,8 +946,8 @@ class JoinPipeline:
                 f"{limit.source}); not joined (clicks on it are reported as orphans): lower the [limits] on context "
                 f"size or {raise_limit(self.state_topic, limit)}", kind="too_large")
             self.dead_letters.send(r.topic, r.key, r.value, err, r.partition, r.offset, kept_headers(r))
-            self.totals.counts["dead_lettered"] += 1
-            self.totals.counts["state_too_large"] += 1
+            self.totals.batch["dead_lettered"] += 1
+            self.totals.batch["state_too_large"] += 1
         return [pair for pair in imps if pair[0] not in gone]
 
     @contextmanager
@@ -1055,7 +1058,7 @@ class JoinPipeline:
                          f"limit {limit.bytes} bytes, {limit.source}): {raise_limit(late, limit)}, or lower [limits] "
                          "max_str_len", kind="too_large")
         self.dead_letters.send(late, impression_id, value, err, partition)
-        self.totals.counts["late_clicks_too_large"] += 1
+        self.totals.batch["late_clicks_too_large"] += 1
 
     def _too_large(self, rows: list[Sample], value: bytes, partition: int, watermark: int | None) -> None:
         """One sample alone is bigger than a samples message may be: dead-lettered, never a producer error. Its dead
@@ -1071,7 +1074,7 @@ class JoinPipeline:
                          kind="too_large")
         self.dead_letters.send(self.kafka.samples_topic, rows[0].pending.impression_id, value, err, partition,
                                headers=[watermark_header(watermark)])
-        self.totals.counts["samples_too_large"] += 1
+        self.totals.batch["samples_too_large"] += 1
 
     def _commit_state(self, done: tuple[dict[int, BatchResult], dict[int, list[bytes]]]) -> None:
         """``done``: :meth:`_apply_all`'s results and their state chunks, encoded."""
@@ -1079,6 +1082,21 @@ class JoinPipeline:
         with self._sized():
             self._write_state(*done)
         self.day_counts.batch_done()
+        m.counted(self.totals.batch_done(), self.totals.counts)  # the batch's counts, once: it is durable
+
+    @contextmanager
+    def _batch(self) -> Iterator[None]:
+        """One batch (a join, or the drain): the counts it stages are counted once it is durable
+        (:meth:`_commit_state`), and dropped where it fails before (``stream/joiner/totals.py``): a failed batch is done
+        again from its input, and its first try's impressions, samples, dead letters, ... were counted again with the
+        retry's. The failed try is counted (``batches_failed``, ``streamrec_join_batches_failed_total``)."""
+        self.totals.begin_batch()
+        try:
+            yield
+        except BaseException:
+            self.totals.batch_failed()
+            m.BATCHES_FAILED.inc()
+            raise
 
     def _write_state(self, results: dict[int, BatchResult], encoded: dict[int, list[bytes]]) -> None:
         t0 = time.monotonic()
@@ -1102,8 +1120,7 @@ class JoinPipeline:
             # is acknowledged (a flush raises at a failed one). Sent together, an idempotent producer that drops a
             # failed message and goes on could land the tombstones without it, and the restore lost the state.
             self.producer.flush()
-            self.totals.counts["snapshots"] += len(replaced)
-            m.SNAPSHOTS.inc(len(replaced))
+            self.totals.batch["snapshots"] += len(replaced)
             for partition, seqs in replaced:
                 self._tombstone(partition, seqs)
         t2 = time.monotonic()
@@ -1118,14 +1135,15 @@ class JoinPipeline:
                 self.producer.send(self.state_topic, None, chunk_key(partition, seq, part), partition=partition)
 
     def _account(self, res: BatchResult) -> None:
-        c = self.totals.counts
+        """A partition's join counted for its batch (staged until the batch is durable: ``JoinTotals.batch``); the
+        gauges set now."""
+        c = self.totals.batch
         c.update(res.stats)
-        positives = sum(map(_LABEL, res.samples))  # C-level passes: one per sample of the batch
         c["samples"] += len(res.samples)
-        c["positives"] += positives
+        c["positives"] += sum(map(_LABEL, res.samples))  # C-level passes: one per sample of the batch
         c["delayed_positives"] += list(map(_KIND, res.samples)).count(DELAYED_POSITIVE)
-        c["pending_impressions"] = sum(len(e.pending) for e in self.engines.values())
-        m.record(res, positives, self.engines, c)
+        self.totals.counts["pending_impressions"] = sum(len(e.pending) for e in self.engines.values())
+        m.gauges(self.engines, self.totals.counts)
 
     def _record_redis(self, res: BatchResult, imps: list[tuple[int, Impression]]) -> None:
         """History now (the next batch's impressions read it); counts aggregated for ``counts_flush_s``:

@@ -60,7 +60,7 @@ def test_clicks_past_the_caps_room_are_held_while_impressions_have_more_to_read(
     _hold_clicks(p, first=100, n=8)
     taken = _taken_clicks(p, impressions_behind=True)
     assert taken == [100, 101, 102]  # room for 3: each click may add one waiting id
-    assert p.totals.counts["clicks_held_at_cap"] == 5  # shown in the summary
+    assert p.totals.batch["clicks_held_at_cap"] == 5  # the batch's: in the summary once it is durable
     assert [r.offset for r in p._held_groups[(KAFKA.clicks_topic, 0)].held()[0]] == list(range(103, 108))
     # Joined, the engine stays within its cap: nothing is given up as overflow.
     res = p.engines[0].apply([], [(o, Click(f"late-{o}", o * S)) for o in taken])
@@ -118,7 +118,7 @@ def test_one_click_past_hope_frees_one_place_not_the_whole_cap() -> None:
     _past_hope(p)
     _hold_clicks(p, first=100, n=30)
     taken = _taken_clicks(p, impressions_behind=True)
-    assert taken == list(range(100, 110)) and p.totals.counts["clicks_held_at_cap"] == 20
+    assert taken == list(range(100, 110)) and p.totals.batch["clicks_held_at_cap"] == 20
     res = engine.apply([], [(o, Click(f"late-{o}", o * S)) for o in taken])
     assert [u.impression_id for u in res.unjoined] == ["early-0"] and len(engine.waiting) == CAP
 
@@ -145,7 +145,7 @@ def test_clicks_that_add_no_waiting_id_take_no_place_at_a_full_cap() -> None:
     p._held_groups_add([Record(KAFKA.clicks_topic, 0, 104, None, None)], [BadMessage("not json")])
     pairs += _hold(p, [(105, "new", 9), (106, "new", 10), (107, "other", 9)])
     assert _taken_clicks(p, impressions_behind=True) == [100, 101, 102, 103, 104, 105, 106]
-    assert p.totals.counts["clicks_held_at_cap"] == 1  # "other": it would be the eleventh waiting id
+    assert p.totals.batch["clicks_held_at_cap"] == 1  # "other": it would be the eleventh waiting id
     res = engine.apply([], [pair for pair in pairs if pair[0] < 107])
     assert len(engine.waiting) == CAP and res.stats["overflow_clicks"] == 0
     assert res.stats["joined_clicks"] == 2 and res.stats["late_clicks"] == 1
@@ -171,4 +171,4 @@ def test_clicks_redelivered_after_a_restart_take_no_place_at_a_full_cap() -> Non
     p = _pipeline(waiting=9)  # clicks 0..8 applied
     _hold(p, [(o, f"again-{o}", 100) for o in range(5, 9)] + [(9, "new", 100), (10, "other", 100)])
     assert _taken_clicks(p, impressions_behind=True) == [5, 6, 7, 8, 9]
-    assert p.totals.counts["clicks_held_at_cap"] == 1
+    assert p.totals.batch["clicks_held_at_cap"] == 1

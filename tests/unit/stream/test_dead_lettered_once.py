@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 import stream.joiner.kafka_driver as kafka_driver_module
 import stream.joiner.pipeline as pipeline_module
@@ -229,3 +230,53 @@ def test_bad_records_of_a_batch_that_failed_are_dead_lettered_by_its_retry_not_s
     assert sorted(log.dead) == sorted([(KAFKA.impressions_topic, 0, 1), (KAFKA.clicks_topic, 0, 1)])
     assert p.totals.summary()["redelivered_skipped"] == 0
     assert "a" in p.engines[0].pending
+
+
+_COUNTERS = [("streamrec_events_total", {"stage": "join", "topic": "impressions"}),
+             ("streamrec_events_total", {"stage": "join", "topic": "clicks"}),
+             ("streamrec_join_samples_total", {"label": "1"}), ("streamrec_join_samples_total", {"label": "0"}),
+             ("streamrec_join_clicks_total", {"outcome": "joined"}),
+             ("streamrec_join_clicks_total", {"outcome": "orphan"}),
+             ("streamrec_join_batches_failed_total", {})]
+_TIMES = ("elapsed_s", "max_rss_mb", "process_s", "events_per_s", "stage_s")  # time spent: a failed try's too
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch,
+             driver: Callable[[JoinPipeline, pytest.MonkeyPatch], Callable[[list[Record]], object]],
+             fail_first: bool) -> tuple[dict[str, Any], list[float]]:
+    """The summary's counts and the joiner's counters' increments of one worker that joins a batch (its first try
+    failing at the producer's flush, ``fail_first``: an outage, recovered in the process and done again) and drains."""
+    log = Log()  # a broker of its own: the run starts from no state
+    monkeypatch.setattr(state_log_module, "read_to_end", log.read_to_end)
+    monkeypatch.setattr(pipeline_module, "topic_identities", lambda kafka, topics, *_: {t: {} for t in topics})
+    before = [REGISTRY.get_sample_value(name, labels) or 0.0 for name, labels in _COUNTERS]
+    p = owner(log)
+    step = driver(p, monkeypatch)
+    batch = [imp(0, "a", T0), imp(1, "b", T0 + 2), bad(KAFKA.impressions_topic, 2), click(0, "a", T0 + 1),
+             click(1, "nobody", T0 + 3), bad(KAFKA.clicks_topic, 2)]
+    if fail_first:
+        log.lost = DeliveryFailed("the broker acknowledged nothing")
+        assert not step(batch)
+    assert step(batch)
+    p.drain()
+    after = [REGISTRY.get_sample_value(name, labels) or 0.0 for name, labels in _COUNTERS]
+    summary = {k: v for k, v in p.totals.summary().items() if k not in _TIMES}
+    return summary, [a - b for a, b in zip(after, before, strict=True)]
+
+
+@pytest.mark.parametrize("driver", [kafka_driver, faust_driver])
+def test_a_batch_that_failed_once_counts_in_the_summary_and_the_counters_as_the_same_batch_without_the_failure(
+        monkeypatch: pytest.MonkeyPatch,
+        driver: Callable[[JoinPipeline, pytest.MonkeyPatch], Callable[[list[Record]], object]]) -> None:
+    """Its first try joined the batch, sent its samples and dead letters, and failed at the flush before its state was
+    durable: what it counted (impressions, clicks, samples, dead letters, ...) is dropped, and the retry counts them
+    once. Counted at each try, the summary and the streamrec_join_* counters said twice what the samples topic held.
+    The failed try is counted apart: batches_failed, streamrec_join_batches_failed_total."""
+    clean, clean_counters = _counted(monkeypatch, driver, fail_first=False)
+    retried, retried_counters = _counted(monkeypatch, driver, fail_first=True)
+    assert (clean["impressions"], clean["clicks"], clean["dead_lettered"], clean["samples"]) == (2, 2, 2, 2)
+    assert clean_counters == [2, 2, 1, 1, 1, 1, 0]
+    tries = retried.pop("batches_failed", None), clean.pop("batches_failed", None)
+    assert retried == clean  # events, samples, dead_lettered, ...: once
+    assert retried_counters[:-1] == clean_counters[:-1]
+    assert tries == (1, 0) and retried_counters[-1] == 1

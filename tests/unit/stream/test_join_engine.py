@@ -232,9 +232,9 @@ def test_the_oldest_pending_impression_moves_on_as_windows_close_and_its_age_is_
     assert j.oldest_pending_ts() is None
     j.apply(f.imps(imp("a", 100), imp("b", 300)), f.clicks(Click("z", 50)))
     assert j.oldest_pending_ts() == 100
-    r = j.apply(f.imps(imp("c", 1200)), f.clicks(Click("y", 1250)))  # event time 1200: a's window (100 + W) closed
+    j.apply(f.imps(imp("c", 1200)), f.clicks(Click("y", 1250)))  # event time 1200: a's window (100 + W) closed
     assert "a" not in j.pending and j.oldest_pending_ts() == 300
-    m.record(r, 0, {7: j}, Counter())
+    m.gauges({7: j}, Counter())
     assert REGISTRY.get_sample_value("streamrec_join_oldest_pending_age_seconds", {"partition": "7"}) == 0.9
     j.apply([], [], drain=True)
     assert j.oldest_pending_ts() is None

@@ -20,7 +20,7 @@ from stream.config import KafkaSettings
 from stream.joiner import metrics as m
 from stream.joiner.backpressure import CLICKS
 from stream.joiner.config import JoinerSettings
-from stream.joiner.engine import BatchResult, JoinConfig, PartitionJoin
+from stream.joiner.engine import JoinConfig, PartitionJoin
 from stream.joiner.kafka_driver import KafkaJoinWorker
 from stream.joiner.pipeline import JoinPipeline
 from stream.joiner.totals import JoinTotals
@@ -50,7 +50,7 @@ def pipeline() -> JoinPipeline:
     p._held_groups, p._held_list, p.held_counts, p._reached, p._last_click, p._parts = {}, [], {}, {}, {}, {}
     p.started_over, p._ids_asked = set(), {}
     p.strikes = SimpleNamespace(forget=lambda partitions: None)  # type: ignore[assignment]
-    m.record(BatchResult(), 0, p.engines, Counter())
+    m.gauges(p.engines, Counter())
     return p
 
 

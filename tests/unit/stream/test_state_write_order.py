@@ -36,6 +36,7 @@ def _pipeline() -> tuple[JoinPipeline, Producer]:
     p = JoinPipeline.__new__(JoinPipeline)
     p.producer = producer = Producer()
     p.state_topic, p._parts, p.totals = "g-join-state", {(0, 1): 2, (0, 2): 1, (1, 7): 1}, JoinTotals()
+    p.day_counts = SimpleNamespace(batch_done=lambda: None)  # type: ignore[assignment]
     return p, producer
 
 
@@ -81,8 +82,8 @@ def test_a_stalled_partitions_compaction_counts_each_snapshot_written_and_its_li
     snapshots, most = 0, 0
     for imps, clicks in batches:
         res = j.apply(imps, clicks)
-        p._write_state({0: res}, {0: encode_chunk(res.chunk)} if res.chunk is not None else {})
-        m.record(res, 0, {0: j}, Counter())
+        p._commit_state(({0: res}, {0: encode_chunk(res.chunk)} if res.chunk is not None else {}))
+        m.gauges({0: j}, Counter())
         live = REGISTRY.get_sample_value("streamrec_join_state_live_chunks", {"partition": "0"})
         assert live == j.live_chunks == _live_in_log(producer.log)
         snapshots += res.chunk is not None and res.chunk.snapshot
@@ -97,6 +98,6 @@ def test_the_join_summary_says_how_many_snapshots_the_run_wrote() -> None:
     p, _ = _pipeline()
     snapshot = SimpleNamespace(chunk=SimpleNamespace(seq=3, snapshot=True), retired=[1, 2])
     plain = SimpleNamespace(chunk=SimpleNamespace(seq=8, snapshot=False), retired=[7])
-    p._write_state({0: snapshot, 1: plain}, {0: [b"part0", b"part1"], 1: [b"c"]})  # type: ignore[dict-item]
+    p._commit_state(({0: snapshot, 1: plain}, {0: [b"part0", b"part1"], 1: [b"c"]}))  # type: ignore[arg-type]
     summary = p.totals.summary()
     assert summary["snapshots"] == 1 and "\n  snapshots: 1\n" in kv_lines(summary)
