@@ -24,3 +24,40 @@ def put_back_signals(handlers: dict[int, Any]) -> None:
     for sig, handler in handlers.items():
         signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
     handlers.clear()
+
+
+class StopsTaken:
+    """SIGTERM and SIGINT taken for a command's work around a run that takes them for its own length (``streamrec
+    join``): the run put back the process's own as it returned, and a stop after (in the close's last flush, before the
+    summary) killed the process, no summary, where a stop in the run ends with it. Taken once: the first calls
+    ``on_stop`` (none: nothing to stop) and puts the process's own back, so a second is the process's own again
+    (SIGTERM's default ends it, SIGINT's raises KeyboardInterrupt). With ``on_stop``, taken from the start (the run's
+    take nests in it, its put-back puts this back: a stop before the run took them over stops it at once), without,
+    from the run's end; taken again there in any case (faust's event loop, closed, leaves them at their defaults)."""
+
+    def __init__(self, on_stop: Callable[[], None] | None) -> None:
+        self.on_stop = on_stop
+        self._handlers: dict[int, Any] = {}  # the process's own, put back by the first stop taken or at the end
+
+    def __enter__(self) -> StopsTaken:
+        if self.on_stop is not None:
+            self._take()
+        return self
+
+    def run(self, run: Callable[[], int]) -> int:
+        try:
+            return run()
+        finally:
+            self.on_stop = None
+            self._take()
+
+    def __exit__(self, *exc: object) -> None:
+        put_back_signals(self._handlers)
+
+    def _take(self) -> None:
+        take_stop_signals(self._handlers, self._taken)
+
+    def _taken(self, signum: int, frame: Any) -> None:
+        put_back_signals(self._handlers)
+        if self.on_stop is not None:
+            self.on_stop()

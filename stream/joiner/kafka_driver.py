@@ -507,6 +507,10 @@ class KafkaJoinWorker:
         return kept
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop the run (or, asked before it, end it at once): SIGTERM/SIGINT, or the caller's (``streamrec join``)."""
         self._stop = True
 
     @property

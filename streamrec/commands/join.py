@@ -11,6 +11,7 @@ from typing import Any
 from stream.config import RedisSettings
 from stream.errors import close_after_error
 from stream.joiner.config import Driver, EmissionPolicy, JoinerSettings
+from stream.stop_signals import StopsTaken
 from streamrec.commands.common import (
     add_common,
     add_kafka_flag,
@@ -20,6 +21,7 @@ from streamrec.commands.common import (
     kv_lines,
     setup_logging,
     sources,
+    start_metrics,
 )
 
 _d = functools.partial(default_help, JoinerSettings, "joiner")  # _d(key): "default: [joiner] key, else <built-in>"
@@ -68,7 +70,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
     from stream.joiner.pipeline import JoinPipeline
     from stream.limits import EventLimits
 
@@ -83,8 +84,6 @@ def run(args: argparse.Namespace) -> int:
                                "exit_when_idle_s": "--exit-when-idle", "drain_at_exit": "--drain"})
     setup_logging(args.log_level)
     if js.metrics_port is not None:
-        from streamrec.commands.common import start_metrics
-
         start_metrics(js.metrics_port, js.metrics_host,
                       "[joiner] metrics_port / metrics_host (--metrics-port / --metrics-host)")
     pipeline = JoinPipeline(kafka, redis_settings, js, src.build(EventLimits, "limits"))
@@ -99,14 +98,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"joining {kafka.impressions_topic} + {kafka.clicks_topic} -> {kafka.samples_topic} on "
           f"{kafka.bootstrap_servers} (group {js.app_id}, driver {js.driver}, window {js.attribution_window_s:g}s)",
           file=sys.stderr)
-    try:
-        code = worker.run()
-    except BaseException:  # a close that fails too (Redis away while flushing the counts) is logged, not raised
-        close_after_error(pipeline.close, "closing the joiner", logging.getLogger("streamrec.join"))
-        raise
-    pipeline.close()
-    summary = pipeline.totals.summary()
-    summary.update(group=js.app_id, driver=js.driver, records_acked=pipeline.producer.acked_total,
-                   input_pauses=dict(worker.gate.pauses), reason=worker.stop_reason)
-    emit(args, summary, lambda d: "join summary\n" + kv_lines(d))
+    with StopsTaken(worker.stop if js.driver is Driver.KAFKA else None) as stops:  # a stop after the run: summary
+        try:
+            code = stops.run(worker.run)
+        except BaseException:  # a close that fails too (Redis away while flushing the counts) is logged, not raised
+            close_after_error(pipeline.close, "closing the joiner", logging.getLogger("streamrec.join"))
+            raise
+        pipeline.close()
+        summary = pipeline.totals.summary()
+        summary.update(group=js.app_id, driver=js.driver, records_acked=pipeline.producer.acked_total,
+                       input_pauses=dict(worker.gate.pauses), reason=worker.stop_reason)
+        emit(args, summary, lambda d: "join summary\n" + kv_lines(d))
     return code
