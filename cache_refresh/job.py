@@ -53,8 +53,8 @@ from the publish root after the switch.
 gauge ahead of now and kept the staleness alert silent for as long. It counts as no record
 (:func:`~cache_refresh.run_records.read_last_success`).
 
-**Another training run.** A checkpoint's ``meta["lineage"]`` names its training run (``learner/checkpoint.py``). A
-publish whose checkpoint lineage differs from the live version's source lineage (both known) replaces the serving
+**Another training run.** A checkpoint's ``meta["lineage"]`` names its training run (``learner/checkpoint_lineage.py``).
+A publish whose checkpoint lineage differs from the live version's source lineage (both known) replaces the serving
 model with one of another training run (a learner started afresh, e.g. pointed at an empty checkpoint directory):
 maybe meant, maybe a large quality drop. It publishes (the samples-trained guard does not apply across lineages), and
 says so: a ``refresh_lineage_switched`` warning (labels ``from_lineage``, ``to_lineage``, ``replaced``), a log

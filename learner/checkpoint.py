@@ -58,7 +58,6 @@ import logging
 import re
 import tempfile
 import time
-import uuid
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -69,14 +68,13 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
+from learner.checkpoint_lineage import _LINEAGE_RE, LINEAGE, begin_lineage, continue_lineage, lineage
 from learner.config import ModelConfig, parse_mlp
 from learner.features import FeatureConfig
 from stream.errors import ConfigError, StreamrecError
 from stream.files import (
     MAX_STATE_FILE_BYTES,
-    FileTooLarge,
     NotDurable,
-    NotRegularFile,
     describe_os_error,
     leftover_writer_alive,
     open_regular,
@@ -87,13 +85,19 @@ from stream.files import (
 from stream.lock_file import LockHeld, hold_lock, release_lock
 from stream.samples import CTX_PREFIX
 
+__all__ = [
+    "FORMAT_VERSION", "LINEAGE", "LOCK", "DAMAGED", "REFUSED", "TYPED_FIELDS", "TOPIC_IDENTITY", "PRUNE_FAILURES",
+    "Checkpoint", "CheckpointError", "ExitCheckpointFailed", "WriteErrors", "begin_lineage", "check_directory",
+    "continue_lineage", "count", "exit_save_failed", "hold_directory", "latest_meta", "lineage", "list_checkpoints",
+    "load", "load_latest", "mistyped", "partition_counts", "release_directory", "remove_torn", "restore_latest",
+    "same_topic", "save", "set_aside", "state_counts", "topic_recorded", "torch_save", "upgrade",
+]
+
 log = logging.getLogger("streamrec.checkpoint")
 
 FORMAT_VERSION = 3
 _PREFIX = "ckpt-"
-LINEAGE = "LINEAGE"
 LOCK = "LOCK"  # held (flock) by the learner training into the directory: :func:`hold_directory`
-_LINEAGE_RE = re.compile(r"[0-9a-f]{32}")
 
 
 class CheckpointError(StreamrecError):
@@ -349,44 +353,6 @@ def release_directory(fd: int | None) -> None:
     release_lock(fd)
 
 
-def _read_lineage(path: Path) -> str:
-    """The text of a ``LINEAGE`` file, "" when there is none or it is no lineage file: undecodable, or not a regular
-    file or more than :data:`~stream.files.MAX_STATE_FILE_BYTES` (a FIFO there hung the learner's start; logged, and
-    the caller replaces it as it does a file holding no lineage id)."""
-    try:
-        return read_regular(path, MAX_STATE_FILE_BYTES, "a lineage file").decode("ascii").strip()
-    except (FileNotFoundError, UnicodeDecodeError):
-        return ""
-    except (NotRegularFile, FileTooLarge) as exc:
-        log.error("%s; it is taken as holding no lineage id", exc)
-        return ""
-
-
-def lineage(directory: Path) -> str:
-    """The lineage id of the checkpoints in ``directory`` (created, durably, when there is none yet)."""
-    directory = Path(directory)
-    path = directory / LINEAGE
-    text = _read_lineage(path)
-    if _LINEAGE_RE.fullmatch(text):
-        return text
-    if text:
-        log.error("%s holds %r, not a lineage id; starting a new lineage (serving applies this learner's deltas "
-                  "only to artifacts refreshed from now on)", path, text[:40])
-    return begin_lineage(directory)
-
-
-def begin_lineage(directory: Path) -> str:
-    """A new lineage id, made the directory's ``LINEAGE`` (durably): a learner that resumes no checkpoint trains a new
-    model, whatever ``LINEAGE`` an earlier training left there (its checkpoints moved away). Kept, it numbered the new
-    model's deltas past that training's ``DELTA_SEQ`` under its lineage, and serving applied an untrained model's rows
-    and dense weights to that training's artifact."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    new = uuid.uuid4().hex
-    write_atomic(directory / LINEAGE, new.encode())
-    return new
-
-
 class WriteErrors:
     """A binary file that remembers the first ``OSError`` its writes raised (torch.save swallows it: below); the
     rest of the file's methods are the file's (DCP's writer: ``learner/sharded_checkpoint.py``)."""
@@ -427,29 +393,6 @@ def torch_save(obj: object, fh: BinaryIO) -> None:
         if out.error is not None:
             raise out.error from exc
         raise
-
-
-def continue_lineage(directory: Path, meta: Mapping[str, Any], source: Path) -> str:
-    """The lineage of the checkpoint (``meta``, read from ``source``) a learner resumes from, made the directory's
-    (``LINEAGE``) if it is not. Both daemons call it before their delta writer reads ``LINEAGE`` (the sharded one on
-    rank 0, which alone writes deltas and checkpoint metadata).
-
-    The model is the checkpoint's training, so its next checkpoints and deltas are of that lineage. A checkpoint of
-    another lineage in the directory (a backup of another training restored into it, checkpoints copied to a new
-    volume without their ``LINEAGE``) was resumed under the directory's id: its deltas then carried the lineage of
-    the directory's earlier training, and serving applied them to that training's artifact, mixing the two models'
-    rows and dense weights. A checkpoint without a lineage (written before lineages) continues the directory's."""
-    theirs = meta.get("lineage")
-    if not (isinstance(theirs, str) and _LINEAGE_RE.fullmatch(theirs)):
-        return lineage(directory)
-    path = Path(directory) / LINEAGE
-    mine = _read_lineage(path)
-    if mine != theirs:
-        log.warning("resuming from %s of lineage %s in %s, whose %s was %r: the directory continues the "
-                    "checkpoint's lineage (deltas apply to artifacts of that training only)", source, theirs,
-                    directory, LINEAGE, mine[:40] or None)
-        write_atomic(path, theirs.encode())
-    return theirs
 
 
 def remove_torn(directory: Path) -> list[Path]:

@@ -16,7 +16,7 @@ rejected like every bad delta). A reader without a key reads signed and unsigned
     format           2
     seq              int, 1, 2, ... (continues across restarts after the largest seq its lineage ever used)
     samples_trained  the learner's sample count when it was written
-    lineage          the learner's checkpoint lineage (``learner/checkpoint.py``), or null when unknown
+    lineage          the learner's checkpoint lineage (``learner/checkpoint_lineage.py``), or null when unknown
     created          unix time, seconds
     rows             (R,) int64       every row of the fused table touched since the previous delta
     vectors          (R, D + 1) f32   their current values (embedding + first-order weight), absolute
@@ -167,7 +167,7 @@ class Delta:
     dense_state: dict[str, torch.Tensor]
     path: Path
     id_maps: dict[str, Any] | None = None  # RowMapper.state_dict() when this delta carries one
-    lineage: str | None = None  # the learner's checkpoint lineage (learner/checkpoint.py)
+    lineage: str | None = None  # the learner's checkpoint lineage (learner/checkpoint_lineage.py)
     signed: bool = False  # the file is a signed pack (checked against the key when the reader has one)
 
 

@@ -381,7 +381,7 @@ class ScoringModel:
 
     @property
     def lineage(self) -> str | None:
-        """The source checkpoint's lineage (``learner/checkpoint.py``); None for artifacts built without one."""
+        """The source checkpoint's lineage (``learner/checkpoint_lineage.py``); None for artifacts built without one."""
         return self.manifest["source"].get("lineage")
 
     @property

@@ -509,7 +509,8 @@ def test_a_checkpoint_of_another_lineage_resumed_in_a_directory_gives_its_lineag
         kafka: KafkaSettings, tmp_path: Path) -> None:
     """A backup of training B restored into training A's directory (or checkpoints moved to a new volume without
     their LINEAGE): the resumed model is B's, so its checkpoints and deltas are of B's lineage. They carried A's,
-    and serving applied B's rows and dense weights to A's artifact (learner/checkpoint.py ``continue_lineage``)."""
+    and serving applied B's rows and dense weights to A's artifact
+    (learner/checkpoint_lineage.py ``continue_lineage``)."""
     import shutil
 
     from learner import checkpoint as ck
