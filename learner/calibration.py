@@ -66,7 +66,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from learner.checkpoint import state_counts
+from learner.checkpoint_format import state_counts
 from learner.event_clock import EventClock, FirstTime, integer_times, load_times
 from stream.errors import shown
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
-from learner.checkpoint import state_counts
+from learner.checkpoint_format import state_counts
 from learner.event_clock import EventClock, FirstTime, load_times
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 
@@ -160,9 +160,9 @@ class DelayedFeedbackWeights:
         unknown elapsed time: the first ``OBSERVED`` 0 starts them again, as a change of elapsed time does (a
         fake_negative run's counts, every click late, held a resumed es_dfm stream's share at ~1).
 
-        Counts that no stream counts (:func:`~learner.checkpoint.state_counts`) are a ValueError naming the value: a
-        damaged checkpoint (the restore uses the previous one). Loaded, ``positives = -prior_weight`` divided by zero
-        in :attr:`late_share` on every batch, and each batch's messages were struck for it."""
+        Counts that no stream counts (:func:`~learner.checkpoint_format.state_counts`) are a ValueError naming the
+        value: a damaged checkpoint (the restore uses the previous one). Loaded, ``positives = -prior_weight`` divided
+        by zero in :attr:`late_share` on every batch, and each batch's messages were struck for it."""
         c = {"positives": 0, "delayed": 0,
              **{k: d[k] for k in ("positives", "delayed", "elapsed_ms") if d.get(k) is not None}}
         state_counts("delayed feedback state (delayed_weights)", c)

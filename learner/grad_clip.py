@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.checkpoint import state_counts
+from learner.checkpoint_format import state_counts
 
 
 class AdaptiveClip:

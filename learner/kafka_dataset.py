@@ -683,7 +683,7 @@ def _start_over_past_end(consumer: Consumer, topic: str, beyond: dict[int, int])
     partition's first record, as librdkafka's reset on Apache Kafka does. Tansu answered such a fetch with nothing and
     no error: the learner waited at the saved offset in silence, and the new records below it were never trained. A
     new topic already past the saved offset cannot be told by offsets: the daemons compare its topic id with the
-    checkpoint's and read it from its first record (``learner.checkpoint.same_topic``). A log truncated under the
+    checkpoint's and read it from its first record (``learner.checkpoint_format.same_topic``). A log truncated under the
     learner (data lost on the broker) is taken the same way: its records before the end are trained again. Returns
     whether a partition started over."""
     again = False

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from learner.checkpoint import state_counts
+from learner.checkpoint_format import state_counts
 from learner.progressive import ProgressiveMetrics
 from stream.samples import DELAYED_POSITIVE, FINAL, OBSERVED
 

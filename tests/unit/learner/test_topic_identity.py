@@ -1,6 +1,7 @@
-"""Which samples topic a checkpoint's offsets are of (``learner.checkpoint.same_topic``, the single-process daemon's
-``_check_topic_ids``): a topic id differing from the one of the topic's name now drops the offsets; a checkpoint or a
-broker without an id resumes as before. The real broker's case: ``tests/integration/test_learner.py``."""
+"""Which samples topic a checkpoint's offsets are of (``learner.checkpoint_format.same_topic``, the single-process
+daemon's ``_check_topic_ids``): a topic id differing from the one of the topic's name now drops the offsets; a
+checkpoint or a broker without an id resumes as before. The real broker's case:
+``tests/integration/test_learner.py``."""
 
 from __future__ import annotations
 
