@@ -42,7 +42,6 @@ import errno
 import io
 import json
 import logging
-import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Mapping
@@ -53,6 +52,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
+from learner.checkpoint_directory import LOCK, check_directory, hold_directory, release_directory
 from learner.checkpoint_format import (
     FORMAT_VERSION,
     TOPIC_IDENTITY,
@@ -69,7 +69,7 @@ from learner.checkpoint_format import (
     upgrade,
 )
 from learner.checkpoint_lineage import LINEAGE, begin_lineage, continue_lineage, lineage
-from stream.errors import ConfigError, StreamrecError
+from stream.errors import StreamrecError
 from stream.files import (
     MAX_STATE_FILE_BYTES,
     NotDurable,
@@ -80,7 +80,6 @@ from stream.files import (
     temp_of,
     write_atomic,
 )
-from stream.lock_file import LockHeld, hold_lock, release_lock
 
 __all__ = [
     "FORMAT_VERSION", "LINEAGE", "LOCK", "DAMAGED", "REFUSED", "TYPED_FIELDS", "TOPIC_IDENTITY", "PRUNE_FAILURES",
@@ -93,7 +92,6 @@ __all__ = [
 log = logging.getLogger("streamrec.checkpoint")
 
 _PREFIX = "ckpt-"
-LOCK = "LOCK"  # held (flock) by the learner training into the directory: :func:`hold_directory`
 
 
 class ExitCheckpointFailed(StreamrecError):
@@ -109,49 +107,6 @@ def exit_save_failed(directory: Path, exc: OSError) -> ExitCheckpointFailed:
         f"the checkpoint at exit could not be written to {directory}: {describe_os_error(exc)}{code}; a "
         "restart resumes from the newest checkpoint written before and trains what came after it again. Free space "
         "or fix the directory, then restart")
-
-
-def check_directory(directory: Path, setting: str) -> None:
-    """A :class:`ConfigError` naming ``setting`` (``"[learner] checkpoint_dir"``) and the path unless ``directory`` is a
-    directory this process can write files into (made, with its parents, when missing). Checked at start, before any
-    work: a regular file there, or a directory nobody may write, ended the learner in a traceback (NotADirectoryError
-    from the strikes file, or the first checkpoint's write after minutes of training)."""
-    directory = Path(directory)
-    if directory.exists() and not directory.is_dir():
-        raise ConfigError(f"{setting} {directory} is a file, not a directory: name a directory (it is made when "
-                          "missing), or move the file away")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):  # a file made and gone: writes there will succeed
-            pass
-    except OSError as exc:
-        raise ConfigError(f"{setting} {directory} is no directory this process can write into "
-                          f"({describe_os_error(exc)}): name one it can write, or fix its permissions") from None
-
-
-def hold_directory(directory: Path) -> int | None:
-    """Take ``<directory>/LOCK`` for the learner that trains into it: an exclusive ``flock`` held while the returned
-    descriptor is open (the kernel releases it when the process ends, however it ends), the holder's pid written in
-    it. A :class:`ConfigError` naming the directory and that pid when another process holds it: two learners on one
-    directory each numbered their serving deltas from their own counter, so two different models' deltas took one seq
-    (serving applied one and skipped the other for good), and each pruned the other's checkpoints. A filesystem that
-    cannot lock (ENOLCK, EOPNOTSUPP): a WARNING that a second learner is not detected there, and None; one where
-    the LOCK cannot be opened at all: a :class:`ConfigError` naming it."""
-    directory = Path(directory)
-    try:  # a directory or LOCK that cannot be opened (LOCK a directory or a link, no permission, a read-only mount):
-        directory.mkdir(parents=True, exist_ok=True)  # the operator's to mend, exit 2 naming it (a traceback, exit 1)
-        return hold_lock(directory / LOCK, "learner on this directory", log)
-    except LockHeld as exc:
-        raise ConfigError(f"[learner] checkpoint_dir {directory} is in use by another learner (pid {exc.holder}, "
-                          f"holding {LOCK}): stop it first, or give this one its own checkpoint_dir") from None
-    except OSError as exc:
-        raise ConfigError(f"[learner] checkpoint_dir {directory}: cannot open its {LOCK} ({describe_os_error(exc)}); "
-                          "the learner needs the directory writable, with LOCK a regular file or absent") from None
-
-
-def release_directory(fd: int | None) -> None:
-    """Give back what :func:`hold_directory` took (None: nothing)."""
-    release_lock(fd)
 
 
 class WriteErrors:

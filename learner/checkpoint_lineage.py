@@ -20,7 +20,6 @@ from stream.files import MAX_STATE_FILE_BYTES, FileTooLarge, NotRegularFile, rea
 
 log = logging.getLogger("streamrec.checkpoint")
 
-
 LINEAGE = "LINEAGE"
 _LINEAGE_RE = re.compile(r"[0-9a-f]{32}")
 

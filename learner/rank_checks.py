@@ -124,11 +124,12 @@ def cluster_mismatch(seen: list[tuple[str, dict[str, str]]]) -> str | None:
 
 def hold_checkpoint_dir(ls: LearnerSettings, rank: int) -> int | None:
     """Collective, every rank at start, before any checkpoint is read: rank 0 takes ``<checkpoint_dir>/LOCK``
-    (:func:`learner.checkpoint.hold_directory`, the single-process learner's lock, so a job and a single-process
-    learner exclude each other too), and one broadcast tells every rank whether it did: if not, the same ConfigError
-    on every rank, naming the holder (none waits in a collective for a rank 0 that stopped). Two jobs on one directory
-    numbered their serving deltas from their own counters and pruned each other's checkpoints. Rank 0's descriptor
-    (None on the others) for :func:`learner.checkpoint.release_directory`; forked DataLoader workers do not keep it."""
+    (:func:`learner.checkpoint_directory.hold_directory`, the single-process learner's lock, so a job and a
+    single-process learner exclude each other too), and one broadcast tells every rank whether it did: if not, the same
+    ConfigError on every rank, naming the holder (none waits in a collective for a rank 0 that stopped). Two jobs on one
+    directory numbered their serving deltas from their own counters and pruned each other's checkpoints. Rank 0's
+    descriptor (None on the others) for :func:`learner.checkpoint_directory.release_directory`; forked DataLoader
+    workers do not keep it."""
     fd, refused = None, None
     if rank == 0:
         try:

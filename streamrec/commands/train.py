@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         status["checksums"] = "not verified (--status reads no data file; a restore and --unshard verify them)"
         emit(args, status, lambda d: "latest checkpoint\n" + kv_lines(d))
         return EXIT_OK
-    from learner.checkpoint import check_directory
+    from learner.checkpoint_directory import check_directory
 
     # before any work (the metrics listener, the ranks, Kafka): a file there ended the learner in a traceback
     check_directory(ls.checkpoint_dir, "[learner] checkpoint_dir (--checkpoint-dir)")

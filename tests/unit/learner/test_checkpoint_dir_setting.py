@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from learner.checkpoint import check_directory
+from learner.checkpoint_directory import check_directory
 from stream.errors import ConfigError
 from streamrec.cli import main
 

@@ -195,7 +195,7 @@ def test_a_filesystem_that_cannot_lock_is_said_on_the_checkpoint_logger_naming_a
     import errno
     import logging
 
-    from learner.checkpoint import hold_directory
+    from learner.checkpoint_directory import hold_directory
 
     def no_locks(fd: int, op: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")

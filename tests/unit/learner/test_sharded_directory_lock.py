@@ -1,5 +1,5 @@
 """The sharded learner's hold on ``<checkpoint_dir>/LOCK``, the single-process learner's lock
-(``learner/checkpoint.py: hold_directory``): two torchrun jobs, or a job and a single-process learner, on one
+(``learner/checkpoint_directory.py: hold_directory``): two torchrun jobs, or a job and a single-process learner, on one
 directory numbered their serving deltas from their own counters and pruned each other's checkpoints. Rank 0 takes
 the lock before any checkpoint is read and every rank learns whether it did (one gloo rank here; the two-rank
 refusal is in ``test_distributed.py``)."""
