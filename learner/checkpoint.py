@@ -53,6 +53,7 @@ import torch
 from prometheus_client import Counter
 
 from learner.checkpoint_directory import LOCK, check_directory, hold_directory, release_directory
+from learner.checkpoint_files import _PREFIX, DAMAGED, REFUSED, list_checkpoints, set_aside
 from learner.checkpoint_format import (
     FORMAT_VERSION,
     TOPIC_IDENTITY,
@@ -90,8 +91,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("streamrec.checkpoint")
-
-_PREFIX = "ckpt-"
 
 
 class ExitCheckpointFailed(StreamrecError):
@@ -267,49 +266,6 @@ PRUNE_FAILURES = Counter("streamrec_learner_prune_failures_total",
                          "that left files they should have removed (the directory could not be listed, a file not "
                          "removed): logged, the write stands; rising for long, the directory grows until the disk "
                          "is full.", ["directory"])
-
-DAMAGED = ".damaged"  # the suffix of a checkpoint the learner's restore fell back past (:func:`set_aside`)
-REFUSED = ".refused"  # beside a checkpoint set aside that could not be renamed: it is not listed (:func:`set_aside`)
-
-
-def set_aside(paths: list[Path]) -> None:
-    """Rename each checkpoint (and its sidecar) the learner's restore fell back past to ``<name>.damaged``: kept for
-    forensics, never listed or loaded again, the oldest pruned past ``keep`` by :func:`save`. Left in place, named
-    after every later checkpoint (so never pruned), it made every later restart a fallback past it, each resending
-    the whole table to serving. A checkpoint that cannot be renamed (EPERM: another owner's file in a sticky
-    directory) gets a ``<name>.refused`` file beside it instead (pruned like a renamed one), and
-    :func:`list_checkpoints` passes it over; only when that cannot be written either is it refused again at the next
-    restart (logged)."""
-    for path in paths:
-        done: str | None = path.name + DAMAGED  # what it was set aside as (logged); None: neither
-        for p in (path, path.with_suffix(".json")):
-            try:
-                p.rename(p.with_name(p.name + DAMAGED))
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                if p != path:  # (a sidecar: read only for a listed checkpoint)
-                    continue
-                done = p.name + REFUSED
-                try:
-                    write_atomic(p.with_name(done), f"did not load; cannot be renamed: {exc}\n".encode())
-                except OSError as exc2:
-                    done = None
-                    log.error("cannot set %s aside (%s) nor mark it refused (%s): the next restart falls back past "
-                              "it again and resends every row; move it away", p, exc, exc2)
-                    continue
-                log.error("cannot rename %s aside (%s): marked %s, never listed again; move both away", p, exc, done)
-        if done is not None:
-            log.warning("checkpoint %s did not load: set aside (%s; never loaded, kept for forensics)", path.name,
-                        done)
-
-
-def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (not those set aside: :func:`set_aside`)."""
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.glob(f"{_PREFIX}*.pt")
-                  if not p.name.startswith(".") and not p.with_name(p.name + REFUSED).exists())
 
 
 def _numpy_globals() -> list[Any]:

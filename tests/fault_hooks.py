@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from learner import checkpoint, checkpoint_lineage
+from learner import checkpoint, checkpoint_files, checkpoint_lineage
 from learner.quality import TrainingQuality
 from learner.trainer import Trainer
 from stream import strikes
@@ -89,6 +89,7 @@ def _failing_record(self, impression_ids, *args, **kwargs):  # noqa: ANN001, ANN
 
 checkpoint.write_atomic = _unless_full(_write_atomic, room=4096)
 checkpoint_lineage.write_atomic = _unless_full(_write_atomic, room=4096)  # (the LINEAGE file's, as before its move)
+checkpoint_files.write_atomic = _unless_full(_write_atomic, room=4096)  # (set_aside's .refused marks', as before)
 strikes.write_atomic = _unless_full(strikes.write_atomic, room=0)
 engine.PartitionJoin.apply = _failing_apply  # type: ignore[method-assign]
 if _STAGE == "quality":

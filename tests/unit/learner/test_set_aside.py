@@ -1,4 +1,4 @@
-"""``checkpoint.set_aside``: a checkpoint the learner's restore fell back past is never listed again, even when it
+"""``checkpoint_files.set_aside``: a checkpoint the learner's restore fell back past is never listed again, even when it
 cannot be renamed, and the ones set aside are pruned by count."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from learner import checkpoint as ck
+from learner import checkpoint_files
 
 
 def test_a_checkpoint_that_cannot_be_renamed_aside_is_still_never_listed_again(
@@ -74,7 +75,7 @@ def test_set_aside_that_could_neither_rename_nor_mark_does_not_log_it_set_aside(
     def full(path: Path, data: object) -> None:
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(ck, "write_atomic", full)
+    monkeypatch.setattr(checkpoint_files, "write_atomic", full)
     with caplog.at_level(logging.WARNING, logger=ck.log.name):
         ck.set_aside([bad])
     said = " ".join(r.getMessage() for r in caplog.records)
