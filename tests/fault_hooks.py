@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from learner import checkpoint, checkpoint_files, checkpoint_lineage
+from learner import checkpoint_files, checkpoint_lineage, checkpoint_write
 from learner.quality import TrainingQuality
 from learner.trainer import Trainer
 from stream import strikes
@@ -48,7 +48,7 @@ def _failing_step(self, batch):  # noqa: ANN001, ANN202 - a patch
     return _test_then_train(self, batch)
 
 
-_write_atomic = checkpoint.write_atomic
+_write_atomic = checkpoint_write.write_atomic
 _DISK_FULL = os.environ.get("STREAMREC_TEST_DISK_FULL")
 
 
@@ -87,7 +87,7 @@ def _failing_record(self, impression_ids, *args, **kwargs):  # noqa: ANN001, ANN
     return _record(self, impression_ids, *args, **kwargs)
 
 
-checkpoint.write_atomic = _unless_full(_write_atomic, room=4096)
+checkpoint_write.write_atomic = _unless_full(_write_atomic, room=4096)  # (save's)
 checkpoint_lineage.write_atomic = _unless_full(_write_atomic, room=4096)  # (the LINEAGE file's, as before its move)
 checkpoint_files.write_atomic = _unless_full(_write_atomic, room=4096)  # (set_aside's .refused marks', as before)
 strikes.write_atomic = _unless_full(strikes.write_atomic, room=0)

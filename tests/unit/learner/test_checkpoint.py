@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner import checkpoint as ck
+from learner import checkpoint_write
 from learner.config import LearnerSettings, ModelConfig, SparseOptimizer, shape_of
 from learner.features import default_config
 from stream.errors import StreamrecError
@@ -202,7 +203,7 @@ def test_a_save_whose_second_file_fails_leaves_the_previous_pair_for_both_the_re
     sidecars) named the older checkpoint. Whichever file fails now, the save raises and leaves nothing of itself: the
     restart and the status both read the previous checkpoint, and the next save succeeds with no orphan left."""
     first = ck.save(tmp_path, state(), meta(100))
-    real = ck.write_atomic
+    real = checkpoint_write.write_atomic
 
     def full_disk(target: Path, data: object) -> None:
         if target.suffix == fails:
@@ -210,7 +211,7 @@ def test_a_save_whose_second_file_fails_leaves_the_previous_pair_for_both_the_re
         real(target, data)  # type: ignore[arg-type]
 
     with monkeypatch.context() as m:
-        m.setattr(ck, "write_atomic", full_disk)
+        m.setattr(checkpoint_write, "write_atomic", full_disk)
         with pytest.raises(OSError, match="No space"):
             ck.save(tmp_path, state(), meta(200))
     restored = ck.restore_latest(tmp_path)
@@ -366,9 +367,9 @@ def test_a_checkpoint_whose_directory_cannot_be_listed_after_its_rename_is_saved
     def unlistable(directory: Path) -> list[Path]:
         raise OSError(errno.EIO, "Input/output error", str(directory))
 
-    monkeypatch.setattr(ck, "list_checkpoints", unlistable)
+    monkeypatch.setattr(checkpoint_write, "list_checkpoints", unlistable)
     path = ck.save(tmp_path, state(), meta(2), keep=1)
-    monkeypatch.setattr(ck, "list_checkpoints", real)
+    monkeypatch.setattr(checkpoint_write, "list_checkpoints", real)
     assert path.exists() and ck.list_checkpoints(tmp_path) == [older, path]  # nothing pruned, nothing lost
     got = ck.load_latest(tmp_path)
     assert got is not None and got.samples_trained == 2
@@ -401,7 +402,7 @@ def test_a_save_whose_prune_cannot_list_the_directory_is_counted_in_prune_failur
     def unlistable(directory: Path) -> list[Path]:
         raise OSError(errno.EIO, "Input/output error", str(directory))
 
-    monkeypatch.setattr(ck, "list_checkpoints", unlistable)
+    monkeypatch.setattr(checkpoint_write, "list_checkpoints", unlistable)
     ck.save(tmp_path, state(), meta(2), keep=1)
     monkeypatch.undo()
     assert count() == before + 1
