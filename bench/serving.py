@@ -494,7 +494,7 @@ def freshness(stack: LocalStack, work: Path, probes: int) -> dict[str, float]:
                               stderr=subprocess.DEVNULL)]
     server = None
     try:
-        from learner.checkpoint import load_latest
+        from learner.checkpoint_read import load_latest
 
         deadline = time.monotonic() + 120
         ckpt = None

@@ -693,7 +693,7 @@ def run(args: argparse.Namespace) -> int:
         fields: list[str] | None = None
         csv_fh = (out / "soak.csv").open("w", newline="")
         writer: csv.DictWriter | None = None
-        from learner.checkpoint import latest_meta
+        from learner.checkpoint_read import latest_meta
 
         def ckpt_rows() -> tuple[int, dict[int, int]]:
             meta = latest_meta(out / "checkpoints")

@@ -101,7 +101,7 @@ __all__ = ["ArtifactFiles", "build_artifact", "eager_model", "map_table", "open_
 
 # -- eager reference and model settings -----------------------------------------------------------
 def eager_model(checkpoint: Mapping[str, Any]) -> DeepFM:
-    """The learner's DeepFM in fp32 eval mode, rebuilt from a checkpoint (``learner.checkpoint.load_latest``).
+    """The learner's DeepFM in fp32 eval mode, rebuilt from a checkpoint (``learner.checkpoint_read.load_latest``).
 
     Built the way ``learner/daemon.py`` builds it (feature config and model settings from the meta),
     with autocast off: this is the reference an artifact's scores must equal.

@@ -256,7 +256,7 @@ def decode_manifest(raw: bytes, where: str | Path = MANIFEST,
 
 
 def check_checkpoint(checkpoint: Any) -> FeatureConfig:
-    """That ``checkpoint`` (``learner.checkpoint.load_latest``) can become an artifact; returns its config.
+    """That ``checkpoint`` (``learner.checkpoint_read.load_latest``) can become an artifact; returns its config.
 
     ArtifactError naming the problem otherwise: no meta, a malformed feature config or model settings, no
     embedding table, a table of the wrong shape, or non-finite weights (a diverged learner must not be

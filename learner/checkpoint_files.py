@@ -19,10 +19,10 @@ REFUSED = ".refused"  # beside a checkpoint set aside that could not be renamed:
 
 def set_aside(paths: list[Path]) -> None:
     """Rename each checkpoint (and its sidecar) the learner's restore fell back past to ``<name>.damaged``: kept for
-    forensics, never listed or loaded again, the oldest pruned past ``keep`` by :func:`save`. Left in place, named
-    after every later checkpoint (so never pruned), it made every later restart a fallback past it, each resending
-    the whole table to serving. A checkpoint that cannot be renamed (EPERM: another owner's file in a sticky
-    directory) gets a ``<name>.refused`` file beside it instead (pruned like a renamed one), and
+    forensics, never listed or loaded again, the oldest pruned past ``keep`` by :func:`~learner.checkpoint_write.save`.
+    Left in place, named after every later checkpoint (so never pruned), it made every later restart a fallback past it,
+    each resending the whole table to serving. A checkpoint that cannot be renamed (EPERM: another owner's file in a
+    sticky directory) gets a ``<name>.refused`` file beside it instead (pruned like a renamed one), and
     :func:`list_checkpoints` passes it over; only when that cannot be written either is it refused again at the next
     restart (logged)."""
     for path in paths:

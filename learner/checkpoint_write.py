@@ -150,8 +150,8 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
         except NotDurable as exc:  # in place (a restart reads it), its rename not known durable: go on, then say so
             unsure = unsure or exc
         except BaseException:
-            if target == path:  # a sidecar without its checkpoint is never read (:func:`latest_meta`); removed
-                with contextlib.suppress(OSError):  # (else by the next save's :func:`remove_torn`)
+            if target == path:  # a sidecar without its checkpoint is never read (checkpoint_read.latest_meta);
+                with contextlib.suppress(OSError):  # removed (else by the next save's :func:`remove_torn`)
                     sidecar.unlink(missing_ok=True)
             raise
     if unsure is not None:  # keep the older ones: a power loss may undo this one's rename, not their removal
@@ -177,10 +177,11 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
 
 
 def _prune_aside(directory: Path, keep: int) -> None:
-    """Remove the checkpoints :func:`set_aside` renamed ``.damaged`` or marked ``.refused`` but the newest ``keep``
-    of them all, with their sidecars (either name) and markers. A refused one's marker goes only once its checkpoint
-    is gone (else it is listed again); one that cannot be removed (EPERM: why it was refused) is logged and kept.
-    Refused ones were never pruned: each restart that fell back past one left a whole checkpoint behind for good."""
+    """Remove the checkpoints :func:`~learner.checkpoint_files.set_aside` renamed ``.damaged`` or marked ``.refused``
+    but the newest ``keep`` of them all, with their sidecars (either name) and markers. A refused one's marker goes only
+    once its checkpoint is gone (else it is listed again); one that cannot be removed (EPERM: why it was refused) is
+    logged and kept. Refused ones were never pruned: each restart that fell back past one left a whole checkpoint behind
+    for good."""
     aside = {p.name[: -len(DAMAGED)]: p for p in directory.glob(f"{_PREFIX}*.pt{DAMAGED}")}
     aside.update({p.name[: -len(REFUSED)]: p for p in directory.glob(f"{_PREFIX}*.pt{REFUSED}")})
     for name in sorted(aside)[:-keep]:

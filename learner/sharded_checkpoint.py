@@ -50,7 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from learner import checkpoint
+from learner import checkpoint, checkpoint_read
 from learner.delayed import DelayedFeedbackWeights
 from learner.distributed import all_gather_objects, broadcast_object
 from learner.features import FeatureConfig
@@ -467,8 +467,8 @@ def state_loaded(path: Path) -> Generator[None, None, None]:
         yield
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
         raise checkpoint.CheckpointError(
-            f"sharded checkpoint {path} is damaged: {checkpoint._reason(exc)}; move it out of {path.parent} to resume "
-            "from (or unshard) the one before it") from None
+            f"sharded checkpoint {path} is damaged: {checkpoint_read._reason(exc)}; move it out of {path.parent} to "
+            "resume from (or unshard) the one before it") from None
 
 
 def loaded_together(path: Path, load: Callable[[], T]) -> T:
@@ -497,11 +497,11 @@ def _rank_state(path: Path, rank: int) -> dict[str, Any]:
     CheckpointError naming it and the fix (out of memory is raised as it is: no fault of the file)."""
     try:
         return checkpoint.load(path / f"rank-{rank}.pt")
-    except checkpoint._NOT_DAMAGE:
+    except checkpoint_read._NOT_DAMAGE:
         raise
     except Exception as exc:  # noqa: BLE001 - torn or corrupt: named, whatever torch's reader raised
         raise checkpoint.CheckpointError(
-            f"sharded checkpoint {path}: rank-{rank}.pt does not load ({checkpoint._reason(exc)}): it was torn or "
+            f"sharded checkpoint {path}: rank-{rank}.pt does not load ({checkpoint_read._reason(exc)}): it was torn or "
             f"damaged after it was written; move {path} out of {path.parent} to resume from (or unshard) the one "
             "before it") from exc
 

@@ -9,7 +9,7 @@ helpers, so "a crash leaves the old file or the new one, never half of one" is i
 * :func:`write_atomic` replaces a file: temp file beside it, fsync, ``os.replace``, fsync of the
   directory. The temp file is named ``.<name>.tmp-<pid>-<thread>`` (:func:`temp_of` reads it back), so a cleanup
   can tell whether its writer is still alive (:func:`leftover_writer_alive`; ``cache_refresh.publish.clean_leftovers``,
-  ``learner.checkpoint.remove_torn``).
+  ``learner.checkpoint_write.remove_torn``).
 
 And the one way a file another process left (a delta, ``CURRENT``, a manifest) is opened where a reading thread must
 never hang: :func:`open_regular` (a FIFO put in its place blocked the reader for good, ``/dev/zero`` never ended),

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         emit(args, {"checkpoint": str(out)}, lambda d: f"unsharded into {d['checkpoint']}")
         return EXIT_OK
     if args.status:
-        from learner.checkpoint import latest_meta
+        from learner.checkpoint_read import latest_meta
 
         meta = latest_meta(ls.checkpoint_dir)
         if meta is None:  # a directory of a run under torchrun: its newest sharded checkpoint

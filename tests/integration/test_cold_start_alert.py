@@ -141,7 +141,7 @@ severity = "warning"
     assert json.loads(out)["alerts"] == {"firing": 1, "resolved": 1}
     # The learner's user buckets forget (user_bucket_half_life_s, 60 s by default), and its checkpoint brings
     # every bucket's decay up to the newest event time, so an artifact built from it holds today's buckets.
-    from learner.checkpoint import load_latest
+    from learner.checkpoint_read import load_latest
 
     ckpt = load_latest(tmp_path / "ckpt")
     assert ckpt is not None

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from learner import sharded_checkpoint
-from learner.checkpoint import Checkpoint, load_latest
+from learner.checkpoint_format import Checkpoint
+from learner.checkpoint_read import load_latest
 from stream.config import KafkaSettings
 from stream.kafka_producer import AckedProducer
 from stream.kafka_topics import ensure_topics

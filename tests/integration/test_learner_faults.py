@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from learner.checkpoint import latest_meta
+from learner.checkpoint_read import latest_meta
 from stream.config import KafkaSettings
 from stream.kafka_producer import AckedProducer
 from stream.kafka_topics import ensure_topics

@@ -81,13 +81,13 @@ def test_a_stop_kept_pending_while_checkpoints_are_skipped_ends_the_run_before_t
     """The stop comes while the newest checkpoint is refused (an exception in flight: kept pending). Before, the run
     went on loading and checking every older checkpoint (each one a whole model read from disk) and stopped only at
     the end of the checkpoint stage."""
-    from learner import checkpoint
+    from learner import checkpoint_read
     from tests.unit.cache_refresh.test_stop_signal_now import save
 
     root, ckpts = _live_and_newer(tmp_path)  # the live v001 (512 samples) and a checkpoint of 1024
     newest = save(ckpts, 2048)
     loaded: list[str] = []
-    load = checkpoint.load
+    load = checkpoint_read.load
 
     def counted_load(path: Path, *args: Any, **kwargs: Any) -> Any:
         loaded.append(Path(path).name)
@@ -104,7 +104,7 @@ def test_a_stop_kept_pending_while_checkpoints_are_skipped_ends_the_run_before_t
             signal.raise_signal(signal.SIGTERM)
             raise
 
-    monkeypatch.setattr(checkpoint, "load", counted_load)
+    monkeypatch.setattr(checkpoint_read, "load", counted_load)
     monkeypatch.setattr(M, "check_checkpoint", refusing_check)  # the refresh checks each checkpoint it loads
     monkeypatch.setattr(A, "check_checkpoint", refusing_check)  # build_artifact checks it again
     with pytest.raises(job.RefreshError) as err:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner import checkpoint as ck
-from learner import checkpoint_write
+from learner import checkpoint_read, checkpoint_write
 from learner.config import LearnerSettings, ModelConfig, SparseOptimizer, shape_of
 from learner.features import default_config
 from stream.errors import StreamrecError
@@ -273,7 +273,7 @@ def test_checkpoints_pruned_by_the_learner_while_being_read_are_not_reported_dam
     ones that were pruned too and failed "no checkpoint loads", or published from behind with a degraded alert)."""
     for n in (100, 200, 300):
         ck.save(tmp_path, state(), meta(n), keep=3)
-    real = ck.load
+    real = checkpoint_read.load
     saved: list[Path] = []
 
     def learner_saves_meanwhile(path: Path, safe: bool = True) -> dict:
@@ -281,7 +281,7 @@ def test_checkpoints_pruned_by_the_learner_while_being_read_are_not_reported_dam
             saved.extend(ck.save(tmp_path, state(), meta(n), keep=3) for n in (400, 500, 600))
         return real(path, safe)
 
-    monkeypatch.setattr(ck, "load", learner_saves_meanwhile)
+    monkeypatch.setattr(checkpoint_read, "load", learner_saves_meanwhile)
     problems: list[tuple[Path, str]] = []
     got = ck.load_latest(tmp_path, safe=True, problems=problems, accept=accept)
     assert got is not None and got.path == saved[-1] and got.samples_trained == 600

@@ -31,7 +31,7 @@ def test_the_keys_survive_a_checkpoint_without_colliding() -> None:
     torch.save({"recent_ids": r.state()}, buf)
     buf.seek(0)
     back = RecentIds(100)
-    back.load(torch.load(buf, weights_only=True)["recent_ids"])  # what learner/checkpoint.py's load does
+    back.load(torch.load(buf, weights_only=True)["recent_ids"])  # what learner/checkpoint_read.py's load does
     assert _seen(back, ["X", "Y", "Y", "X\x00delayed"], [DELAYED_POSITIVE, OBSERVED, DELAYED_POSITIVE, OBSERVED]) \
         == [True, True, False, False]
 

@@ -1,5 +1,5 @@
 """The sharded learner's checkpoint at exit failing (a full disk), as one process's (README "Runs": "the one at exit
-must succeed (else exit 1 ...)"): :class:`learner.checkpoint.ExitCheckpointFailed` naming the directory and the
+must succeed (else exit 1 ...)"): :class:`learner.checkpoint_write.ExitCheckpointFailed` naming the directory and the
 errno, which ``streamrec train`` prints as one line on each rank (tests/integration/test_learner_exit_save.py)."""
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def _gauge(text: str, name: str) -> float:
 def _model(tmp_path: Path, saved_at: float | None) -> ScoringModel:
     ckpt = make_checkpoint()
     if saved_at is not None:
-        ckpt["meta"]["created"] = saved_at  # what learner/checkpoint.py save records
+        ckpt["meta"]["created"] = saved_at  # what learner/checkpoint_write.py save records
     return ScoringModel.load(build_artifact(ckpt, tmp_path, np.arange(10), format="eager"))
 
 
