@@ -10,8 +10,9 @@ test-then-train (learner.trainer, as the daemon trains) on a synthetic stream wi
 items fall into groups; a click is likely when the groups match, plus per-item popularity and a dense feature),
 --train-steps steps of 512 rows; the holdout is --holdout unseen rows of the same stream. The trained checkpoint
 becomes an eager and an onnx artifact (learner/artifact.py, as `streamrec refresh` builds them); the INT8 variant
-is the onnx artifact's dense graph quantized. Scored with serving.model.ScoringModel (the serving path) and
-cache_refresh.validate.quality (the refresh's holdout metric).
+is the onnx artifact's dense graph quantized; ``onnx_int8_static`` the artifact of that format, calibrated on
+--calib rows of the same stream drawn after the holdout (none of them scored). Scored with
+serving.model.ScoringModel (the serving path) and cache_refresh.validate.quality (the refresh's holdout metric).
 
     python bench/onnx_int8.py                 # ~1 min on 2 cores
     python bench/onnx_int8.py --train-steps 400 --holdout 50000 --json out.json
@@ -104,6 +105,7 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=16)
     ap.add_argument("--train-steps", type=int, default=200)
     ap.add_argument("--holdout", type=int, default=20_000, help="unseen rows scored by each variant")
+    ap.add_argument("--calib", type=int, default=5000, help="rows calibrating onnx_int8_static (not scored)")
     ap.add_argument("--batch", type=int, default=100, help="rows per timed call (1 user x 100 candidates)")
     ap.add_argument("--repeats", type=int, default=500)
     ap.add_argument("--threads", type=int, default=0, help="torch and ORT intra-op threads (0: torch's default)")
@@ -131,6 +133,9 @@ def main() -> int:
         models = {"eager_fp32": ScoringModel.load(build_artifact(ckpt, Path(tmp), hot, format="eager")),
                   "onnx_fp32": ScoringModel.load(build_artifact(ckpt, Path(tmp), hot, format="onnx"))}
         models["onnx_int8"] = with_int8(ScoringModel.load(build_artifact(ckpt, Path(tmp), hot, format="onnx")))
+        calib = [stream_batch(rng, 1000, item_pop) for _ in range(max(1, args.calib // 1000))]  # after the holdout
+        models["onnx_int8_static"] = ScoringModel.load(build_artifact(ckpt, Path(tmp), hot, format="onnx_int8_static",
+                                                                      calibration=calib))
         q = {name: quality(m, holdout) for name, m in models.items()}
         ref = q["eager_fp32"]
         values, offsets, dense = probe_inputs(cfg, 4096, seed=1, hot_rows=hot)

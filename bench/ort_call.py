@@ -14,7 +14,8 @@ Variants (``--variants``):
 * ``current``: this checkout's INT8 graph (``learner.onnx_scorer.export_request``).
 * ``static``: this checkout's fp32 graph quantized statically (QOperator, ``QGemm`` with fixed activation scales,
   the ReLUs folded into them) calibrated on the first ``--calib`` holdout batches (scored by none of the AUCs):
-  measured, not what the ``onnx_int8`` format writes.
+  ``learner.onnx_scorer.quantize_int8_static``, what the ``onnx_int8_static`` format writes (that format's graph is
+  calibrated on the refresh job's older holdout samples).
 
 Workload: bench/onnx_int8.py's (the default DeepFM, dim 16, MLP 400-400-400 trained test-then-train on a stream with
 a planted signal); the requests are 1 user x ``--batch`` candidates (``probe_inputs`` with an empty user row, half
@@ -52,7 +53,7 @@ from learner.features import default_config  # noqa: E402
 from learner.scorer import Held, with_empty_user_row  # noqa: E402
 from serving.model import ScoringModel  # noqa: E402
 
-Feeds = dict[str, np.ndarray]
+Feeds = onnx_scorer.Feeds
 
 
 def _legacy_forward(self: onnx_scorer.RequestHead, table: torch.Tensor, pos: torch.Tensor, given: torch.Tensor,
@@ -99,27 +100,6 @@ def captured_feeds(into: list[Feeds]) -> Iterator[None]:
         yield
     finally:
         onnx_scorer.OnnxScorer.score_rows = current  # type: ignore[method-assign]
-
-
-def static_int8(fp32: bytes, calib: list[Feeds]) -> bytes:
-    """``fp32`` statically quantized (QOperator: QGemm with fixed activation scales, ReLUs folded), calibrated on
-    ``calib`` (min/max of each activation)."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.it = iter(calib)
-
-        def get_next(self) -> Feeds | None:
-            return next(self.it, None)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
-        src.write_bytes(fp32)
-        quantize_static(str(src), str(dst), Reader(), quant_format=QuantFormat.QOperator,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                        op_types_to_quantize=["MatMul", "Gemm", "Relu"])
-        return dst.read_bytes()
 
 
 def paired_us(runs: dict[str, Callable[[Feeds], Any]], feeds: list[Feeds], pairs: int,
@@ -183,7 +163,7 @@ def main() -> int:
             with captured_feeds(calib):
                 quality(model, calib_batches)
             logging.getLogger().setLevel(logging.ERROR)  # quantize_static's pre-processing advice
-            graphs[name] = static_int8(onnx_scorer.export_request(scorer), calib)
+            graphs[name] = onnx_scorer.export_request(scorer, calibration=calib)
         else:
             ap.error(f"--variants: unknown {name!r} (scatter_elements, current, static)")
     sessions = {n: onnx_scorer.session(g, threads=args.threads) for n, g in graphs.items()}

@@ -6,8 +6,9 @@ What it measures, in one run, against a local stack it starts (Tansu + Redis on 
 * p50/p99 latency of ``POST /v1/score`` for 1 user x 100 candidates, measured by the client (request
   written -> response read, keep-alive HTTP/1.1 over loopback) at 1 client, and throughput (requests/s) at 8
   concurrent clients, for the eager, TorchScript, torch.export, safetensors (pickle-free), ONNX Runtime fp32 and
-  ONNX Runtime INT8 artifacts of one synthetic DeepFM checkpoint with a fused table of ``--rows`` rows (default
-  10 M x (16 + 1) floats = 680 MB), MLP 400-400-400, the user's 20-click history read from Redis on every request.
+  ONNX Runtime INT8 (dynamic; and static, ``onnx_int8_static``, calibrated on request-shaped samples) artifacts of
+  one synthetic DeepFM checkpoint with a fused table of ``--rows`` rows (default 10 M x (16 + 1) floats = 680 MB),
+  MLP 400-400-400, the user's 20-click history read from Redis on every request.
   Users and items are drawn Zipf(1.1); the hot set is the most frequent ``--hot-share`` of rows, the rest is read
   from the memory-mapped cold file.
 * the client's floor: the same client against a trivial HTTP server (a raw-socket keep-alive server in its own
@@ -69,11 +70,12 @@ from learner.artifact import build_artifact, open_artifact  # noqa: E402
 from learner.artifact_versions import read_current  # noqa: E402
 from learner.features import FeatureConfig, FieldSpec  # noqa: E402
 from learner.model import DeepFM  # noqa: E402
-from learner.scorer import SCORER_FILES, ScorerSpec  # noqa: E402
+from learner.scorer import CALIBRATED_FORMATS, SCORER_FILES, ScorerSpec  # noqa: E402
 from learner.scorer_files import load_scorer  # noqa: E402
 from serving.model import ScoringModel  # noqa: E402
 from stream.features import hash_value  # noqa: E402
 from stream.history import UserHistory  # noqa: E402
+from stream.samples import SampleBatch  # noqa: E402
 from streamrec.stack import (  # noqa: E402
     LocalStack,
     StackSettings,  # noqa: E402
@@ -125,6 +127,22 @@ class Traffic:
 
         ctx = np.concatenate([np.arange(f, f + n) for f, n in cfg.blocks[3:]])
         return np.concatenate([top(0, self.users_n), top(1, self.items_n), ctx])
+
+    def samples(self, n: int, seed: int = 0) -> SampleBatch:
+        """``n`` samples shaped as :meth:`requests` (hashed user, item and 20-click history; context ids): an
+        ``onnx_int8_static`` artifact's calibration, as the refresh job takes it from its holdout."""
+        rng = np.random.default_rng(seed)  # its own: the requests' draws stay as they were
+
+        def ids(k: int, space: int) -> list[int]:
+            return [hash_value(int(x)) for x in (rng.zipf(1.1, k) - 1) % space]
+
+        return SampleBatch.from_columns(
+            impression_id=[f"cal-{seed}-{k}" for k in range(n)], ts=np.full(n, 1_750_000_000_000),
+            label=(rng.random(n) < 0.1).astype(np.int8), label_delay_ms=np.zeros(n, np.int64),
+            user_id=np.array(ids(n, self.users_n)), item_id=np.array(ids(n, self.items_n)),
+            history=[ids(HISTORY, self.items_n) for _ in range(n)],
+            context={"device": rng.integers(0, 16, n), "hour": np.full(n, 20),
+                     "genres": [[int(g)] for g in rng.integers(0, 64, n)]})
 
     def requests(self, n: int) -> list[bytes]:
         out = []
@@ -545,8 +563,9 @@ def freshness(stack: LocalStack, work: Path, probes: int) -> dict[str, float]:
 
 
 # -- main ----------------------------------------------------------------------------------------------
-FORMATS = "eager,torchscript,export,safetensors,onnx,onnx_int8,safetensors_bf16"
+FORMATS = "eager,torchscript,export,safetensors,onnx,onnx_int8,onnx_int8_static,safetensors_bf16"
 LABELS = {"safetensors": "safetensors (pickle-free)", "onnx": "onnx (ORT fp32)", "onnx_int8": "onnx_int8 (ORT INT8)",
+          "onnx_int8_static": "onnx_int8_static (ORT static INT8)",
           "safetensors_bf16": "safetensors_bf16 (bf16 MLP)"}
 
 
@@ -706,7 +725,8 @@ def main() -> int:
         for fmt in formats:
             root = work / f"serving-{fmt}"
             t1 = time.monotonic()
-            publish(root, build_artifact(ckpt, root, hot, format=fmt), keep=1)
+            calibration = [traffic.samples(250, seed=s) for s in range(4)] if fmt in CALIBRATED_FORMATS else None
+            publish(root, build_artifact(ckpt, root, hot, format=fmt, calibration=calibration), keep=1)
             print(f"{fmt}: artifact built in {time.monotonic() - t1:.1f}s", file=sys.stderr)
             current = read_current(root)
             assert current is not None

@@ -122,6 +122,7 @@ from learner import artifact, artifact_manifest, artifact_versions
 from learner import checkpoint as ckpt_io
 from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
+from learner.scorer import CALIBRATED_FORMATS
 from learner.tensorpack import SigningKey, load_signing_key
 from serving import stored_versions
 from serving.model import ScoringModel
@@ -548,8 +549,13 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
 
         stage = begin("build")
         t0 = time.monotonic()
+        batches: list[Any] | None = None  # the holdout, read here for a calibrated format (calibration_split)
+        calibration = None
+        if rs.format in CALIBRATED_FORMATS:
+            batches = validate.read_holdout(kafka, rs.holdout_messages, rs.holdout_timeout_s, between=stop.check)
+            calibration, batches = validate.calibration_split(batches, rs.format, rs.holdout_messages)
         staged = artifact.build_artifact(ckpt, root, hs.rows, format=rs.format, hot_stats=hs.stats, signing_key=key,
-                                         between=stop.check)
+                                         between=stop.check, calibration=calibration)
         timed(stage, t0)
         log.info("refresh: built %s", staged)
 
@@ -558,9 +564,10 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         new = ScoringModel.load(staged, signing_key=key, mapped=True)  # read about once: not copied
         stop.check()
         probe = validate.probe(new, ckpt, rs.probe_samples, rs.validate_tolerance, hot_rows=hs.rows,
-                               between=stop.check)
+                               between=stop.check, on=batches)  # read already for a calibrated format only
         live, live_problem = _live_model(root, key)
-        batches = validate.read_holdout(kafka, rs.holdout_messages, rs.holdout_timeout_s, between=stop.check)
+        if batches is None:
+            batches = validate.read_holdout(kafka, rs.holdout_messages, rs.holdout_timeout_s, between=stop.check)
         quality = validate.holdout(new, live, batches, rs.max_auc_drop, rs.max_int8_auc_drop, between=stop.check,
                                    switched_off=rs.holdout_messages == 0)
         if live_problem is not None and batches:

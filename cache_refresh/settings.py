@@ -75,11 +75,12 @@ class RefreshSettings:
     validate_tolerance: float = 1e-5  # max |artifact - learner fp32 eager| probability on the probe set
     probe_samples: int = 512
     holdout_messages: int = 50  # last N messages of the samples topic; 0 = no quality check (an onnx_int8 or
-    # safetensors_bf16 artifact is then published with a refresh_degraded warning: its AUC cost is not measured)
+    # safetensors_bf16 artifact is then published with a refresh_degraded warning: its AUC cost is not measured;
+    # onnx_int8_static is refused: it is calibrated on the oldest quarter of these messages, gated on the rest)
     holdout_timeout_s: float = 10.0
     max_auc_drop: float = 0.01  # fail when holdout AUC < live artifact's AUC - this
-    # reduced-precision formats (onnx_int8, safetensors_bf16): fail when the holdout AUC < the same artifact's
-    # fp32 AUC - this
+    # reduced-precision formats (onnx_int8, onnx_int8_static, safetensors_bf16): fail when the holdout AUC < the
+    # same artifact's fp32 AUC - this
     # (cache_refresh/validate.py; bench/onnx_int8.py measures the cost: ~1e-5 on its synthetic holdout)
     max_int8_auc_drop: float = 0.002
     # Redis
@@ -125,6 +126,11 @@ class RefreshSettings:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"[refresh] {name} must be a finite number (a negative one demands a gain), "
                                   f"got {value!r}")
+        if self.format is ArtifactFormat.ONNX_INT8_STATIC and self.holdout_messages <= 0:
+            raise ConfigError(f"[refresh] format = onnx_int8_static is calibrated on the holdout's older samples, but "
+                              f"holdout_messages = {self.holdout_messages} reads none: set holdout_messages (e.g. "
+                              f"{RefreshSettings.holdout_messages}), or use format = onnx_int8 (dynamic quantization: "
+                              "no calibration)")
         if self.misfire_grace_s > MAX_MISFIRE_GRACE_S:  # (a finite number > 0: check_durations above)
             raise ConfigError(f"[refresh] misfire_grace_s must be at most {MAX_MISFIRE_GRACE_S} seconds (366 days), "
                               f"got {self.misfire_grace_s!r}: a run is not caught up later than that (APScheduler's "

@@ -48,7 +48,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -75,10 +75,13 @@ from learner.artifact_versions import (
     new_version_name,
     resolve_inside,
 )
+from learner.batch import to_tensors
 from learner.config import parse_mlp
 from learner.features import FeatureConfig
 from learner.model import DeepFM
+from learner.row_mapper import RowMapper
 from learner.scorer import (
+    CALIBRATED_FORMATS,
     FORMATS,
     ONNX_FORMATS,
     PICKLE_FREE_FORMATS,
@@ -89,10 +92,12 @@ from learner.scorer import (
     Scorer,
     ScorerSpec,
     hot_buffers,
+    with_empty_user_row,
 )
 from learner.scorer_files import save_scorer
 from learner.tensorpack import PackError, SigningKey, pack, unpack
 from stream.files import finite_json, fsync_dir, open_entry, sha256_file, write_synced
+from stream.samples import SampleBatch
 
 __all__ = ["ArtifactFiles", "build_artifact", "eager_model", "map_table", "open_artifact", "read_id_maps", "read_table",
            "verify"]
@@ -119,9 +124,31 @@ def _dense_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # -- build -------------------------------------------------------------------------------------
+def _calibration_feeds(checkpoint: Mapping[str, Any], cfg: FeatureConfig, scorer: Scorer, table: torch.Tensor,
+                       batches: Sequence[SampleBatch] | None) -> list[dict[str, Any]]:
+    """The pooling graph's feeds for ``batches``' samples as serving scores them (dynamic ids mapped by the
+    checkpoint's id maps, each sample one candidate after an empty user row, cold rows from ``table``)."""
+    if not batches or not any(len(b) for b in batches):
+        raise ArtifactError("an onnx_int8_static artifact is calibrated on samples (its activation scales) and none "
+                            "were given: build it with calibration samples (the refresh job takes the older part of "
+                            "its holdout: [refresh] holdout_messages > 0), or build onnx_int8 (no calibration)")
+    from learner import onnx_scorer  # imports onnxruntime: only for this format
+
+    mapper = RowMapper.from_state(cfg, checkpoint.get("id_maps"), lookups_only=True)
+    requests = []
+    for batch in batches:
+        tb = to_tensors(batch, cfg)
+        mapper.apply(tb, 0.0, train=False)
+        if len(tb):
+            requests.append((tb.values.numpy(), with_empty_user_row(tb.offsets, cfg.num_fields).numpy(),
+                             tb.dense.numpy()))
+    return onnx_scorer.calibration_feeds(scorer, table.numpy(), requests)
+
+
 def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.ndarray, format: str = "torchscript",
                    hot_stats: dict[str, Any] | None = None, version: str | None = None,
-                   signing_key: SigningKey | None = None, between: Callable[[], object] | None = None) -> Path:
+                   signing_key: SigningKey | None = None, between: Callable[[], object] | None = None,
+                   calibration: Sequence[SampleBatch] | None = None) -> Path:
     """Stage a complete artifact for ``checkpoint`` under the publish root ``out_dir``; returns the staged dir.
 
     ``hot_rows`` (int64, any order, duplicates allowed) are global rows of the fused table placed in the
@@ -129,7 +156,9 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
     returns; ``cache_refresh.publish.publish`` makes it a version. On error nothing is left behind. With
     ``signing_key`` the manifest carries its ``signature`` (``learner/artifact_manifest.py``, "Signatures").
     ``between`` (a caller's stop check) is called between the units of the build (the scorer saved, each file
-    written, each file hashed): what it raises ends the build, its staged directory removed.
+    written, each file hashed): what it raises ends the build, its staged directory removed. ``calibration``:
+    the samples a :data:`CALIBRATED_FORMATS` artifact (``onnx_int8_static``) is calibrated on, scored as serving
+    scores them (the refresh job's older holdout samples); such a format without any is an ArtifactError.
     """
     between = between or (lambda: None)
     if format not in FORMATS:
@@ -154,6 +183,7 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
     scorer = Scorer(spec, hot_ids, hot_vectors)
     scorer.load_state_dict({**_dense_state(state), "hot_ids": hot_ids, "hot_vectors": hot_vectors})
     scorer.eval()
+    feeds = _calibration_feeds(checkpoint, cfg, scorer, table, calibration) if format in CALIBRATED_FORMATS else None
     between()
 
     version = version or new_version_name(root=root)  # after every version already in root
@@ -163,7 +193,7 @@ def build_artifact(checkpoint: Mapping[str, Any], out_dir: Path, hot_rows: np.nd
     staged.mkdir(parents=True, exist_ok=False)
     try:
         scorer_file = SCORER_FILES[format]
-        save_scorer(scorer, format, staged / scorer_file, spec, cfg)
+        save_scorer(scorer, format, staged / scorer_file, spec, cfg, calibration=feeds)
         between()
         write_synced(staged / COLD_FILE, lambda fh: np.save(fh, table.numpy(), allow_pickle=False))
         between()

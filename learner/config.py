@@ -106,6 +106,8 @@ class ArtifactFormat(Choice):
     SAFETENSORS = "safetensors"  # tensors only, rebuilt from the manifest's ScorerSpec: nothing is unpickled
     ONNX = "onnx"  # the dense part (FM + MLP) run by ONNX Runtime, tensors as safetensors (learner/onnx_scorer.py)
     ONNX_INT8 = "onnx_int8"  # the same with the MLP dynamically quantized to INT8 (CPU serving; not exact)
+    # the same statically quantized (fixed activation scales calibrated on samples: the refresh's holdout; not exact)
+    ONNX_INT8_STATIC = "onnx_int8_static"
     SAFETENSORS_BF16 = "safetensors_bf16"  # safetensors, the MLP run in bf16 (CPUs with native bf16; not exact)
 
 

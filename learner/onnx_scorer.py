@@ -44,6 +44,15 @@ tolerance, so the refresh probes its fp32 path (:meth:`OnnxScorer.torch_forward`
 the learner, and refuses it when its holdout AUC falls more than ``[refresh] max_int8_auc_drop`` below that fp32
 path's (``cache_refresh/validate.py``).
 
+Static INT8 (the ``onnx_int8_static`` format, ``scorer_int8_static.onnx``): ``quantize_static`` of the same graph
+(QOperator: ``QGemm`` with fixed activation scales, the ReLUs folded into them), the scales the min/max of each
+activation over calibration requests (:func:`calibration_feeds`: samples scored as the graph is fed them, their cold
+rows from the checkpoint's table; the refresh job's older holdout samples). ~50 us cheaper per call than the dynamic
+graph (no per-batch scale computation; bench/README.md, forty-fourth session), its scores differ from it (another
+rounding), so it is a format of its own, gated like ``onnx_int8``. A learner delta with dense weights cannot be
+recalibrated in serving (no samples there): such a scorer's graph is re-exported dynamically quantized, with a warning
+(:meth:`OnnxScorer.rebuild_session`), until the next refresh publishes a recalibrated artifact.
+
 TensorRT (issue 17): where ``onnxruntime-gpu`` with its TensorRT execution provider is installed and the scorer is
 loaded on a CUDA device, the same graph runs on TensorRT (fp16 allowed) as far as it takes its nodes, the rest on
 CUDA/CPU, built by ONNX Runtime on first use and cached (:func:`providers`); the hot table is then put on the device
@@ -62,7 +71,7 @@ import io
 import logging
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +89,7 @@ OPSET = 17
 INSTALL_HINT = "pip install 'streamrec[onnx]'"
 
 log = logging.getLogger("streamrec.onnx")
+Feeds = dict[str, Any]  # one call's inputs of the pooling graph, by name (REQUEST_INPUTS)
 
 
 class OnnxUnavailable(RuntimeError):
@@ -170,8 +180,9 @@ REQUEST_INPUTS = ("table", "pos", "given", "given_mask", "seg", "inv_len", "dens
 DENSE_INPUTS = ("pooled", "dense")  # DenseHead's graph: artifacts of input layout 2
 
 
-def export_request(scorer: Scorer, int8: bool = False) -> bytes:
-    """``scorer`` as a :class:`RequestHead` ONNX graph (dynamic sizes), optionally dynamically quantized to INT8."""
+def export_request(scorer: Scorer, int8: bool = False, calibration: list[Feeds] | None = None) -> bytes:
+    """``scorer`` as a :class:`RequestHead` ONNX graph (dynamic sizes), optionally quantized to INT8: dynamically
+    (``int8``), or statically with the activation scales calibrated on ``calibration`` (:func:`calibration_feeds`)."""
     head = RequestHead(scorer).eval().cpu()
     f, d = scorer.num_fields, scorer.dim
     b, n = 3, 5
@@ -186,6 +197,8 @@ def export_request(scorer: Scorer, int8: bool = False) -> bytes:
                           dynamo=False, opset_version=OPSET, input_names=list(REQUEST_INPUTS),
                           output_names=["prob"], dynamic_axes=dynamic)
     data = buf.getvalue()
+    if calibration is not None:
+        return quantize_int8_static(data, calibration)
     return quantize_int8(data) if int8 else data
 
 
@@ -229,6 +242,70 @@ def quantize_int8(model: bytes) -> bytes:
         finally:
             root.setLevel(level)
         return dst.read_bytes()
+
+
+def quantize_int8_static(model: bytes, calibration: list[Feeds]) -> bytes:
+    """ONNX Runtime's static quantization of the pooling graph ``model`` (QOperator: QGemm with fixed activation
+    scales, the ReLUs folded; int8 weights, uint8 activations), each activation's range the min/max over the
+    ``calibration`` feeds (:func:`calibration_feeds`). ValueError without any."""
+    if not calibration:
+        raise ValueError("static INT8 quantization needs calibration requests (samples scored as the graph is fed "
+                         "them); none were given")
+    _ort()
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.it = iter(calibration)
+
+        def get_next(self) -> Feeds | None:
+            return next(self.it, None)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
+        src.write_bytes(model)
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.ERROR)  # "consider pre-processing": advice for conv nets, not for an MLP
+        try:
+            quantize_static(str(src), str(dst), Reader(), quant_format=QuantFormat.QOperator,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                            op_types_to_quantize=["MatMul", "Gemm", "Relu"])
+        finally:
+            root.setLevel(level)
+        return dst.read_bytes()
+
+
+def request_feeds(table: Any, pos: np.ndarray, given: np.ndarray, given_mask: np.ndarray, offsets: np.ndarray,
+                  dense: np.ndarray) -> Feeds:
+    """The pooling graph's feeds (:data:`REQUEST_INPUTS`) for one request: ``table`` the hot rows as the graph is fed
+    them, the rest as :meth:`OnnxScorer.score_rows` takes them."""
+    lengths = offsets[1:] - offsets[:-1]  # (F + F*B,)
+    return {"table": table, "pos": pos, "given": np.ascontiguousarray(given), "given_mask": given_mask,
+            "seg": np.repeat(np.arange(len(lengths), dtype=np.int64), lengths),  # (N,) each value's bag
+            "inv_len": 1.0 / np.maximum(lengths, 1).astype(np.float32),  # (F + F*B,)
+            "dense": np.ascontiguousarray(dense)}
+
+
+def calibration_feeds(scorer: Scorer, table: np.ndarray,
+                      requests: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[Feeds]:
+    """The feeds ``scorer``'s pooling graph gets for ``requests`` (values (N,) global rows, offsets (F + F*B + 1,) in
+    the user-row layout, dense (B, Dd)), every row that is not hot given from ``table`` (the whole fused table,
+    (rows, D + 1) float32): what serving feeds it for them (``serving.model.ScoringModel``, before any delta)."""
+    hot_ids = scorer.hot_ids
+    assert isinstance(hot_ids, torch.Tensor)
+    ids = hot_ids.cpu().numpy()
+    vectors = scorer.hot_vectors
+    assert isinstance(vectors, torch.Tensor)
+    hot_table = vectors.detach().cpu().float().contiguous().numpy()
+    out = []
+    for values, offsets, dense in requests:
+        pos = np.searchsorted(ids, values)  # (N,) in [0, H]: the sentinel is last
+        cold = ids[pos] != values
+        given = np.zeros((len(values), table.shape[1]), np.float32)
+        given[cold] = table[values[cold]]
+        out.append(request_feeds(hot_table, pos, given, cold, offsets, dense.astype(np.float32, copy=False)))
+    return out
 
 
 def providers(device: str, available: list[str] | None = None,
@@ -318,9 +395,10 @@ class OnnxScorer(Scorer):
     (the pooling in torch). ``pools`` says which (True: the pooling graph)."""
 
     def __init__(self, spec: ScorerSpec, hot_ids: torch.Tensor, hot_vectors: torch.Tensor, model: bytes,
-                 int8: bool = False, device: str = "cpu") -> None:
+                 int8: bool = False, device: str = "cpu", static: bool = False) -> None:
         super().__init__(spec, hot_ids, hot_vectors)
-        self.int8 = int8
+        self.int8 = int8 or static
+        self.static = static  # statically quantized (calibrated at build time)
         self.ort_device = str(device)
         self._box = Held(self._session(model))
         self.pools = self._box.value.get_inputs()[0].name == REQUEST_INPUTS[0]
@@ -346,7 +424,13 @@ class OnnxScorer(Scorer):
 
     def rebuild_session(self) -> None:
         """Re-export the graph from this module's (updated) weights: a learner delta's dense weights. Always a
-        :class:`RequestHead` graph (an older artifact's scorer too: the same scores, one call)."""
+        :class:`RequestHead` graph (an older artifact's scorer too: the same scores, one call). A statically
+        quantized scorer has no samples here to recalibrate on: its new graph is dynamically quantized (warned)."""
+        if self.static:
+            log.warning("a dense delta on a statically quantized INT8 scorer (onnx_int8_static): its graph is "
+                        "re-exported dynamically quantized (no calibration samples in serving); the next refresh "
+                        "publishes a recalibrated artifact")
+            self.static = False
         self._box = Held(self._session(export_request(self, self.int8)))
         self.pools = True
 
@@ -387,21 +471,16 @@ class OnnxScorer(Scorer):
         value's position among the hot rows (``searchsorted`` of the sorted ``hot_ids``; any value where
         ``given_mask``), ``given`` (N, D + 1) float32, ``given_mask`` (N,) bool, ``offsets`` (F + F*B + 1,) int64,
         ``dense`` (B, Dd) float32 -> probabilities (B,) float32. Only for a graph that :attr:`pools`."""
-        lengths = offsets[1:] - offsets[:-1]  # (F + F*B,)
-        feeds = {"table": self._hot_table(), "pos": pos, "given": np.ascontiguousarray(given),
-                 "given_mask": given_mask,
-                 "seg": np.repeat(np.arange(len(lengths), dtype=np.int64), lengths),  # (N,) each value's bag
-                 "inv_len": 1.0 / np.maximum(lengths, 1).astype(np.float32),  # (F + F*B,)
-                 "dense": np.ascontiguousarray(dense)}
+        feeds = request_feeds(self._hot_table(), pos, given, given_mask, offsets, dense)
         return self._box.value.run(None, feeds)[0]  # (B,)
 
 
-def save(scorer: Scorer, path: Path, int8: bool = False) -> list[str]:
-    """Write ``path`` (the :class:`RequestHead` graph, INT8 with ``int8``) and its sibling :data:`STATE_FILE`;
-    returns both names."""
+def save(scorer: Scorer, path: Path, int8: bool = False, calibration: list[Feeds] | None = None) -> list[str]:
+    """Write ``path`` (the :class:`RequestHead` graph, INT8 with ``int8``, statically quantized on ``calibration``
+    where given) and its sibling :data:`STATE_FILE`; returns both names."""
     import safetensors.torch
 
-    model = export_request(scorer, int8)
+    model = export_request(scorer, int8, calibration)
     write_synced(path, lambda fh: fh.write(model))
     state = {k: v.detach().cpu().contiguous() for k, v in scorer.state_dict().items()}
     data = safetensors.torch.save(state, metadata={"streamrec": "scorer", "format": "onnx"})
@@ -410,7 +489,7 @@ def save(scorer: Scorer, path: Path, int8: bool = False) -> list[str]:
 
 
 def load(graph: bytes, state_bytes: bytes, path: Path, spec: ScorerSpec, device: str,
-         int8: bool = False) -> OnnxScorer:
+         int8: bool = False, static: bool = False) -> OnnxScorer:
     """The scorer of an ``onnx`` artifact from the bytes of ``path`` (the graph) and of its sibling
     :data:`STATE_FILE` (``state_bytes``; nothing is unpickled), as the loader read them from the files it checked
     (``learner.scorer_files.load_scorer``). OnnxUnavailable without onnxruntime; ValueError for a graph that does not
@@ -419,7 +498,7 @@ def load(graph: bytes, state_bytes: bytes, path: Path, spec: ScorerSpec, device:
 
     _ort()  # the clear error first, before anything is decoded
     state = safetensors.torch.load(state_bytes)
-    scorer = OnnxScorer(spec, state["hot_ids"], state["hot_vectors"], graph, int8=int8, device=device)
+    scorer = OnnxScorer(spec, state["hot_ids"], state["hot_vectors"], graph, int8=int8, device=device, static=static)
     if scorer.pools != (spec.input_layout == POOLING_GRAPH_LAYOUT):
         raise ValueError(f"{path}: the manifest says scorer input layout {spec.input_layout} but the graph takes "
                          f"{', '.join(i.name for i in scorer._box.value.get_inputs())}")

@@ -42,6 +42,8 @@ The same ``Scorer`` class is stored seven ways behind one interface (``learner/s
   beside it (``learner/onnx_scorer.py``; ``pip install 'streamrec[onnx]'``);
   ``onnx_int8`` the same with the dense graph dynamically quantized to INT8: not exact, so the refresh checks its
   fp32 weights against the learner and its holdout AUC against its own fp32 scores (``max_int8_auc_drop``);
+  ``onnx_int8_static`` statically quantized instead (fixed activation scales calibrated at build time on samples:
+  :data:`CALIBRATED_FORMATS`), validated as ``onnx_int8``;
 * ``safetensors_bf16`` - the ``safetensors`` file (fp32 tensors, nothing unpickled), its MLP run in bf16
   (:class:`Bf16Scorer`: a bf16 copy of the MLP's weights made at load and after each dense delta; pooling, first
   order, FM and the output in fp32). For CPUs with native bf16 matmuls (AVX512-BF16 or AMX,
@@ -72,14 +74,18 @@ from learner.model import DenseArch, FMInteraction
 FORMATS = tuple(f.value for f in ArtifactFormat)
 SCORER_FILES = {"torchscript": "scorer.pt", "export": "scorer.pt2", "eager": "scorer_state.pt",
                 "safetensors": "scorer.safetensors", "onnx": "scorer.onnx", "onnx_int8": "scorer_int8.onnx",
-                "safetensors_bf16": "scorer.safetensors"}
+                "onnx_int8_static": "scorer_int8_static.onnx", "safetensors_bf16": "scorer.safetensors"}
 # Files a format reads beside SCORER_FILES[fmt] (listed and checked in the manifest like it): ``onnx`` keeps the
 # scorer's tensors (hot rows, dense weights) as safetensors next to the dense graph (learner/onnx_scorer.py).
-SCORER_EXTRA_FILES: dict[str, tuple[str, ...]] = {"onnx": ("scorer.safetensors",), "onnx_int8": ("scorer.safetensors",)}
+SCORER_EXTRA_FILES: dict[str, tuple[str, ...]] = {"onnx": ("scorer.safetensors",), "onnx_int8": ("scorer.safetensors",),
+                                                   "onnx_int8_static": ("scorer.safetensors",)}
 # formats whose every file loads without unpickling
-PICKLE_FREE_FORMATS = ("safetensors", "onnx", "onnx_int8", "safetensors_bf16")
+PICKLE_FREE_FORMATS = ("safetensors", "onnx", "onnx_int8", "onnx_int8_static", "safetensors_bf16")
 # Not exact (reduced precision: INT8, and bf16 alike): validated by their holdout AUC cost (cache_refresh/validate.py)
-REDUCED_PRECISION_FORMATS = ("onnx_int8", "safetensors_bf16")
+REDUCED_PRECISION_FORMATS = ("onnx_int8", "onnx_int8_static", "safetensors_bf16")
+# Quantized with activation scales calibrated on samples at build time (``build_artifact``'s ``calibration``: the
+# refresh job's older holdout samples, cache_refresh/validate.py ``calibration_split``)
+CALIBRATED_FORMATS = ("onnx_int8_static",)
 _SENTINEL = torch.iinfo(torch.int64).max  # a row id no table reaches: keeps searchsorted in bounds
 # The scorer's input layouts (manifest ``scorer.input_layout``; module docstring):
 CANDIDATE_ROWS_LAYOUT = 1  # every bag per candidate, offsets (F*B + 1,): artifacts from before issue 17
@@ -89,7 +95,8 @@ USER_ROW_LAYOUT = 2  # the user row's F bags, then the candidates' F*B bags: off
 # new to it) instead of failing on the graph's inputs.
 POOLING_GRAPH_LAYOUT = 3
 SCORER_LAYOUTS = (CANDIDATE_ROWS_LAYOUT, USER_ROW_LAYOUT, POOLING_GRAPH_LAYOUT)
-ONNX_FORMATS = ("onnx", "onnx_int8")
+ONNX_FORMATS = ("onnx", "onnx_int8", "onnx_int8_static")
+INT8_FORMATS = ("onnx_int8", "onnx_int8_static")  # ONNX graphs quantized to INT8
 
 
 # -- the scorer ----------------------------------------------------------------------------------

@@ -12,14 +12,14 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 from torch import nn
 from torch.fx.experimental import _config as fx_config
 
 from learner.features import FeatureConfig
-from learner.scorer import FORMATS, SCORER_FILES, Bf16Scorer, Scorer, ScorerSpec
+from learner.scorer import FORMATS, INT8_FORMATS, ONNX_FORMATS, SCORER_FILES, Bf16Scorer, Scorer, ScorerSpec
 from stream.files import write_synced
 
 
@@ -50,12 +50,15 @@ def _export_inputs(spec: ScorerSpec, cfg: FeatureConfig) -> tuple[torch.Tensor, 
             torch.zeros(n, dtype=torch.bool))
 
 
-def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: FeatureConfig) -> None:
-    """Write ``path`` (``SCORER_FILES[fmt]``) and, in its directory, the format's ``SCORER_EXTRA_FILES``."""
-    if fmt in ("onnx", "onnx_int8"):
+def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: FeatureConfig,
+                calibration: list[dict[str, Any]] | None = None) -> None:
+    """Write ``path`` (``SCORER_FILES[fmt]``) and, in its directory, the format's ``SCORER_EXTRA_FILES``.
+    ``calibration``: an ``onnx_int8_static`` graph's calibration feeds (``onnx_scorer.calibration_feeds``)."""
+    if fmt in ONNX_FORMATS:
         from learner import onnx_scorer  # only these formats need torch.onnx and onnxruntime
 
-        onnx_scorer.save(scorer, path, int8=fmt == "onnx_int8")
+        onnx_scorer.save(scorer, path, int8=fmt in INT8_FORMATS,
+                         calibration=calibration if fmt == "onnx_int8_static" else None)
     elif fmt == "torchscript":
         with _quiet_torchscript():
             scripted = torch.jit.script(scorer)
@@ -96,11 +99,11 @@ def load_scorer(fmt: str, files: OpenFiles, spec: ScorerSpec, device: str) -> nn
     if name is None:
         raise ValueError(f"unknown artifact format {fmt!r}; this streamrec reads {', '.join(FORMATS)}")
     path = files.path(name)
-    if fmt in ("onnx", "onnx_int8"):
+    if fmt in ONNX_FORMATS:
         from learner import onnx_scorer  # imports onnxruntime: only when an ONNX artifact is loaded
 
         return onnx_scorer.load(files[name].read(), files[onnx_scorer.STATE_FILE].read(), path, spec, device,
-                                int8=fmt == "onnx_int8")
+                                int8=fmt in INT8_FORMATS, static=fmt == "onnx_int8_static")
     if fmt == "torchscript":
         with _quiet_torchscript():
             return torch.jit.load(files[name], map_location=device).eval()

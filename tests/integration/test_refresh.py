@@ -257,6 +257,34 @@ def test_the_int8_bound_comes_from_the_settings_and_refuses_an_int8_artifact_pas
     _assert_nothing_published(rs, Path(published["path"]), [published["version"]])
 
 
+def test_a_static_int8_artifact_is_calibrated_on_the_older_holdout_gated_on_the_newer_and_served(env) -> None:
+    """onnx_int8_static through the refresh job: the oldest of the 4 holdout messages calibrates it, the 3 newer
+    (600 samples) measure its AUC cost against its fp32 path; published, serving loads it and scores within the INT8
+    probe bound of fp32; refused past max_int8_auc_drop; too small a holdout to calibrate on: the error names the
+    setting, nothing is published."""
+    rs, kafka, rds = env
+    published = job.run_once(dataclasses.replace(rs, format="onnx_int8_static"), kafka, rds)
+    assert published["format"] == "onnx_int8_static"
+    assert published["holdout"]["int8"]["fp32"]["samples"] == published["holdout"]["new"]["samples"] == 600
+    # bounded on the measured holdout samples; on the random probe (off-distribution) only recorded
+    assert 0 < published["probe"]["int8_max_abs_diff_on_samples"] < validate.INT8_PROBE_BOUND
+    assert published["probe"]["int8_max_abs_diff"] > 0
+    served = ScoringModel.load(Path(published["path"]))
+    assert served.format == "onnx_int8_static"
+    tb = to_tensors(sample_batch(np.random.default_rng(5), 200), CFG)  # requests as the traffic makes them
+    served.map_batch(tb)
+    diff = (served.score(tb.values, tb.offsets, tb.dense) - served.score(tb.values, tb.offsets, tb.dense, fp32=True))
+    assert 0 < float(diff.abs().max()) < validate.INT8_PROBE_BOUND
+    strict = dataclasses.replace(rs, format="onnx_int8_static", max_int8_auc_drop=-1.0)
+    with pytest.raises(job.RefreshError, match="at validate: holdout: onnx_int8_static AUC .* max_int8_auc_drop -1"):
+        job.run_once(strict, kafka, rds)
+    few = dataclasses.replace(rs, format="onnx_int8_static", holdout_messages=1)
+    with pytest.raises(job.RefreshError, match=r"at build: format onnx_int8_static is calibrated on the holdout's "
+                                               r"older samples.*raise \[refresh\] holdout_messages \(now 1\)"):
+        job.run_once(few, kafka, rds)
+    _assert_nothing_published(rs, Path(published["path"]), [published["version"]])
+
+
 def test_a_publish_that_could_not_check_what_it_should_sends_a_refresh_degraded_warning(env, tmp_path: Path) -> None:
     """Published, but an operator must look: the live version exists yet does not load with this run's key (a key
     rotation), so the holdout comparison was skipped; the newest checkpoint was refused (diverged) and an older one
