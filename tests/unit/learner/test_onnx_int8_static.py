@@ -31,7 +31,7 @@ from tests.unit.learner.test_artifact import CFG, make_checkpoint, probe, refere
 TOL = 1e-6
 
 
-def _samples(n: int = 400, seed: int = 0, ts: int = 1_750_000_000_000) -> SampleBatch:
+def calibration_samples(n: int = 400, seed: int = 0, ts: int = 1_750_000_000_000) -> SampleBatch:
     """Samples of test_artifact's CFG and of the small config below (the same field names)."""
     rng = np.random.default_rng(seed)
     return SampleBatch.from_columns(
@@ -53,7 +53,7 @@ def ckpt() -> dict:
 def static_model(ckpt: dict, tmp_path_factory: pytest.TempPathFactory) -> ScoringModel:
     root = tmp_path_factory.mktemp("int8_static")
     return ScoringModel.load(build_artifact(ckpt, root, np.arange(0, CFG.num_rows, 4), format="onnx_int8_static",
-                                            calibration=[_samples(300, seed=1)]))
+                                            calibration=[calibration_samples(300, seed=1)]))
 
 
 def test_static_int8_saves_a_qgemm_graph_and_scores_within_the_int8_probe_bound_of_fp32(
@@ -78,7 +78,7 @@ def test_the_calibration_feeds_are_what_serving_feeds_the_graph_for_the_same_sam
     the hot rows' positions, each sample a candidate after an empty user row) equal serving's for that batch."""
     from learner import artifact
 
-    batch = _samples(200, seed=9)
+    batch = calibration_samples(200, seed=9)
     scorer = static_model._live.scorer
     table = ckpt["model"]["sparse.bag.weight"].float()
     [built] = artifact._calibration_feeds(ckpt, CFG, scorer, table, [batch])
@@ -92,7 +92,7 @@ def test_the_calibration_feeds_are_what_serving_feeds_the_graph_for_the_same_sam
 
 
 def test_static_int8_without_calibration_samples_is_refused_naming_the_fix(ckpt: dict, tmp_path: Path) -> None:
-    for none in (None, [], [_samples(0)]):
+    for none in (None, [], [calibration_samples(0)]):
         with pytest.raises(ArtifactError, match=r"onnx_int8_static .* calibrat.*holdout_messages > 0.*onnx_int8"):
             build_artifact(ckpt, tmp_path, np.arange(10), format="onnx_int8_static", calibration=none)
     assert not list(tmp_path.rglob("*.onnx"))  # nothing staged is left behind
@@ -108,13 +108,15 @@ def test_the_refresh_refuses_static_int8_with_no_holdout_at_load() -> None:
 
 def test_the_holdout_is_split_by_time_older_messages_calibrate_newer_ones_measure() -> None:
     t = 1_750_000_000_000
-    newest, older, oldest, middle = (_samples(150, seed=s, ts=t + dt) for s, dt in ((1, 30), (2, 10), (3, 0), (4, 20)))
+    newest, older, oldest, middle = (calibration_samples(150, seed=s, ts=t + dt)
+                                     for s, dt in ((1, 30), (2, 10), (3, 0), (4, 20)))
     calib, measured = validate.calibration_split([newest, older, oldest, middle], "onnx_int8_static", 4)
     assert calib == [oldest] and measured == [older, middle, newest]
-    eight = [_samples(60, seed=s, ts=t + s) for s in range(8)]
+    eight = [calibration_samples(60, seed=s, ts=t + s) for s in range(8)]
     calib, measured = validate.calibration_split(eight[::-1], "onnx_int8_static", 8)
     assert calib == eight[:2] and measured == eight[2:]  # the oldest quarter; 120 samples
-    for few, messages in (([_samples(400)], 1), ([_samples(50), _samples(50)], 2), ([], 4), ([], 0)):
+    two_small = [calibration_samples(50), calibration_samples(50)]
+    for few, messages in (([calibration_samples(400)], 1), (two_small, 2), ([], 4), ([], 0)):
         with pytest.raises(validate.ValidationFailed, match=r"onnx_int8_static is calibrated on the holdout's "
                                                             r"older samples.*holdout_messages.*onnx_int8"):
             validate.calibration_split(few, "onnx_int8_static", messages)
@@ -128,11 +130,12 @@ def test_static_int8_is_gated_by_its_auc_cost_and_refused_beyond_the_bound(tmp_p
     ck = {"meta": {"feature_config": cfg.to_dict(), "samples_trained": 10, "model": {"mlp": "32,16", "dropout": 0.0}},
           "model": model.state_dict(), "path": "/ckpt/y.pt"}
     hot = np.arange(0, cfg.num_rows, 3)
-    staged = build_artifact(ck, tmp_path, hot, format="onnx_int8_static", calibration=[_samples(300, seed=5)])
+    staged = build_artifact(ck, tmp_path, hot, format="onnx_int8_static",
+                            calibration=[calibration_samples(300, seed=5)])
     new = ScoringModel.load(staged)
     result = validate.probe(new, ck, 512, 1e-5, hot_rows=hot)
     assert result["max_abs_diff"] <= TOL and 0 < result["int8_max_abs_diff"] < validate.INT8_PROBE_BOUND
-    batch = _samples(400, seed=6)
+    batch = calibration_samples(400, seed=6)
     on = validate.probe(new, ck, 512, 1e-5, hot_rows=hot, on=[batch])  # its INT8 bounded on samples: recorded
     assert 0 < on["int8_max_abs_diff_on_samples"] < validate.INT8_PROBE_BOUND
     out = validate.holdout(new, None, [batch], max_auc_drop=0.01, max_int8_auc_drop=0.01)
@@ -146,7 +149,7 @@ def test_static_int8_is_gated_by_its_auc_cost_and_refused_beyond_the_bound(tmp_p
 def test_a_dense_delta_on_static_int8_requantizes_dynamically_and_says_so(
         ckpt: dict, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = ScoringModel.load(build_artifact(ckpt, tmp_path, np.arange(10), format="onnx_int8_static",
-                                             calibration=[_samples(300)]))
+                                             calibration=[calibration_samples(300)]))
     values, offsets, dense = probe(CFG, b=64, seed=30)
     other = make_checkpoint(seed=8)
     with caplog.at_level(logging.WARNING, logger="streamrec.onnx"):

@@ -15,9 +15,10 @@ import torch
 from learner.artifact import build_artifact
 from serving.model import ScoringModel
 from tests.unit.learner.test_artifact import CFG, make_checkpoint
+from tests.unit.learner.test_onnx_int8_static import calibration_samples
 from tests.unit.learner.test_onnx_scorer import request_probe
 
-FORMATS = ["torchscript", "safetensors", "onnx", "onnx_int8"]
+FORMATS = ["torchscript", "safetensors", "onnx", "onnx_int8", "onnx_int8_static"]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,9 @@ def ckpt() -> dict:
 @pytest.mark.parametrize("b", [1, 100])
 def test_score_arrays_equals_score_request_bit_for_bit_with_cold_rows_and_overrides(
         ckpt: dict, tmp_path: Path, fmt: str, b: int) -> None:
-    model = ScoringModel.load(build_artifact(ckpt, tmp_path, np.arange(0, CFG.num_rows, 4), format=fmt))
+    calibration = [calibration_samples(200)] if fmt == "onnx_int8_static" else None
+    model = ScoringModel.load(build_artifact(ckpt, tmp_path, np.arange(0, CFG.num_rows, 4), format=fmt,
+                                             calibration=calibration))
     values, offsets, dense = request_probe(CFG, b, seed=70 + b)  # (N,), (F + F*B + 1,), (B, Dd)
     arrays = (values.numpy(), offsets.numpy(), dense.numpy())
 
