@@ -49,6 +49,7 @@ import numpy as np
 import orjson
 
 from serving.history import HistoryReader
+from serving.history_cache import HistoryCache
 from serving.lookup_counts import LookupCounts
 from serving.metrics import ServingMetrics
 from serving.request import RequestError, ScoreRequest, openapi, read_batch, read_request
@@ -82,14 +83,15 @@ def _error(status: int, message: str) -> Response:
 class ScoringApp:
     def __init__(self, settings: ServeSettings, holder: ModelHolder, metrics: ServingMetrics,
                  history: UserHistory | None, history_len: int = 50, version: str = "0",
-                 lookups: LookupCounts | None = None, limits: EventLimits = DEFAULT_LIMITS) -> None:
+                 lookups: LookupCounts | None = None, limits: EventLimits = DEFAULT_LIMITS,
+                 history_cache: HistoryCache | None = None) -> None:
         self.s, self.holder, self.metrics, self.history = settings, holder, metrics, history
         self.limits = limits  # [limits]: the joiner's bounds on ids and context, so what it trained on is scored
         # Per-id row lookups, counted for the nightly hot set (serving/lookup_counts.py); None: not counted.
         self._observe = lookups.add if lookups is not None else None
         self.history_len = history_len
         self.history_reader = HistoryReader(history, history_len, metrics,
-                                            retry_after_s=settings.history_retry_after_s)
+                                            retry_after_s=settings.history_retry_after_s, cache=history_cache)
         self.draining = False  # set at shutdown: /readyz turns 503 so balancers stop sending
         self.in_flight = 0
         self.admitted = 0  # requests holding an admission slot (see admission)

@@ -24,6 +24,11 @@ parser, so serving sees exactly the clicks training saw). Degraded modes, each c
 * Any other Redis error is counted as unavailable too. ``streamrec_serving_history_errors_total`` counts
   every failed read of either of the last two kinds.
 
+**History cache** (``[serve] history_cache_users``, ``serving/history_cache.py``): users whose histories are kept in the
+process, fresh by Redis's invalidation messages, are answered without a read (:meth:`HistoryReader.start` reads only
+the others); with the cache's listener disconnected every user is read as without it, so the degraded modes above are
+unchanged.
+
 The read is sent early and collected late (:meth:`HistoryReader.start`, over ``UserHistory.as_of_later``): the app
 sends it as soon as it knows the user, encodes the candidates while Redis answers, and collects the answer when the
 encoder reaches the history, last. It always collects it, also when the request failed in between (a 422 from the
@@ -49,6 +54,7 @@ from typing import Any
 
 import redis
 
+from serving.history_cache import Fill, HistoryCache
 from serving.metrics import ServingMetrics
 from stream.history import UserHistory
 from stream.keyspace import KeyspaceWatch
@@ -102,8 +108,9 @@ class HistoryReader:
 
     def __init__(self, history: UserHistory | None, history_len: int, metrics: ServingMetrics,
                  retry_after_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 log_every_s: float = 10.0) -> None:
+                 log_every_s: float = 10.0, cache: HistoryCache | None = None) -> None:
         self.history, self.history_len, self.metrics = history, history_len, metrics
+        self.cache = cache  # users' histories kept in process (serving/history_cache.py); None: every one read
         self.retry_after_s, self.clock, self.log_every_s = retry_after_s, clock, log_every_s
         self._skip_until = -float("inf")
         self._logged: dict[str, float] = {}
@@ -144,18 +151,47 @@ class HistoryReader:
         if self.clock() < self._skip_until:
             self.metrics.history_unavailable.inc()
             return _constant([[] for _ in users])
+        if self.cache is None:
+            return self._send(users, None)
+        hits, fill = self.cache.lookup(users)
+        if not hits:
+            return self._send(users, fill)
+        missing = [u for u in dict.fromkeys(users) if u not in hits]
+        if not missing:  # every user cached: no Redis read at all
+            return _constant([hits[u].tolist() for u in users])
+        read = self._send(missing, fill)
+
+        def merge() -> list[list[int]]:
+            got = dict(zip(missing, read(), strict=True))
+            return [hits[u].tolist() if u in hits else got[u][:] for u in users]
+
+        return _once(merge)
+
+    def _send(self, users: list[int], fill: Fill | None) -> Callable[[], list[list[int]]]:
+        """:meth:`start`'s Redis read of ``users``; ``fill`` (the cache's, or None) takes a clean answer."""
+        assert self.history is not None  # start answers without one
         far = [_FAR_FUTURE_MS] * len(users)
         later = getattr(self.history, "as_of_later", None)
         if later is None:  # a reader with as_of only: it reads when collected
             history = self.history
-            return _once(lambda: self._finish(users, lambda: history.as_of(users, far)))
+            return _once(lambda: self._finish(users, lambda: history.as_of(users, far), fill))
         try:
             pending = later(users, far)
         except Exception as exc:  # noqa: BLE001 - sorted out by _finish exactly as a failed answer is
-            return _constant(self._finish(users, _raiser(exc)))
-        return _once(lambda: self._finish(users, pending))
+            return _constant(self._finish(users, _raiser(exc), fill))
+        return _once(lambda: self._finish(users, pending, fill))
 
-    def _finish(self, users: list[int], fetch: Callable[[], list[list[int]]]) -> list[list[int]]:
+    def _finish(self, users: list[int], fetch: Callable[[], list[list[int]]],
+                fill: Fill | None = None) -> list[list[int]]:
+        """The collected read, or what each failure gives (module docstring); ``fill`` caches a clean answer only."""
+        try:
+            return self._collect(users, fetch, fill)
+        finally:
+            if fill is not None:
+                fill.close()  # the users not cached by a clean answer: no longer pending
+
+    def _collect(self, users: list[int], fetch: Callable[[], list[list[int]]],
+                 fill: Fill | None) -> list[list[int]]:
         try:
             hists = fetch()
         except _UNAVAILABLE as exc:
@@ -166,7 +202,10 @@ class HistoryReader:
             return self._unavailable(len(users), exc)
         if not all(_valid(h) for h in hists):
             return self._per_user(users)
-        return [h[-self.history_len:] for h in hists]
+        out = [h[-self.history_len:] for h in hists]
+        if fill is not None:
+            fill.done(users, out)
+        return out
 
     def _per_user(self, users: list[int]) -> list[list[int]]:
         """The batch read failed on malformed data: read each distinct user alone, empty for the bad ones."""

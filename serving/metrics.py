@@ -42,6 +42,14 @@
                                                             parser (stream/history.py) since this service
                                                             started (a process-wide count: serving processes
                                                             read history on the request path only)
+    streamrec_serving_history_cache_users_total{result}     users looked up in the history cache
+                                                            ([serve] history_cache_users, serving/history_cache.py):
+                                                            hit (no Redis read) | miss (read from Redis)
+    streamrec_serving_history_cache_invalidations_total{kind}  Redis invalidation messages applied: key (a user's
+                                                            list changed) | all (Redis flushed)
+    streamrec_serving_history_cache_entries                 users cached now
+    streamrec_serving_history_cache_listener_up             1 while the invalidation listener is connected with
+                                                            tracking on (the cache is used), else 0
     streamrec_serving_in_flight                             requests being served
     streamrec_serving_embedding_cache_rows_total{result}    layered mode: rows looked up in the LRU of rows
                                                             fetched from Redis, hit | miss
@@ -264,6 +272,23 @@ class ServingMetrics:
                                "skipped when read (as the joiner skips them), since this service started.",
                                HISTORY_MALFORMED))  # type: ignore[arg-type]
         self.in_flight = Gauge("streamrec_serving_in_flight", "Requests being served.", registry=r)
+        # the history cache (serving/history_cache.py); 0 when [serve] history_cache_users = 0
+        self.history_cache_users = Counter("streamrec_serving_history_cache_users", "Users looked up in the history "
+                                           "cache, by result (hit: no Redis read, miss: read from Redis).",
+                                           ["result"], registry=r)
+        for result in ("hit", "miss"):
+            self.history_cache_users.labels(result)
+        self.history_cache_invalidations = Counter("streamrec_serving_history_cache_invalidations", "Redis "
+                                                   "invalidation messages applied to the history cache, by kind "
+                                                   "(key: one user's list changed, all: Redis flushed).", ["kind"],
+                                                   registry=r)
+        for kind in ("key", "all"):
+            self.history_cache_invalidations.labels(kind)
+        self.history_cache_entries = Gauge("streamrec_serving_history_cache_entries", "Users in the history cache.",
+                                           registry=r)
+        self.history_cache_up = Gauge("streamrec_serving_history_cache_listener_up", "1 while the history cache's "
+                                      "invalidation listener is connected with tracking on (the cache is in use).",
+                                      registry=r)
         # the layered mode (serving/embedding_store.py); 0 in the in_process mode
         self.embedding_cache_rows = Counter("streamrec_serving_embedding_cache_rows", "Layered mode: non-hot rows "
                                             "looked up in the LRU of rows fetched from Redis, by result (hit, miss).",

@@ -20,6 +20,7 @@ from learner.tensorpack import load_signing_key
 from serving.app import ScoringApp
 from serving.embedding_store import RedisEmbeddingStore
 from serving.history import EmptiedRedisWatch
+from serving.history_cache import HistoryCache
 from serving.http_server import Server, make_server
 from serving.lookup_counts import LookupCounts
 from serving.metrics import ServingMetrics
@@ -73,6 +74,7 @@ class ScoringService:
         self.metrics = ServingMetrics(self.holder.model)
         history = None
         self.emptied: EmptiedRedisWatch | None = None
+        self.history_cache: HistoryCache | None = None
         self.redis: redis.Redis | None = None
         self.pubsub_redis: redis.Redis | None = None
         prefix = "streamrec"
@@ -90,6 +92,9 @@ class ScoringService:
             history = UserHistory(self.redis, prefix=redis_settings.prefix, max_len=4 * redis_settings.history_len)
             # An emptied Redis said, off the request path (serving/history.py, "Redis emptied")
             self.emptied = EmptiedRedisWatch(self.redis, redis_settings.prefix, self.metrics)
+            if settings.history_cache_users:  # repeat users' histories in process (serving/history_cache.py)
+                self.history_cache = HistoryCache(self.redis, redis_settings.prefix, settings.history_cache_users,
+                                                  self.metrics)
             # The update channels: reads bounded by the default command timeout, redis-py's retries.
             self.pubsub_redis = connect(redis_settings, connect_timeout_s=2.0)
         signing_key = load_signing_key(settings.signing_key_file)
@@ -114,7 +119,7 @@ class ScoringService:
                                         flush_timeout_s=settings.lookup_counts_timeout_s)
         self.app = ScoringApp(settings, self.holder, self.metrics, history,
                               history_len=redis_settings.history_len if redis_settings else 50, version=version,
-                              lookups=self.lookups, limits=limits)
+                              lookups=self.lookups, limits=limits, history_cache=self.history_cache)
         self.server: Server | None = None
 
     @property
@@ -134,6 +139,8 @@ class ScoringService:
             self._check_redis()
             if self.emptied is not None:
                 self.emptied.start()
+            if self.history_cache is not None:
+                self.history_cache.start()
             self.updater.start()
             if self.lookups is not None:
                 self.lookups.start()
@@ -179,6 +186,8 @@ class ScoringService:
         steps.append(self.updater.stop)
         if self.emptied is not None:
             steps.append(self.emptied.stop)
+        if self.history_cache is not None:
+            steps.append(self.history_cache.stop)
         if self.lookups is not None:
             steps += [self.lookups.stop, self.lookups.counts.client.close]
         store_client = self.embedding_store.client if self.embedding_store is not None else None

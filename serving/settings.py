@@ -63,6 +63,10 @@ class ServeSettings:
     poll_s: float = 0.5  # how often CURRENT and the deltas directory are checked (pub/sub wakes it sooner)
     redis_timeout_s: float = 0.05  # a slow history read fails open (empty history) rather than the request
     history_retry_after_s: float = 1.0  # after a failed history read, requests skip Redis this long (no retries)
+    # Users whose click histories are kept in this process (an LRU kept fresh by Redis's invalidation messages,
+    # serving/history_cache.py: a repeat user's request reads no Redis); 0: off, every history read from Redis.
+    # ~0.5 KB a user at history_len 50. At most 100,000,000.
+    history_cache_users: int = 0
     # HMAC-SHA256 key file (>= 16 bytes, read once at start; the refresh's and the learner's file): artifacts whose
     # manifest is unsigned or mis-signed and deltas that are not signed with it are refused. None: no signatures.
     signing_key_file: Path | None = None
@@ -131,5 +135,7 @@ class ServeSettings:
         # every count and limit >= 1 (threads 0 was bumped to 1, max_candidates 0 refused every request); 0 means:
         # max_active no bound, embedding_cache_rows no LRU (every non-hot row from Redis). The counts that size memory
         # or threads have bounds no deployment reaches (the rest: stream.config.MAX_COUNT)
-        check_counts("serve", self, zero_ok=("max_active", "embedding_cache_rows", "linger_bytes"),
-                     at_most={"threads": 1_024, "max_body_bytes": 1 << 30, "embedding_cache_rows": 1_000_000_000})
+        check_counts("serve", self, zero_ok=("max_active", "embedding_cache_rows", "linger_bytes",
+                                             "history_cache_users"),
+                     at_most={"threads": 1_024, "max_body_bytes": 1 << 30, "embedding_cache_rows": 1_000_000_000,
+                              "history_cache_users": 100_000_000})

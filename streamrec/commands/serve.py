@@ -38,7 +38,7 @@ def add_parser(sub: Any) -> None:
         "Settings: [serve] in --config and STREAMREC_SERVE_<KEY> (host, port, publish_root, deltas_dir, device, "
         "threads, server, max_candidates, max_batch, max_body_bytes, poll_s, redis_timeout_s, history_retry_after_s, "
         "max_request_values, signing_key_file, max_connections, max_in_flight, request_timeout_s, keepalive_timeout_s, "
-        "linger_s, linger_bytes, max_active, reuse_port, embedding_store = in_process | "
+        "linger_s, linger_bytes, max_active, reuse_port, history_cache_users, embedding_store = in_process | "
         "layered (cold rows from Redis, written by `streamrec refresh` with [refresh] embedding_store = layered), "
         "embedding_cache_rows, embedding_store_timeout_s, embedding_store_retry_after_s, embedding_store_cluster, "
         "embedding_store_write_deltas, lookup_counts, lookup_counts_flush_s, lookup_counts_flush_ids, "

@@ -38,7 +38,7 @@ CLASSES: dict[type, tuple[str, set[str]]] = {
     ReplaySettings: ("replay", {"limit", "seed", "linger_ms"}),
     SyntheticSettings: ("synthetic", {"start_ts_ms"}),
     LearnerSettings: ("learner", {"id_capacity", "cold_k", "dedup_window", "num_workers", "max_fields", "seed"}),
-    ServeSettings: ("serve", {"max_active", "embedding_cache_rows", "linger_bytes"}),
+    ServeSettings: ("serve", {"max_active", "embedding_cache_rows", "linger_bytes", "history_cache_users"}),
     RefreshSettings: ("refresh", {"hot_items", "hot_users", "small_field_rows", "holdout_messages"}),
     StackSettings: ("stack", set()),
     EventLimits: ("limits", set()),
@@ -128,6 +128,14 @@ def test_a_count_from_the_environment_is_one_settings_error() -> None:
         build(LearnerSettings, "learner", file_data={"learner": {"keep_checkpoints": 0}})
     assert build(RefreshSettings, "refresh", environ={"STREAMREC_REFRESH_HOLDOUT_MESSAGES": "0"}).holdout_messages == 0
     assert build(RedisSettings, "redis", environ={"STREAMREC_REDIS_HISTORY_TTL_DAYS": "0"}).history_ttl_days == 0
+
+
+def test_the_history_cache_size_comes_from_the_environment_and_a_bad_one_names_the_setting() -> None:
+    assert build(ServeSettings, "serve", environ={"STREAMREC_SERVE_HISTORY_CACHE_USERS": "5000"}).history_cache_users \
+        == 5000
+    with pytest.raises(SettingsError, match=r"^\[serve\] history_cache_users must be an integer >= 0 and <= 100000000, "
+                                             r"got -1 \(set by environment STREAMREC_SERVE_HISTORY_CACHE_USERS\)$"):
+        build(ServeSettings, "serve", environ={"STREAMREC_SERVE_HISTORY_CACHE_USERS": "-1"})
 
 
 def test_check_counts_refuses_a_zero_ok_name_that_is_no_count() -> None:
@@ -295,7 +303,7 @@ BOUNDS = [  # (class, setting, its documented upper bound)
     (LearnerSettings, "batch_rows", 10_000_000), (LearnerSettings, "max_fields", 4_096),
     (EvalOverrides, "embedding_dim", 4_096), (EvalOverrides, "id_buckets", 1_000_000_000),
     (ServeSettings, "threads", 1_024), (ServeSettings, "max_body_bytes", 1 << 30),
-    (ServeSettings, "embedding_cache_rows", 1_000_000_000),
+    (ServeSettings, "embedding_cache_rows", 1_000_000_000), (ServeSettings, "history_cache_users", 100_000_000),
     (RefreshSettings, "days", 3_650), (RefreshSettings, "hot_items", 1_000_000_000),
     (JoinerSettings, "max_pending_per_partition", 1_000_000_000),
     (SyntheticSettings, "latent_dim", 1_024), (SyntheticSettings, "start_ts_ms", 253_402_300_799_999),
