@@ -154,6 +154,27 @@ class Traffic:
         return out
 
 
+def new_user_bodies(traffic: Traffic, hist: UserHistory, like: list[bytes], clients: int = 8) -> list[bytes]:
+    """Request bodies each of a user of its own, none of ``like``'s, each user with a history in Redis as the sample's
+    users have: enough that :func:`load` (its clients start 7919 bodies apart) never sends one user twice."""
+    n = clients * 7919
+    first = traffic.users_n + 1  # past every drawn user
+    out = []
+    for i, body in enumerate(like * (n // len(like) + 1)):
+        if i == n:
+            break
+        req = json.loads(body)
+        req["user_id"] = first + i
+        out.append(json.dumps(req).encode())
+    users = [hash_value(first + i) for i in range(n)]
+    items = [hash_value(int(x)) for x in traffic.draw(HISTORY * n, traffic.items_n)]
+    for lo in range(0, n, 2000):  # the histories, 2,000 users a call
+        batch = users[lo:lo + 2000]
+        hist.append_many([u for u in batch for _ in range(HISTORY)], items[lo * HISTORY:(lo + len(batch)) * HISTORY],
+                         list(range(HISTORY)) * len(batch))
+    return out
+
+
 # -- server and clients --------------------------------------------------------------------------------
 class Server:
     """``streamrec serve`` in its own process (``cmd`` given: that command instead, e.g. the floor server)."""
@@ -468,8 +489,9 @@ def load_times(version_dir: Path, repeats: int = 3) -> dict[str, float]:
 
 
 # -- freshness -----------------------------------------------------------------------------------------
-def freshness(stack: LocalStack, work: Path, probes: int) -> dict[str, float]:
-    """click event -> served score change, through joiner, learner deltas and serving."""
+def freshness(stack: LocalStack, work: Path, probes: int, history_cache: int = 0) -> dict[str, float]:
+    """click event -> served score change, through joiner, learner deltas and serving (``history_cache``: serving's
+    [serve] history_cache_users)."""
     from confluent_kafka import Producer
 
     from stream.config import KafkaSettings
@@ -522,7 +544,8 @@ def freshness(stack: LocalStack, work: Path, probes: int) -> dict[str, float]:
             time.sleep(1)
             ckpt = load_latest(work / "fresh-ckpt")
         publish(root, build_artifact(ckpt, root, np.zeros(0, np.int64), format="torchscript"), keep=2)
-        server = Server(root, stack.redis_url, tag, deltas_dir=work / "deltas")
+        server = Server(root, stack.redis_url, tag, deltas_dir=work / "deltas",
+                        env={"STREAMREC_SERVE_HISTORY_CACHE_USERS": str(history_cache)} if history_cache else None)
         conn = server.conn()
         first: list[float] = []  # any change of the score (the click enters the user's history in Redis)
         model: list[float] = []  # a response from a model that trained the click (delta_seq moved past it)
@@ -673,6 +696,9 @@ def main() -> int:
                                                      "--quick 2000)")
     ap.add_argument("--no-precision", action="store_true", help="skip the bf16/INT8 accuracy cost on a trained model")
     ap.add_argument("--freshness", action="store_true", help="also measure click -> served score change")
+    ap.add_argument("--history-cache", type=int, default=0, metavar="N", help="also run each format's threading server "
+                    "with [serve] history_cache_users = N (the request sample's users repeat: its hit rate is "
+                    "printed), and once more with every request a new user (all misses); --freshness serves with it")
     ap.add_argument("--probes", type=int, default=20, help="freshness probes (default 20)")
     args = ap.parse_args()
     unknown = sorted(set(f for f in args.formats.split(",") if f) - set(FORMATS.split(",")))
@@ -685,6 +711,7 @@ def main() -> int:
     stack.up()
     results: list[tuple[str, str, int, dict[str, float]]] = []
     hit_rates_now: dict[str, float] = {}
+    history_hits: dict[str, float] = {}  # history cache hit rate per format/server (warm-up requests included)
     loads: dict[str, dict[str, float]] = {}
     profiles: dict[str, dict[str, float]] = {}
     floor_r: dict[int, dict[str, float]] = {}
@@ -708,6 +735,7 @@ def main() -> int:
             items = traffic.draw(HISTORY, traffic.items_n)
             hist.append_many([hash_value(u)] * HISTORY, [hash_value(int(i)) for i in items], list(range(HISTORY)))
         one_history = [hash_value(int(i)) for i in traffic.draw(HISTORY, traffic.items_n)]
+        miss_bodies = new_user_bodies(traffic, hist, bodies) if args.history_cache else []
         mb = rows * (cfg.embedding_dim + 1) * 4 / 1e6
         print(f"setup: {rows:,} rows x {cfg.embedding_dim + 1} floats ({mb:.0f} MB),"
               f" hot set {len(hot):,} rows, {len(users)} users with {HISTORY}-click histories "
@@ -742,17 +770,23 @@ def main() -> int:
                 servers.append(f"active={args.max_active}")
             if args.processes > 1:  # that many threading servers on one port (reuse_port)
                 servers.append(f"{args.processes} procs")
+            if args.history_cache:  # the history cache on: the sample's users, then only new users
+                servers += ["hcache", "hcache-miss"]
             for srv in servers:
                 # lookup counting off here: the formats are compared on the scoring path alone
                 env = {"STREAMREC_SERVE_LOOKUP_COUNTS": "false"}
                 if srv.startswith("active="):
                     env["STREAMREC_SERVE_MAX_ACTIVE"] = str(args.max_active)
+                if srv.startswith("hcache"):
+                    env["STREAMREC_SERVE_HISTORY_CACHE_USERS"] = str(args.history_cache)
                 server = Server(root, stack.redis_url, prefix, server=srv if srv == "aiohttp" else "threading",
                                 env=env, processes=args.processes if srv.endswith("procs") else 1)
                 try:
                     for clients in (1, 8):
                         n = per_client if clients == 1 else max(50, per_client // 4)
-                        r = load(server, bodies, clients, n)
+                        # all misses: the 8-client run starts past the users the 1-client run read
+                        sent = bodies if srv != "hcache-miss" else miss_bodies[0 if clients == 1 else per_client + 60:]
+                        r = load(server, sent, clients, n)
                         results.append((fmt, srv, clients, r))
                         print(f"{fmt:<12} {srv:<10} {clients} client(s): p50 {r['p50_ms']:.2f} ms  "
                               f"p99 {r['p99_ms']:.2f} ms  {r['rps']:.0f} req/s  errors {r['errors']}", file=sys.stderr)
@@ -760,6 +794,10 @@ def main() -> int:
                     hot_n = m.get('streamrec_serving_embedding_lookups_total{tier="hot"}', 0.0)
                     cold_n = m.get('streamrec_serving_embedding_lookups_total{tier="cold"}', 0.0)
                     hit_rates_now[f"{fmt}/{srv}"] = hot_n / max(1.0, hot_n + cold_n)
+                    if srv.startswith("hcache"):
+                        h = m.get('streamrec_serving_history_cache_users_total{result="hit"}', 0.0)
+                        miss = m.get('streamrec_serving_history_cache_users_total{result="miss"}', 0.0)
+                        history_hits[f"{fmt}/{srv}"] = h / max(1.0, h + miss)
                 finally:
                     server.stop()
             shutil.rmtree(root, ignore_errors=True)
@@ -782,7 +820,7 @@ def main() -> int:
         layered = layered_rows(stack, args)
         if not args.no_precision:
             precision = precision_cost(100 if args.quick else 200, 10_000 if args.quick else 20_000)
-        fresh = freshness(stack, work, args.probes) if args.freshness else None
+        fresh = freshness(stack, work, args.probes, args.history_cache) if args.freshness else None
     finally:
         stack.down()
         shutil.rmtree(work, ignore_errors=True)
@@ -836,6 +874,9 @@ def main() -> int:
         for fmt, lt in loads.items():
             print(f"{fmt:<12} {lt['verified_s']:>11.3f} {lt['unverified_s']:>12.3f} {lt['scorer_s'] * 1000:>10.1f} "
                   f"{lt['scorer_bytes'] / 1e6:>10.2f}")
+    if history_hits:
+        print(f"history cache ([serve] history_cache_users = {args.history_cache:,}) hit rate, users looked up incl. "
+              "warm-up: " + ", ".join(f"{k} {v:.1%}" for k, v in history_hits.items()))
     print("hot-cache hit rate, hot set = the request sample's most frequent " + f"{args.hot_share:.0%} of rows: " +
           ", ".join(f"{k} {v:.1%}" for k, v in hit_rates_now.items()))
     if hits is not None:

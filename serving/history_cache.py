@@ -28,10 +28,12 @@ eviction; a null message for FLUSHALL/FLUSHDB: everything), and the listener dro
 
 **The one semantic change: staleness.** Between a write reaching Redis and the listener thread processing its
 invalidation message, a request may still be answered from the cache with the history before that write. Measured on
-loopback (bench/README.md, "## serving", forty-ninth session): p50 ~0.1 ms, p99 well under a millisecond on an idle
-process, longer when the process's CPU is busy (the listener thread waits for the GIL). Without the cache, a request
-already in flight when a click is written reads the history before the click too, so a click is seen by serving a
-fraction of a millisecond later at most.
+loopback, 2 shared cores at load ~5 (bench/README.md, "## serving", forty-ninth session): from the write sent to the
+user dropped p50 0.16-0.2 ms; p99 4-8 ms when the process's other threads yield the GIL, 16-25 ms when one spins in
+Python (the listener waits for the GIL: 5 ms switch interval). Redis sends the invalidation before the write's own
+reply, so the median write is already dropped when its writer reads the reply. Against click-to-score freshness (the
+joiner's batch and window, seconds) this is noise; without the cache, a request in flight when a click is written
+reads the history before the click too.
 
 One more difference, in a metric: a user's malformed entries are counted by ``streamrec_history_malformed_total``
 when the user's history is read from Redis, so once per fill rather than once per request.
@@ -262,7 +264,8 @@ class HistoryCache:
                 self._conn = self._connect()
             except TrackingRefused as exc:
                 self._refused(f"Redis refused tracking the history keys or their invalidation channel ({exc}); grant "
-                              f"this service's ACL user +client|id +client|tracking +subscribe and &{CHANNEL}")
+                              f"this service's ACL user +client|id +client|setname +client|tracking +subscribe and "
+                              f"&{CHANNEL}")
                 return
             except (redis.RedisError, OSError) as exc:
                 if not lost_said:

@@ -65,7 +65,10 @@ class ServeSettings:
     history_retry_after_s: float = 1.0  # after a failed history read, requests skip Redis this long (no retries)
     # Users whose click histories are kept in this process (an LRU kept fresh by Redis's invalidation messages,
     # serving/history_cache.py: a repeat user's request reads no Redis); 0: off, every history read from Redis.
-    # ~0.5 KB a user at history_len 50. At most 100,000,000.
+    # ~0.5 KB a user at history_len 50. At most 100,000,000. Off by default: with it on, a history written to Redis is
+    # seen a fraction of a millisecond later (the invalidation's trip), and a frozen Redis (its connections open) is
+    # noticed by cached users' requests only when the listener's PING goes unanswered (1 + 2 s), not at their first
+    # timeout: tests/integration/test_serving_faults.py and test_serving_slow_redis.py assert today's behaviour there.
     history_cache_users: int = 0
     # HMAC-SHA256 key file (>= 16 bytes, read once at start; the refresh's and the learner's file): artifacts whose
     # manifest is unsigned or mis-signed and deltas that are not signed with it are refused. None: no signatures.
