@@ -346,3 +346,26 @@ def test_a_long_list_is_cached_as_the_read_returns_it_no_larger(setup: Setup, re
     assert len(first[0]) == HISTORY_LEN
     assert len(setup.cache._entries[1]) == HISTORY_LEN
     assert setup.reader.read([1]) == first and setup.hits() == 1
+
+
+def test_the_service_builds_the_cache_from_its_setting_and_its_requests_use_it(stack: Any, prefix: str,
+                                                                                tmp_path: Path) -> None:
+    from serving.service import ScoringService
+    from serving.settings import ServeSettings
+
+    rs = RedisSettings(url=stack.redis_url, prefix=prefix)
+    settings = ServeSettings(port=0, publish_root=tmp_path / "root", poll_s=3600, lookup_counts=False,
+                             history_cache_users=10)
+    with ScoringService(settings, rs) as svc:
+        cache = svc.history_cache
+        assert cache is not None and svc.app.history_reader.cache is cache
+        wait_until(lambda: cache.up, "the listener up")
+        UserHistory(svc.redis, prefix=prefix, max_len=4 * rs.history_len).append_many([1], [11], [1000])
+        wait_until(lambda: sample(svc.metrics, "streamrec_serving_history_cache_invalidations_total", kind="key") == 1,
+                   "the click's invalidation")
+        assert svc.app.history_reader.read([1]) == [[11]] and svc.app.history_reader.read([1]) == [[11]]
+        assert sample(svc.metrics, "streamrec_serving_history_cache_users_total", result="hit") == 1
+    assert not cache.up and cache._thread is None  # stopped with the service
+    with ScoringService(ServeSettings(port=0, publish_root=tmp_path / "root", poll_s=3600, lookup_counts=False),
+                        rs) as svc:
+        assert svc.history_cache is None and svc.app.history_reader.cache is None  # 0, the default: off
