@@ -29,6 +29,9 @@ What it measures, in one run, against a local stack it starts (Tansu + Redis on 
 * layered vs in-process: calls ``bench/layered.py``'s ``measure_layered`` when that module exists.
 * freshness (``--freshness``): a click event produced to Kafka -> the served score for that user and
   item changes, through the real joiner, learner (deltas every second) and server; p50/p95.
+* the history cache (``--history-cache N``): each format's threading server again with ``[serve] history_cache_users
+  = N`` (serving/history_cache.py) on the sample's users (they repeat: the cache's hit rate is printed), and on new
+  users only (every request a miss); ``--freshness`` then serves with the cache too.
 
 The server runs in its own process (``streamrec serve``), the clients in this one; on a 2-core machine
 they share the cores, as a sidecar client would.

@@ -29,7 +29,7 @@ eviction; a null message for FLUSHALL/FLUSHDB: everything), and the listener dro
 **The one semantic change: staleness.** Between a write reaching Redis and the listener thread processing its
 invalidation message, a request may still be answered from the cache with the history before that write. Measured on
 loopback, 2 shared cores at load ~5 (bench/README.md, "## serving", forty-ninth session): from the write sent to the
-user dropped p50 0.16-0.2 ms; p99 4-8 ms when the process's other threads yield the GIL, 16-25 ms when one spins in
+user dropped p50 0.16-0.2 ms; p99 5-8 ms when the process's other threads yield the GIL, 16-25 ms when one spins in
 Python (the listener waits for the GIL: 5 ms switch interval). Redis sends the invalidation before the write's own
 reply, so the median write is already dropped when its writer reads the reply. Against click-to-score freshness (the
 joiner's batch and window, seconds) this is noise; without the cache, a request in flight when a click is written
