@@ -22,6 +22,7 @@ from learner.artifact_manifest import decode_manifest
 from learner.artifact_versions import ArtifactError
 from learner.features import FeatureConfig
 from learner.scorer import (
+    CALIBRATED_FORMATS,
     CANDIDATE_ROWS_LAYOUT,
     FORMATS,
     POOLING_GRAPH_LAYOUT,
@@ -35,6 +36,7 @@ from learner.scorer import (
 from serving.model import ScoringModel
 from stream.files import sha256_file
 from tests.unit.learner.test_artifact import CFG, make_checkpoint, reference
+from tests.unit.learner.test_onnx_int8_static import calibration_samples
 
 TOL = 1e-6
 USER_SIDE = ("user_id", "history", "ctx.device")  # pooled once per request; item_id and ctx.genres per candidate
@@ -91,7 +93,9 @@ def test_with_empty_user_row_puts_f_empty_bags_in_front_of_a_batch() -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_scores_a_request_as_the_per_candidate_path_and_the_learner(tmp_path: Path, ckpt: dict,
                                                                                  fmt: str) -> None:
-    model = ScoringModel.load(build_artifact(ckpt, tmp_path, np.arange(0, CFG.num_rows, 3), format=fmt))
+    calibration = [calibration_samples(200)] if fmt in CALIBRATED_FORMATS else None  # its activation scales
+    model = ScoringModel.load(build_artifact(ckpt, tmp_path, np.arange(0, CFG.num_rows, 3), format=fmt,
+                                             calibration=calibration))
     # the onnx formats' stored graph pools (input layout 3); every format takes requests in the user-row layout
     assert model.input_layout == USER_ROW_LAYOUT
     assert model.spec.input_layout == (POOLING_GRAPH_LAYOUT if fmt.startswith("onnx") else USER_ROW_LAYOUT)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from learner.artifact import build_artifact
+from learner.scorer import CALIBRATED_FORMATS
 from serving.model import ScoringModel
 from tests.unit.learner.test_artifact import CFG, make_checkpoint
 from tests.unit.learner.test_onnx_int8_static import calibration_samples
@@ -30,7 +31,7 @@ def ckpt() -> dict:
 @pytest.mark.parametrize("b", [1, 100])
 def test_score_arrays_equals_score_request_bit_for_bit_with_cold_rows_and_overrides(
         ckpt: dict, tmp_path: Path, fmt: str, b: int) -> None:
-    calibration = [calibration_samples(200)] if fmt == "onnx_int8_static" else None
+    calibration = [calibration_samples(200)] if fmt in CALIBRATED_FORMATS else None
     model = ScoringModel.load(build_artifact(ckpt, tmp_path, np.arange(0, CFG.num_rows, 4), format=fmt,
                                              calibration=calibration))
     values, offsets, dense = request_probe(CFG, b, seed=70 + b)  # (N,), (F + F*B + 1,), (B, Dd)
