@@ -236,6 +236,10 @@ class StopSignals:
         elif self._held is not None or len(self.got) > 1:
             log.warning("%s %s", signal.Signals(signum).name, self._held or "again: the run is already stopping")
 
+    def stopped(self) -> bool:
+        """Whether a stop came (in the run, or before it: the run ended as failed, or finished as held)."""
+        return bool(self.got)
+
     def _terminated(self) -> RefreshTerminated:
         return RefreshTerminated(f"stopped by {signal.Signals(self.got[0]).name} before it published: nothing was "
                                  "published, the live artifact keeps serving; run `streamrec refresh --now` again")
@@ -285,14 +289,16 @@ class RunProgress:
         return self.stage, self.error
 
 
-def run_now(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, allow_older: bool = False) -> dict[str, Any]:
+def run_now(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, allow_older: bool = False,
+            stop: StopSignals | None = None) -> dict[str, Any]:
     """``streamrec refresh --now``: :func:`run_once` (over a rollback pin) in the main thread, with SIGTERM/SIGINT
     ending the run the way a failed run ends: the staged artifact (and layered rows) removed, nothing published, an
     error line and a ``refresh_failed`` alert naming the stage and the signal, ``streamrec_refresh_runs_total
     {outcome="failed"}``, :class:`RefreshError` (exit 1, as the scheduler's abandoned run: ``EXIT_ABANDONED``).
     Before, the signal's default action ended the process at once with none of these. Only the first signal raises,
-    and none once the publish has begun (the run finishes and says it was asked to stop): :class:`StopSignals`."""
-    stop = StopSignals()
+    and none once the publish has begun (the run finishes and says it was asked to stop): :class:`StopSignals`, the
+    caller's (whose ``got`` says, after the run, whether a stop came in it) or one of its own."""
+    stop = StopSignals() if stop is None else stop
     previous: dict[int, Any] = {}
     take_stop_signals(previous, stop)
     try:

@@ -710,7 +710,17 @@ class Learner:
         self.id_metrics.observe(st, {name: s["occupancy"] for name, s in self.mapper.stats().items()})
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """End the run after its batch (asked before it, at its first): SIGTERM/SIGINT, or the caller's (``streamrec
+        train``'s, for a stop that came before the run took the signals over)."""
         self._stop = True
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop ended the run (its summary's reason "signal"), or will."""
+        return self._stop
 
     def summary(self, reason: str) -> dict[str, Any]:
         tr = self.trainer

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def take_stop_signals(handlers: dict[int, Any], on_signal: Callable[[int, Any], None]) -> None:
@@ -28,36 +30,49 @@ def put_back_signals(handlers: dict[int, Any]) -> None:
 
 class StopsTaken:
     """SIGTERM and SIGINT taken for a command's work around a run that takes them for its own length (``streamrec
-    join``): the run put back the process's own as it returned, and a stop after (in the close's last flush, before the
-    summary) killed the process, no summary, where a stop in the run ends with it. Taken once: the first calls
-    ``on_stop`` (none: nothing to stop) and puts the process's own back, so a second is the process's own again
-    (SIGTERM's default ends it, SIGINT's raises KeyboardInterrupt). With ``on_stop``, taken from the start (the run's
-    take nests in it, its put-back puts this back: a stop before the run took them over stops it at once), without,
-    from the run's end; taken again there in any case (faust's event loop, closed, leaves them at their defaults)."""
+    join``, ``train``, ``serve``, ``refresh --now``): the run put back the process's own as it returned, and a stop
+    after (in the close's last flush, before the summary) killed the process, no summary, where a stop in the run ends
+    with it. Taken once: the first calls ``on_stop`` (none: nothing to stop) and puts the process's own back, so a
+    second is the process's own again (SIGTERM's default ends it, SIGINT's raises KeyboardInterrupt). With ``on_stop``,
+    taken from the start (the run's take nests in it, its put-back puts this back: a stop before the run took them over
+    stops it at once), without, from the run's end; taken again there in any case (faust's event loop, closed, leaves
+    them at their defaults), unless ``stopped()``: the run was ended by a stop, the operator's first, and one after it
+    is their second, the process's own (a close that puts this back again hands such a stop on to the process's own)."""
 
-    def __init__(self, on_stop: Callable[[], None] | None) -> None:
-        self.on_stop = on_stop
-        self._handlers: dict[int, Any] = {}  # the process's own, put back by the first stop taken or at the end
+    def __init__(self, on_stop: Callable[[], None] | None, stopped: Callable[[], bool] = lambda: False) -> None:
+        self.on_stop, self.stopped = on_stop, stopped
+        self._own: dict[int, Any] = {}  # the process's own, put back by the first stop taken and at the end
+        self._absorbed = False
 
     def __enter__(self) -> StopsTaken:
         if self.on_stop is not None:
             self._take()
         return self
 
-    def run(self, run: Callable[[], int]) -> int:
+    def run(self, run: Callable[[], T]) -> T:
         try:
             return run()
         finally:
             self.on_stop = None
-            self._take()
+            if self.stopped():
+                self._put_back()
+            else:
+                self._take()
 
     def __exit__(self, *exc: object) -> None:
-        put_back_signals(self._handlers)
+        self._put_back()
 
     def _take(self) -> None:
-        take_stop_signals(self._handlers, self._taken)
+        take_stop_signals(self._own, self._taken)
+
+    def _put_back(self) -> None:
+        put_back_signals(dict(self._own))  # kept: a run's close may put this back again
 
     def _taken(self, signum: int, frame: Any) -> None:
-        put_back_signals(self._handlers)
+        self._put_back()
+        if self._absorbed or self.stopped():  # the operator's second stop: the process's own
+            signal.raise_signal(signum)
+            return
+        self._absorbed = True
         if self.on_stop is not None:
             self.on_stop()

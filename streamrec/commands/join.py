@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"joining {kafka.impressions_topic} + {kafka.clicks_topic} -> {kafka.samples_topic} on "
           f"{kafka.bootstrap_servers} (group {js.app_id}, driver {js.driver}, window {js.attribution_window_s:g}s)",
           file=sys.stderr)
-    with StopsTaken(worker.stop if js.driver is Driver.KAFKA else None) as stops:  # a stop after the run: summary
+    with StopsTaken(worker.stop if js.driver is Driver.KAFKA else None,  # a stop after the run: the summary, a
+                    lambda: worker.stop_reason == "signal") as stops:  # stop after the run's own stop: the process's
         try:
             code = stops.run(worker.run)
         except BaseException:  # a close that fails too (Redis away while flushing the counts) is logged, not raised

@@ -67,7 +67,7 @@ def _with_sources(config: Any, flags: list[str]) -> Any:
 def cmd_monitor(args: argparse.Namespace) -> int:
     from monitor.engine import Monitor, evaluate_once, once_text
     from monitor.rules import load_rules
-    from streamrec.commands.common import EXIT_OK, emit, kafka_settings, sources
+    from streamrec.commands.common import EXIT_OK, emit, kafka_settings, sources, start_metrics
 
     config = _with_sources(load_rules(args.rules), args.source)
     config = dataclasses.replace(config, interval_s=args.interval or config.interval_s,  # floor: RulesConfig
@@ -92,8 +92,6 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     from monitor.delivery import build_sinks
 
     if args.metrics_port is not None:  # before the sinks start their threads: a failed bind leaves none running
-        from streamrec.commands.common import start_metrics
-
         start_metrics(args.metrics_port, args.metrics_host, "--metrics-port / --metrics-host")
     sink = build_sinks(config.sinks, kafka)
     try:

@@ -19,6 +19,7 @@ from cache_refresh.settings import LogLevel, RefreshSettings
 from learner.config import ArtifactFormat
 from stream.config import KafkaSettings, RedisSettings
 from stream.secrets import redact
+from stream.stop_signals import StopsTaken
 from streamrec.commands.common import (
     EXIT_BUSY,
     EXIT_FAILED,
@@ -26,7 +27,10 @@ from streamrec.commands.common import (
     add_common,
     add_kafka_flag,
     default_help,
+    emit,
+    kv_lines,
     setup_logging,
+    start_metrics,
 )
 from streamrec.settings import SettingsError, Sources, read_config_file
 
@@ -46,8 +50,6 @@ def _settings(args: argparse.Namespace) -> tuple[RefreshSettings, KafkaSettings,
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
-    from streamrec.commands.common import emit, kv_lines
-
     rs, kafka, rds = _settings(args)
     setup_logging(args.log_level or rs.log_level)
     from cache_refresh import job, run_records, status
@@ -68,14 +70,15 @@ def cmd_refresh(args: argparse.Namespace) -> int:
              "learner deltas to it and scheduled refreshes do not publish over it until an operator runs "
              "`streamrec refresh --now`")
         return EXIT_OK
-    if args.now:
-        summary = job.run_now(rs, kafka, rds, allow_older=args.allow_older)  # ends a pin; SIGTERM: failed, exit 1
-        emit(args, summary, lambda d: "refresh summary\n" + kv_lines(d))
-        if summary.get("skipped"):
-            print(f"streamrec refresh: {redact(summary['skipped']['message'])}; it publishes (or fails and alerts) "
-                  "by itself: check `streamrec refresh --status` when it has ended, and run --now again if you still "
-                  f"need to (exit {EXIT_BUSY})", file=sys.stderr)
-            return EXIT_BUSY
+    if args.now:  # SIGTERM in the run: failed, exit 1; after it (the summary): absorbed, unless the run had one
+        with StopsTaken(None, (stop := job.StopSignals()).stopped) as stops:  # ends a pin
+            summary = stops.run(lambda: job.run_now(rs, kafka, rds, allow_older=args.allow_older, stop=stop))
+            emit(args, summary, lambda d: "refresh summary\n" + kv_lines(d))
+            if summary.get("skipped"):
+                print(f"streamrec refresh: {redact(summary['skipped']['message'])}; it publishes (or fails and "
+                      "alerts) by itself: check `streamrec refresh --status` when it has ended, and run --now again "
+                      f"if you still need to (exit {EXIT_BUSY})", file=sys.stderr)
+                return EXIT_BUSY
         return EXIT_OK
 
     from cache_refresh.alerts import RefreshAlerts
@@ -93,8 +96,6 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
     last_success = run_records.restore_last_success(Path(rs.publish_root))  # the gauge too, before the first scrape
     if rs.metrics_port is not None:
-        from streamrec.commands.common import start_metrics
-
         start_metrics(rs.metrics_port, rs.metrics_host, "[refresh] metrics_port / metrics_host")
     print(f"refresh scheduled '{rs.schedule}' ({rs.timezone}); publishing to {rs.publish_root}", file=sys.stderr)
     try:  # 0 after a stop, EXIT_FAILED when the scheduler's thread died (logged and alerted)

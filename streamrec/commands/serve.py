@@ -11,8 +11,8 @@ from typing import Any
 
 from serving.settings import ServeSettings
 from stream.config import RedisSettings
-from stream.stop_signals import put_back_signals, take_stop_signals
-from streamrec.commands.common import add_common, default_help, setup_logging
+from stream.stop_signals import StopsTaken
+from streamrec.commands.common import EXIT_OK, add_common, default_help, setup_logging, sources
 
 
 def add_parser(sub: Any) -> None:
@@ -87,7 +87,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from serving.service import ScoringService
     from stream.limits import EventLimits
-    from streamrec.commands.common import EXIT_OK, sources
 
     src = sources(args)
     ss = src.build(ServeSettings, "serve", host=args.host, port=args.port, publish_root=args.publish_root,
@@ -104,22 +103,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pkg_version = version("streamrec")
     except PackageNotFoundError:
         pkg_version = "0"
-    stop, handlers, threads = threading.Event(), dict[int, Any](), torch.get_num_threads()  # the caller's: put back
+    stop, threads = threading.Event(), torch.get_num_threads()  # the caller's count and signals: put back
     torch.set_num_threads(ss.threads)  # >= 1 (ServeSettings); the caller's count and signals back on every exit
-    take_stop_signals(handlers, lambda *_: stop.set())
-    try:
-        svc = ScoringService(ss, rs, version=pkg_version, limits=src.build(EventLimits, "limits")).start()
+    with StopsTaken(stop.set, stop.is_set):  # the first stop ends the wait; a second (the drain) is the process's own
         try:
-            m = svc.holder.model()
-            print(f"serving on {svc.url} (model {m.version if m else 'none yet'} from {ss.publish_root}, "
-                  f"server {ss.server}, device {svc.device})", file=sys.stderr, flush=True)
-            stop.wait()
-            print("stopping: draining requests in flight", file=sys.stderr, flush=True)
+            svc = ScoringService(ss, rs, version=pkg_version, limits=src.build(EventLimits, "limits")).start()
+            try:
+                m = svc.holder.model()
+                print(f"serving on {svc.url} (model {m.version if m else 'none yet'} from {ss.publish_root}, "
+                      f"server {ss.server}, device {svc.device})", file=sys.stderr, flush=True)
+                stop.wait()
+                print("stopping: draining requests in flight", file=sys.stderr, flush=True)
+            finally:
+                svc.stop()
         finally:
-            svc.stop()
-    finally:
-        put_back_signals(handlers)
-        torch.set_num_threads(threads)
+            torch.set_num_threads(threads)
     summary = {"url": svc.url, **svc.updater.status(), "swaps": _total(svc.metrics.swaps),
                "requests": _total(svc.metrics.requests)}
     print(json.dumps(summary, default=str, sort_keys=True) if args.json else

@@ -15,6 +15,7 @@ from learner.config import LearnerSettings
 from stream.config import RedisSettings
 from stream.errors import close_after_error
 from stream.limits import EventLimits
+from stream.stop_signals import StopsTaken
 from streamrec.commands.common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -138,13 +139,14 @@ def run(args: argparse.Namespace) -> int:
     learner = Learner(kafka, ls, redis=rs, limits=limits)
     print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers}, checkpoints in {ls.checkpoint_dir}",
           file=sys.stderr)
-    try:
-        summary = learner.run()
-    except BaseException:  # a close that fails too is logged, not raised in the place of what ended the run
-        close_after_error(learner.close, "closing the learner", logging.getLogger("streamrec.train"))
-        raise
-    learner.close()
-    emit(args, summary, _describe)
+    with StopsTaken(learner.stop, lambda: learner.stopped) as stops:  # a stop after the run: the close, the summary
+        try:
+            summary = stops.run(learner.run)
+        except BaseException:  # a close that fails too is logged, not raised in the place of what ended the run
+            close_after_error(learner.close, "closing the learner", logging.getLogger("streamrec.train"))
+            raise
+        learner.close()
+        emit(args, summary, _describe)
     return EXIT_OK
 
 
