@@ -45,6 +45,10 @@ from streamrec.stack import (  # noqa: E402
 )
 from tests.kafka_io import read_topic  # noqa: E402
 
+# Reading ours back (every message with its replay.run/replay.seq headers, kept as Python lists per record) takes
+# longer than read_topic's default 30 s for ML-1M's million impressions on a busy machine
+READ_BACK_S = 300.0
+
 
 def fresh_topics(base: KafkaSettings) -> KafkaSettings:
     tag = uuid.uuid4().hex[:8]
@@ -129,9 +133,9 @@ def main() -> None:
         ours = [run_ours(table, k1)]
         # The exact bytes ours produced, in the order produced (per partition order is what matters).
         messages = [(k1.impressions_topic.replace("imp", "rawimp"), r.key, r.value)
-                    for r in read_topic(k1, k1.impressions_topic)]
+                    for r in read_topic(k1, k1.impressions_topic, timeout_s=READ_BACK_S)]
         messages += [(k1.clicks_topic.replace("clk", "rawclk"), r.key, r.value)
-                     for r in read_topic(k1, k1.clicks_topic)]
+                     for r in read_topic(k1, k1.clicks_topic, timeout_s=READ_BACK_S)]
         ordered = in_replay_order(table, messages, table.n_impressions)
         raws: list[Run] = []
         raws_ordered: list[Run] = []

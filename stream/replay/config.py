@@ -18,6 +18,11 @@ MAX_CLICK_DELAY_SIGMA = 5.0
 # [replay] broker_wait_s: its default, and librdkafka's largest message.timeout.ms (2**31 - 1 ms, ~24.8 days)
 BROKER_WAIT_S = 120.0
 MAX_BROKER_WAIT_S = 2_147_483.0
+# streamrec replay --resume (stream/replay/resume.py)
+RESUME_HELP = ("send only the events the topics do not hold yet (by the replay.run and replay.seq headers of each "
+               "partition's last message): rerun a replay stopped part way (an error, SIGTERM, SIGKILL, a broker gone) "
+               "with the same data set and settings (the pace may differ). A partition whose last message is not "
+               "this run's is exit 2; dead letters (<topic>.dlq) are sent again")
 
 
 def check_click_delay(median_s: object, sigma: object, median_name: str, sigma_name: str) -> None:

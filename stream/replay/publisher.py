@@ -1,6 +1,8 @@
 """Publish an :class:`EventTable` to the ``impressions`` and ``clicks`` topics in event-time order.
 
-- One event per message, key = ``impression_id`` (co-partitions impressions and clicks).
+- One event per message, key = ``impression_id`` (co-partitions impressions and clicks), its partition chosen by the
+  replay as the producer's partitioner would, with the ``replay.run`` and ``replay.seq`` headers: what a rerun with
+  ``resume`` reads to skip what was delivered (``stream/replay/resume.py``).
 - Impressions before clicks at equal timestamps; source order breaks the remaining ties.
 - The Kafka message timestamp is left to the producer (wall clock): event time travels in the
   payload. Replaying years-old event times as message timestamps would make a real Kafka broker
@@ -64,6 +66,14 @@ from stream.kafka_topics import ensure_topics
 from stream.metrics import EVENTS
 from stream.replay.config import BROKER_WAIT_S
 from stream.replay.encoding import EventEncoder, to_bytes
+from stream.replay.resume import (
+    RUN_HEADER,
+    SEQ_HEADER,
+    already_delivered,
+    delivered_seqs,
+    key_partitions,
+    run_fingerprint,
+)
 from stream.replay.table import CLICK, IMPRESSION, EventTable, RawMessage
 
 log = logging.getLogger("streamrec.replay")
@@ -79,6 +89,8 @@ class ReplaySummary:
     malformed_published: int = 0
     dead_lettered: int = 0
     acked: dict[str, int] = field(default_factory=dict)
+    run: str = ""  # the replay.run header: the fingerprint of what defines the events (stream/replay/resume.py)
+    skipped: dict[str, int] = field(default_factory=dict)  # --resume: events per topic its partitions held already
     first_ts: int | None = None
     last_ts: int | None = None
     elapsed_s: float = 0.0
@@ -91,8 +103,7 @@ class ReplaySummary:
 
 def replay_order(table: EventTable) -> tuple[np.ndarray, np.ndarray]:
     """The merged event-time order: ``(kind (E,), index (E,))``, E = impressions + clicks + raw."""
-    raw_ts = np.fromiter((m.ts for m in table.raw), dtype=np.int64, count=len(table.raw))
-    ts = np.concatenate([table.ts, table.click_ts, raw_ts])
+    ts = np.concatenate([table.ts, table.click_ts, raw_ts_of(table)])
     kind = np.concatenate([
         np.full(table.n_impressions, IMPRESSION, np.int8),
         np.full(table.n_clicks, CLICK, np.int8),
@@ -145,6 +156,11 @@ class Pacer:
 
 
 MAX_PACED_S = 365 * 86_400  # the longest a paced replay may take (wall clock)
+
+
+def raw_ts_of(table: EventTable) -> np.ndarray:
+    """(R,) int64: the event times of ``table``'s raw messages."""
+    return np.fromiter((m.ts for m in table.raw), dtype=np.int64, count=len(table.raw))
 
 
 def pace_origin(table: EventTable) -> int:
@@ -230,7 +246,7 @@ class _BrokerWatch:
                 f"limit ({self._setting} = {self._limit_s:g} s){f': {why}' if why else ''}; "
                 f"the replay stopped{self.where} with {outstanding + timed_out} message(s) unacknowledged. Is the "
                 "broker up "
-                "(`streamrec stack status`)? A rerun starts from the first event again")
+                "(`streamrec stack status`)? A rerun with --resume sends only what the topics do not hold yet")
 
 
 CHUNK = 4096  # events encoded, sent and counted at a time
@@ -243,11 +259,13 @@ class _Progress:
     minutes.
     The pacer's sleeps now move it too, at most every :data:`PROGRESS_S` (:meth:`due`); unpaced, only per chunk."""
 
-    def __init__(self, progress: Callable[[int], None] | None) -> None:
-        self._progress, self._reported, self._at = progress, 0, time.monotonic()
+    def __init__(self, progress: Callable[[int], None] | None, skipped: int = 0) -> None:
+        """``skipped``: events a resumed replay does not send (the topics hold them): counted as done."""
+        self._progress, self._reported, self._at, self._skipped = progress, 0, time.monotonic(), skipped
 
     def to(self, n_sent: int) -> None:
-        """Report up to ``n_sent`` events (nothing when none are new)."""
+        """Report up to ``n_sent`` events sent, and the skipped (nothing when none are new)."""
+        n_sent += self._skipped
         if self._progress is not None and n_sent > self._reported:
             self._progress(n_sent - self._reported)
             self._reported = n_sent
@@ -269,7 +287,8 @@ def _objects(items: list[Any]) -> np.ndarray:
 def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: float | None = None,
             speed: float | None = None, linger_ms: int = 20, broker_wait_s: float = BROKER_WAIT_S,
             progress: Callable[[int], None] | None = None,
-            status: Callable[[str | None], None] | None = None) -> ReplaySummary:
+            status: Callable[[str | None], None] | None = None, run: Mapping[str, Any] | None = None,
+            resume: bool = False) -> ReplaySummary:
     """Produce every event of ``table``; returns counts once all are acknowledged.
 
     ``progress(n)`` is called every few thousand events with the number sent since the last call, and in a paced
@@ -284,11 +303,20 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     Events are encoded column-wise (:class:`~stream.replay.encoding.EventEncoder`) a chunk of the replay
     order at a time; unpaced, a chunk goes out in a loop that only calls ``produce``, and the counts,
     the poll and the progress are per chunk. Paced, every event waits for its turn as before.
+
+    Every message carries the ``replay.run`` and ``replay.seq`` headers and goes to the partition its key's hash
+    picks, chosen here (``stream/replay/resume.py``); ``run``: what defines the events (settings -> values; the
+    fingerprint adds the partition count), ``{"dataset": dataset}`` by default. ``resume``: skip every event the
+    partition it goes to holds already (its last message's seq at or above the event's); ConfigError where a
+    partition's last message is not this run's. Dead letters (``<topic>.dlq``) are sent again on a resume: their
+    topics are not read.
     """
     topics = {IMPRESSION: kafka.impressions_topic, CLICK: kafka.clicks_topic}
     written = [*topics.values(), *(kafka.dlq_topic(t) for t in topics.values())]
-    ensure_inputs(kafka)  # co-partitioned (stream/joiner/partitions.py): events sent into topics that disagree
-    ensure_topics(kafka, written[2:])  # are joined wrong for good
+    # co-partitioned (stream/joiner/partitions.py): events sent into topics that disagree are joined wrong for good
+    n_partitions = ensure_inputs(kafka)
+    ensure_topics(kafka, written[2:])
+    run_id = run_fingerprint({**(run if run is not None else {"dataset": dataset}), "partitions": n_partitions})
     producer = AckedProducer(kafka, **{"linger.ms": linger_ms, "message.timeout.ms": round(broker_wait_s * 1000)})
     setting = ("[replay] broker_wait_s (--broker-wait-s)" if "message.timeout.ms" not in kafka.extra
                else "[kafka.extra] message.timeout.ms")  # (applied last: it replaces the replay's)
@@ -299,7 +327,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     # a refusal (DeadLetters learns its own at the first dead letter, the same way).
     limits = message_limits(kafka, written, producer.max_message_bytes, producer.max_message_setting)
     room = {kind: usable_bytes(limits[topic].bytes) for kind, topic in topics.items()}
-    summary = ReplaySummary(dataset=dataset, source=dict(table.stats))
+    summary = ReplaySummary(dataset=dataset, source=dict(table.stats), run=run_id)
 
     kinds, indexes = replay_order(table)
     ts_all = np.concatenate([table.ts, table.click_ts])
@@ -307,28 +335,49 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
         summary.first_ts, summary.last_ts = int(ts_all.min()), int(ts_all.max())
     Pacer(rate, speed, 0)  # bad settings fail before anything is sent
     origin = pace_origin(table)
-    check_pace(rate, speed, len(kinds), origin, max(int(ts_all.max()) if len(ts_all) else 0,
-                                                    max((m.ts for m in table.raw), default=0)))
     paced = rate is not None or speed is not None
     imp_topic, click_topic = topics[IMPRESSION], topics[CLICK]
 
     t0 = time.monotonic()
     encoder = EventEncoder(table)
-    # Per event of the order: its topic (a raw message names its own), its key, and for a raw message the
-    # message itself (the encoder builds the others' values chunk by chunk).
+    # Per event of the order: its topic (a raw message names its own), its key and partition, its seq, and for a raw
+    # message the message itself (the encoder builds the others' values chunk by chunk).
     raw = table.raw
     raw_kind = np.fromiter((m.topic_kind for m in raw), dtype=np.int8, count=len(raw))
     is_raw = kinds == _RAW
     topic_kind = kinds.copy()
     topic_kind[is_raw] = raw_kind[indexes[is_raw]]
-    topic_of = np.array([imp_topic, click_topic], dtype=object)[topic_kind]
-    key_pool = np.concatenate([table.impression_id.astype(object), table.click_impression_id.astype(object),
-                                  _objects([m.key for m in raw])])
-    key_of = key_pool[indexes + np.array([0, table.n_impressions, table.n_impressions + table.n_clicks])[kinds]]
+    raw_keys = _objects([m.key for m in raw])
+    pool_at = indexes + np.array([0, table.n_impressions, table.n_impressions + table.n_clicks])[kinds]
+    key_of = np.concatenate([table.impression_id.astype(object), table.click_impression_id.astype(object),
+                             raw_keys])[pool_at]
+    part_of = np.concatenate([key_partitions(table.impression_id, n_partitions),
+                              key_partitions(table.click_impression_id, n_partitions),
+                              key_partitions(raw_keys, n_partitions)])[pool_at]
+    seq_of = np.arange(len(kinds), dtype=np.int64)
     dead = np.zeros(len(kinds), bool)
     dead[is_raw] = np.array([m.error is not None for m in raw], dtype=bool)[indexes[is_raw]]
+    summary.skipped = {imp_topic: 0, click_topic: 0}
+    if resume:
+        last = delivered_seqs(kafka, [imp_topic, click_topic], n_partitions, run_id)
+        held = already_delivered(seq_of, topic_kind, part_of, {IMPRESSION: last[imp_topic], CLICK: last[click_topic]})
+        held &= ~dead  # dead letters go to <topic>.dlq, not read: sent again
+        summary.skipped = {imp_topic: int(np.count_nonzero(held & (topic_kind == IMPRESSION))),
+                           click_topic: int(np.count_nonzero(held & (topic_kind == CLICK)))}
+        keep = ~held
+        kinds, indexes, topic_kind, key_of, part_of, seq_of, dead = (
+            a[keep] for a in (kinds, indexes, topic_kind, key_of, part_of, seq_of, dead))
+        if held.any():  # pacing counts from the first event left to send
+            rest = np.concatenate([table.ts, table.click_ts, raw_ts_of(table)])[pool_at[keep]]
+            origin = int(rest[rest > 0].min()) if (rest > 0).any() else origin
+        log.info("[replay] --resume (run %s): the topics hold %s events of it already (skipped); %d to send%s",
+                 run_id, summary.skipped, len(kinds), "" if len(kinds) else ": the replay is complete, nothing sent")
+    check_pace(rate, speed, len(kinds), origin, max(int(ts_all.max()) if len(ts_all) else 0,
+                                                    max((m.ts for m in table.raw), default=0)))
+    topic_of = np.array([imp_topic, click_topic], dtype=object)[topic_kind]
+    run_b = run_id.encode()
 
-    tracker = _Progress(progress)
+    tracker = _Progress(progress, sum(summary.skipped.values()))
 
     def serve(n_sent: int) -> None:  # at a paced sleep (Pacer)
         _poll(producer, limits, watch)
@@ -345,6 +394,10 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
             dead_c = dead[start:stop]
             values_l, over = _chunk_values(encoder, raw, k, i, room)
             topics_l, keys_l = topic_of[start:stop].tolist(), key_of[start:stop].tolist()
+            parts_l = part_of[start:stop].tolist()
+            # a dict of bytes per message: one the cyclic GC does not track (a list of tuples per message made it
+            # collect over and over: 5 us an event)
+            headers_l = [{RUN_HEADER: run_b, SEQ_HEADER: b"%d" % n} for n in seq_of[start:stop].tolist()]
             if over is not None:
                 raise _over_limit(topics_l[over], keys_l[over], len(values_l[over] or b""), limits[topics_l[over]])
             if paced:
@@ -354,10 +407,11 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
                 for j in range(stop - start):
                     n = start + j
                     if dead_l[j]:
-                        dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error)  # type: ignore[arg-type]
+                        dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error,  # type: ignore[arg-type]
+                                          headers=list(headers_l[j].items()))
                     else:
                         with _refused(limits):
-                            producer.send(topics_l[j], values_l[j], keys_l[j])
+                            producer.send(topics_l[j], values_l[j], keys_l[j], list(headers_l[j].items()), parts_l[j])
                     _count(summary, kinds_l[j], dead_l[j])
                     if kinds_l[j] in counters:  # per event: a paced chunk can take minutes
                         counters[kinds_l[j]].inc()
@@ -371,9 +425,11 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
             for j in [*np.flatnonzero(dead_c).tolist(), stop - start]:
                 if j > cut:
                     with _refused(limits):
-                        producer.send_run(topics_l[cut:j], values_l[cut:j], keys_l[cut:j])
+                        producer.send_run(topics_l[cut:j], values_l[cut:j], keys_l[cut:j], parts_l[cut:j],
+                                          headers_l[cut:j])
                 if j < stop - start:
-                    dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error)  # type: ignore[arg-type]
+                    dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error,  # type: ignore[arg-type]
+                                      headers=list(headers_l[j].items()))
                 cut = j + 1
             summary.impressions += int(np.count_nonzero(is_imp))
             summary.clicks += int(np.count_nonzero(is_click))
@@ -459,7 +515,8 @@ def _stopped(exc: BaseException, producer: AckedProducer, total: int) -> None:
         failed = f" (its flush: {flush_exc})"
     acked = dict(sorted(producer.acked_total.items()))
     log.error("[replay] stopped (%s) after sending part of its %d events: acknowledged per topic %s; %d events not "
-              "sent or not acknowledged%s", type(exc).__name__, total, acked, total - sum(acked.values()), failed)
+              "sent or not acknowledged%s; a rerun with --resume sends only those", type(exc).__name__, total, acked,
+              total - sum(acked.values()), failed)
 
 
 def _count_events(imp_topic: str, click_topic: str, is_imp: np.ndarray, is_click: np.ndarray) -> None:

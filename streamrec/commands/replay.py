@@ -8,7 +8,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from stream.replay.config import DelayKind, ReplaySettings, SyntheticSettings
+from stream.replay.config import RESUME_HELP, DelayKind, ReplaySettings, SyntheticSettings
 from streamrec.commands.common import (
     EXIT_OK,
     add_common,
@@ -33,8 +33,7 @@ def add_parser(sub: Any) -> None:
                        "(deterministic by seed, planted click model; tune with --syn-* flags or [synthetic]), or "
                        "a Parquet/CSV event log (map its columns with --*-col flags). Rows a file source cannot "
                        "use go to <topic>.dlq with the reason.")
-    p.add_argument("--dataset", help="ml-1m | ml-100k | synthetic | PATH to .parquet/.csv "
-                   f"({_d('dataset')})")
+    p.add_argument("--dataset", help=f"ml-1m | ml-100k | synthetic | PATH to .parquet/.csv ({_d('dataset')})")
     p.add_argument("--limit", type=count, help="replay only the first N impressions (MovieLens: earliest in event "
                    "time; event logs: first N rows of the file, rejected rows included)")
     pace = p.add_mutually_exclusive_group()
@@ -45,8 +44,8 @@ def add_parser(sub: Any) -> None:
                    f"({_d('click_delay_kind')})")
     p.add_argument("--click-delay-median-s", type=float,
                    help=f"median click delay, seconds ({_d('click_delay_median_s')})")
-    p.add_argument("--click-delay-sigma", type=float, help="lognormal sigma of log(delay) "
-                   f"({_d('click_delay_sigma')})")
+    p.add_argument("--click-delay-sigma", type=float, help=f"lognormal sigma of log(delay) ({_d('click_delay_sigma')})")
+    p.add_argument("--resume", action="store_true", help=RESUME_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--broker-wait-s", type=float, help=f"fail (exit 1) once Kafka acknowledged nothing this many "
                    f"seconds ({_d('broker_wait_s')})")
@@ -61,9 +60,8 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--user-col", default="user_id", help="user id column (default: %(default)s)")
     g.add_argument("--item-col", default="item_id", help="item id column (default: %(default)s)")
     g.add_argument("--time-col", default="ts", help="event time column (default: %(default)s)")
-    g.add_argument("--time-unit", default=None, choices=["s", "ms", "us", "ns", "iso"],
-                   help="unit of the time columns (default: ms, and a file whose times are all before 1973 as ms "
-                   "is refused: give the unit)")
+    g.add_argument("--time-unit", default=None, choices=["s", "ms", "us", "ns", "iso"], help="unit of the time "
+                   "columns (default: ms, and a file whose times are all before 1973 as ms is refused: give the unit)")
     g.add_argument("--impression-id-col", default=None, help="default: generated from the file name and row")
     g.add_argument("--clicked-col", default="clicked",
                    help="truthy -> a click follows; '' for no clicks (default: %(default)s)")
@@ -93,15 +91,14 @@ def run(args: argparse.Namespace) -> int:
         from streamrec.commands.common import start_metrics
 
         start_metrics(rs.metrics_port, rs.metrics_host, "[replay] metrics_port / metrics_host (--metrics-port)")
-    table = load_source(rs, args, src)
+    table, run = load_source(rs, args, src)
     update, close, status = progress_bar(table.n_impressions + table.n_clicks + len(table.raw), rs.progress)
     try:
         summary = publish(table, kafka, rs.dataset, rate=rs.rate, speed=rs.speed, linger_ms=rs.linger_ms,
-                          broker_wait_s=rs.broker_wait_s, progress=update, status=status)
+                          broker_wait_s=rs.broker_wait_s, progress=update, status=status, run=run, resume=args.resume)
     finally:
         close()
-    d = summary.as_dict()
-    d["bootstrap_servers"] = kafka.bootstrap_servers
+    d = {**summary.as_dict(), "bootstrap_servers": kafka.bootstrap_servers}
 
     def human(d: dict[str, Any]) -> str:
         return (
@@ -110,26 +107,28 @@ def run(args: argparse.Namespace) -> int:
             f"  impressions: {d['impressions']:,}\n  clicks: {d['clicks']:,}\n"
             f"  malformed published: {d['malformed_published']:,}\n"
             f"  dead-lettered at source: {d['dead_lettered']:,}\n"
-            f"  acknowledged per topic: {d['acked']}\n  source:\n{kv_lines(d['source'], '    ')}"
+            f"  acknowledged per topic: {d['acked']}\n  skipped as delivered already (--resume): {d['skipped']}\n"
+            f"  run: {d['run']}\n  source:\n{kv_lines(d['source'], '    ')}"
         )
 
     emit(args, d, human)
     return EXIT_OK
 
 
-def load_source(rs: ReplaySettings, args: argparse.Namespace, src: Sources):
-    """Build the EventTable of ``rs.dataset`` (a packaged name, ``synthetic``, or a file path)."""
+def load_source(rs: ReplaySettings, args: argparse.Namespace, src: Sources) -> tuple[Any, dict[str, Any]]:
+    """The EventTable of ``rs.dataset`` (a packaged name, ``synthetic``, or a file path), and its run (resume.py)."""
     from stream.replay.movielens import DATASETS, load_movielens
 
+    run = {"dataset": rs.dataset, "limit": rs.limit, "seed": rs.seed, "click_delay": rs.click_delay}  # not the pace
     if rs.dataset in DATASETS:
-        return load_movielens(rs.dataset, rs.click_delay, rs.seed, rs.limit)
+        return load_movielens(rs.dataset, rs.click_delay, rs.seed, rs.limit), run
     if rs.dataset == "synthetic":
         from stream.replay.synthetic import build_synthetic
 
         overrides = {k[len(SYN_FLAG_PREFIX):]: v for k, v in vars(args).items() if k.startswith(SYN_FLAG_PREFIX)}
         syn = src.build(SyntheticSettings, "synthetic", **overrides, flag_names={
             k: f"--{(SYN_FLAG_PREFIX + k).replace('_', '-')}" for k in overrides})
-        return build_synthetic(syn, rs.click_delay, rs.seed, rs.limit)
+        return build_synthetic(syn, rs.click_delay, rs.seed, rs.limit), {**run, "synthetic": syn}
     path = Path(rs.dataset)
     if not path.exists():
         raise SettingsError(f"--dataset {rs.dataset!r} is neither a packaged data set ({', '.join(sorted(DATASETS))}), "
@@ -142,5 +141,6 @@ def load_source(rs: ReplaySettings, args: argparse.Namespace, src: Sources):
                      impression_id=args.impression_id_col, clicked=args.clicked_col or None,
                      click_time=args.click_time_col, features=tuple(filter(None, (args.feature_cols or "").split(","))),
                      dense=tuple(filter(None, (args.dense_cols or "").split(","))))  # (empty names dropped)
-    return load_eventlog(path, cols, rs.click_delay, rs.seed, rs.limit, csv_delimiter=args.csv_delimiter,
-                         limits=src.build(EventLimits, "limits"))  # the joiner's: it publishes what the joiner takes
+    limits = src.build(EventLimits, "limits")  # the joiner's: it publishes what the joiner takes
+    log = load_eventlog(path, cols, rs.click_delay, rs.seed, rs.limit, csv_delimiter=args.csv_delimiter, limits=limits)
+    return log, {**run, "file": path, "columns": cols, "csv_delimiter": args.csv_delimiter, "limits": limits}
