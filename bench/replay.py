@@ -45,8 +45,8 @@ from streamrec.stack import (  # noqa: E402
 )
 from tests.kafka_io import read_topic  # noqa: E402
 
-# Reading ours back (every message with its replay.run/replay.seq headers, kept as Python lists per record) takes
-# longer than read_topic's default 30 s for ML-1M's million impressions on a busy machine
+# Reading ours back (every message kept as a Python record) can take longer than read_topic's default 30 s for
+# ML-1M's million impressions on a busy machine
 READ_BACK_S = 300.0
 
 

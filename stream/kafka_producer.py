@@ -179,24 +179,22 @@ class AckedProducer:
         self._sent[topic] = self._sent.get(topic, 0) + 1
         self._produced += 1
 
-    def send_run(self, topics: list[str], values: list[bytes | None], keys: list[Any], partitions: list[int],
-                 headers: list[dict[str, bytes]]) -> None:
+    def send_run(self, topics: list[str], values: list[bytes | None], keys: list[Any], partitions: list[int]) -> None:
         """Many messages in a loop that calls ``produce`` and nothing else per message (the replay's unpaced
-        chunks), each to its own partition with its own headers (a dict per message: one the cyclic GC does not
-        track, where a list of pairs per message made it collect over and over); a full local queue or a refused
-        message is handled as :meth:`send` handles it, and the run's sent counts are added per topic at the end (up
-        to the failing message when one raises; none when that renewed the producer: the old one held them)."""
+        chunks), each to its own partition (no headers: any costs librdkafka's produce 1-2 us CPU a message); a full
+        local queue or a refused message is handled as :meth:`send` handles it, and the run's sent counts are added
+        per topic at the end (up to the failing message when one raises; none when that renewed the producer: the old
+        one held them)."""
         producer = self._producer
         produce = producer.produce
         done = counted = 0  # counted: of ``done``, those in ``_produced`` already (a full queue's wait needs them)
         try:
-            # (equal lengths; strict= costs per message)
-            for topic, value, key, partition, hdrs in zip(topics, values, keys, partitions, headers):  # noqa: B905
+            for topic, value, key, partition in zip(topics, values, keys, partitions):  # noqa: B905 (equal lengths)
                 try:
-                    produce(topic, value, key, partition, None, None, 0, hdrs)  # type: ignore[arg-type]  # (positional: cheaper)
+                    produce(topic, value, key, partition)  # (positional: cheaper)
                 except (BufferError, KafkaException):
                     self._produced, counted = self._produced + done - counted, done
-                    self._produce_waiting(topic, value, key, {"partition": partition, "headers": hdrs})
+                    self._produce_waiting(topic, value, key, {"partition": partition})
                 done += 1
         finally:
             if self._producer is producer:

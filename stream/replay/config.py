@@ -19,10 +19,10 @@ MAX_CLICK_DELAY_SIGMA = 5.0
 BROKER_WAIT_S = 120.0
 MAX_BROKER_WAIT_S = 2_147_483.0
 # streamrec replay --resume (stream/replay/resume.py)
-RESUME_HELP = ("send only the events the topics do not hold yet (by the replay.run and replay.seq headers of each "
-               "partition's last message): rerun a replay stopped part way (an error, SIGTERM, SIGKILL, a broker gone) "
-               "with the same data set and settings (the pace may differ). A partition whose last message is not "
-               "this run's is exit 2; dead letters (<topic>.dlq) are sent again")
+RESUME_HELP = ("send only the events the topics do not hold yet (found by the content, key and value, of each "
+               "partition's last messages): rerun a replay stopped part way (an error, SIGTERM, SIGKILL, a broker "
+               "gone) with the same data set and settings (the pace may differ). A partition whose last messages are "
+               "not this run's events is exit 2; dead letters (<topic>.dlq) are sent again")
 
 
 def check_click_delay(median_s: object, sigma: object, median_name: str, sigma_name: str) -> None:

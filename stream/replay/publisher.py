@@ -1,8 +1,8 @@
 """Publish an :class:`EventTable` to the ``impressions`` and ``clicks`` topics in event-time order.
 
 - One event per message, key = ``impression_id`` (co-partitions impressions and clicks), its partition chosen by the
-  replay as the producer's partitioner would, with the ``replay.run`` and ``replay.seq`` headers: what a rerun with
-  ``resume`` reads to skip what was delivered (``stream/replay/resume.py``).
+  replay as the producer's partitioner would, and no headers: a rerun with ``resume`` tells what was delivered by
+  the content of each partition's last messages (``stream/replay/resume.py``).
 - Impressions before clicks at equal timestamps; source order breaks the remaining ties.
 - The Kafka message timestamp is left to the producer (wall clock): event time travels in the
   payload. Replaying years-old event times as message timestamps would make a real Kafka broker
@@ -66,14 +66,7 @@ from stream.kafka_topics import ensure_topics
 from stream.metrics import EVENTS
 from stream.replay.config import BROKER_WAIT_S
 from stream.replay.encoding import EventEncoder, to_bytes
-from stream.replay.resume import (
-    RUN_HEADER,
-    SEQ_HEADER,
-    already_delivered,
-    delivered_seqs,
-    key_partitions,
-    run_fingerprint,
-)
+from stream.replay.resume import delivered_events, key_partitions, run_fingerprint
 from stream.replay.table import CLICK, IMPRESSION, EventTable, RawMessage
 
 log = logging.getLogger("streamrec.replay")
@@ -89,7 +82,7 @@ class ReplaySummary:
     malformed_published: int = 0
     dead_lettered: int = 0
     acked: dict[str, int] = field(default_factory=dict)
-    run: str = ""  # the replay.run header: the fingerprint of what defines the events (stream/replay/resume.py)
+    run: str = ""  # the fingerprint of what defines the events (stream/replay/resume.py; logged, never sent)
     skipped: dict[str, int] = field(default_factory=dict)  # --resume: events per topic its partitions held already
     first_ts: int | None = None
     last_ts: int | None = None
@@ -304,11 +297,11 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     order at a time; unpaced, a chunk goes out in a loop that only calls ``produce``, and the counts,
     the poll and the progress are per chunk. Paced, every event waits for its turn as before.
 
-    Every message carries the ``replay.run`` and ``replay.seq`` headers and goes to the partition its key's hash
-    picks, chosen here (``stream/replay/resume.py``); ``run``: what defines the events (settings -> values; the
-    fingerprint adds the partition count), ``{"dataset": dataset}`` by default. ``resume``: skip every event the
-    partition it goes to holds already (its last message's seq at or above the event's); ConfigError where a
-    partition's last message is not this run's. Dead letters (``<topic>.dlq``) are sent again on a resume: their
+    Every message goes to the partition its key's hash picks, chosen here, and carries no headers
+    (``stream/replay/resume.py``); ``run``: what defines the events (settings -> values; the fingerprint, logged and
+    in the summary, adds the partition count), ``{"dataset": dataset}`` by default. ``resume``: skip the events each
+    partition holds already, found by the content of its last messages; ConfigError where they are not this run's
+    events for it, or match several positions. Dead letters (``<topic>.dlq``) are sent again on a resume: their
     topics are not read.
     """
     topics = {IMPRESSION: kafka.impressions_topic, CLICK: kafka.clicks_topic}
@@ -354,19 +347,21 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     part_of = np.concatenate([key_partitions(table.impression_id, n_partitions),
                               key_partitions(table.click_impression_id, n_partitions),
                               key_partitions(raw_keys, n_partitions)])[pool_at]
-    seq_of = np.arange(len(kinds), dtype=np.int64)
     dead = np.zeros(len(kinds), bool)
     dead[is_raw] = np.array([m.error is not None for m in raw], dtype=bool)[indexes[is_raw]]
     summary.skipped = {imp_topic: 0, click_topic: 0}
     if resume:
-        last = delivered_seqs(kafka, [imp_topic, click_topic], n_partitions, run_id)
-        held = already_delivered(seq_of, topic_kind, part_of, {IMPRESSION: last[imp_topic], CLICK: last[click_topic]})
-        held &= ~dead  # dead letters go to <topic>.dlq, not read: sent again
+        held = np.zeros(len(kinds), bool)
+        for kind, topic in topics.items():  # dead letters go to <topic>.dlq, not read: sent again
+            mine = np.flatnonzero(~dead & (topic_kind == kind))
+            held[delivered_events(kafka, topic, {p: mine[part_of[mine] == p] for p in range(n_partitions)},
+                                  lambda pos: [_key_bytes(key) for key in key_of[pos].tolist()],
+                                  lambda pos: _chunk_values(encoder, raw, kinds[pos], indexes[pos], room)[0])] = True
         summary.skipped = {imp_topic: int(np.count_nonzero(held & (topic_kind == IMPRESSION))),
                            click_topic: int(np.count_nonzero(held & (topic_kind == CLICK)))}
         keep = ~held
-        kinds, indexes, topic_kind, key_of, part_of, seq_of, dead = (
-            a[keep] for a in (kinds, indexes, topic_kind, key_of, part_of, seq_of, dead))
+        kinds, indexes, topic_kind, key_of, part_of, dead = (
+            a[keep] for a in (kinds, indexes, topic_kind, key_of, part_of, dead))
         if held.any():  # pacing counts from the first event left to send
             rest = np.concatenate([table.ts, table.click_ts, raw_ts_of(table)])[pool_at[keep]]
             origin = int(rest[rest > 0].min()) if (rest > 0).any() else origin
@@ -375,7 +370,6 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     check_pace(rate, speed, len(kinds), origin, max(int(ts_all.max()) if len(ts_all) else 0,
                                                     max((m.ts for m in table.raw), default=0)))
     topic_of = np.array([imp_topic, click_topic], dtype=object)[topic_kind]
-    run_b = run_id.encode()
 
     tracker = _Progress(progress, sum(summary.skipped.values()))
 
@@ -395,9 +389,6 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
             values_l, over = _chunk_values(encoder, raw, k, i, room)
             topics_l, keys_l = topic_of[start:stop].tolist(), key_of[start:stop].tolist()
             parts_l = part_of[start:stop].tolist()
-            # a dict of bytes per message: one the cyclic GC does not track (a list of tuples per message made it
-            # collect over and over: 5 us an event)
-            headers_l = [{RUN_HEADER: run_b, SEQ_HEADER: b"%d" % n} for n in seq_of[start:stop].tolist()]
             if over is not None:
                 raise _over_limit(topics_l[over], keys_l[over], len(values_l[over] or b""), limits[topics_l[over]])
             if paced:
@@ -407,11 +398,10 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
                 for j in range(stop - start):
                     n = start + j
                     if dead_l[j]:
-                        dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error,  # type: ignore[arg-type]
-                                          headers=list(headers_l[j].items()))
+                        dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error)  # type: ignore[arg-type]
                     else:
                         with _refused(limits):
-                            producer.send(topics_l[j], values_l[j], keys_l[j], list(headers_l[j].items()), parts_l[j])
+                            producer.send(topics_l[j], values_l[j], keys_l[j], partition=parts_l[j])
                     _count(summary, kinds_l[j], dead_l[j])
                     if kinds_l[j] in counters:  # per event: a paced chunk can take minutes
                         counters[kinds_l[j]].inc()
@@ -425,11 +415,9 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
             for j in [*np.flatnonzero(dead_c).tolist(), stop - start]:
                 if j > cut:
                     with _refused(limits):
-                        producer.send_run(topics_l[cut:j], values_l[cut:j], keys_l[cut:j], parts_l[cut:j],
-                                          headers_l[cut:j])
+                        producer.send_run(topics_l[cut:j], values_l[cut:j], keys_l[cut:j], parts_l[cut:j])
                 if j < stop - start:
-                    dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error,  # type: ignore[arg-type]
-                                      headers=list(headers_l[j].items()))
+                    dead_letters.send(topics_l[j], keys_l[j], values_l[j], raw[i[j]].error)  # type: ignore[arg-type]
                 cut = j + 1
             summary.impressions += int(np.count_nonzero(is_imp))
             summary.clicks += int(np.count_nonzero(is_click))
@@ -596,6 +584,11 @@ def _chunk_values(encoder: EventEncoder, raw: list[RawMessage], kinds: np.ndarra
         over += [n for n, m in zip(where, messages, strict=True)
                  if m.error is None and len(m.value or b"") > room[m.topic_kind]][:1]
     return out.tolist(), min(over, default=None)
+
+
+def _key_bytes(key: Any) -> bytes | None:
+    """A message key as the producer sends it (a str as UTF-8) and a consumer reads it back."""
+    return key.encode() if isinstance(key, str) else key
 
 
 def _count(summary: ReplaySummary, kind: int, dead: bool) -> None:

@@ -1,27 +1,30 @@
 """Resuming a replay from what its topics hold (``streamrec replay --resume``).
 
-The topics are the record of what was delivered (no side file to lose; it holds after a SIGKILL too):
+The topics are the record of what was delivered (no side file to lose; it holds after a SIGKILL too), read by
+content: the messages carry no headers (any header costs librdkafka's produce 1-2 us CPU a message, bench/README.md).
 
-- Every message a replay sends carries two headers: ``replay.run``, a short fingerprint of what defines the event
-  sequence (:func:`run_fingerprint`: the data set and its file's size and mtime, ``--limit``, ``--seed``, the click
-  delay, the synthetic and event-log settings, the topics' partition count; not the pace), and ``replay.seq``, the
-  event's index in the replay order (decimal ASCII).
+- A replay's events are deterministic: the same data set and settings give byte-identical keys and values in the
+  same order (:func:`run_fingerprint`, of what defines them, is logged and in the summary, never sent).
 - The replay chooses each message's partition itself, the producer's partitioner over its key
   (:func:`key_partitions`: murmur2, as librdkafka's ``murmur2_random`` and the Java client pick; a message without a
   key, a raw malformed one, goes where an empty key does). So an event's partition is known before it is sent, and
   impressions and clicks of one impression id share a partition number.
-- The idempotent producer delivers each partition's messages once and in order, so what a partition holds is a
-  prefix of that partition's share of the replay order. :func:`delivered_seqs` reads each partition's last message
-  (from its high watermark - 1 to its end: a broker whose high watermark lags by a record batch, Tansu, is read to the
-  end all the same); :func:`already_delivered` marks every event whose seq is at or below that of the partition it
-  goes to. A partition whose last message is not this run's (no replay headers, another fingerprint) is a
-  :class:`~stream.errors.ConfigError` naming it.
+- The idempotent producer delivers each partition's messages once and in order, so a partition holds a prefix of
+  its share of the replay order. :func:`delivered_events` reads each partition's last message (from its high
+  watermark - 1 to its end: a broker whose high watermark lags by a record batch, Tansu, is read to the end all the
+  same) and finds the position of the partition's share whose (key, value) is it; where that pair is in the share
+  more than once (repeated events, malformed messages alike), the last 2, 4, ... messages, until their sequence ends
+  at one position only, or the whole partition (from offset 0) is read and is exactly a prefix of the share. Last
+  messages found nowhere in the share (another run, other data) or that still match several positions with the whole
+  partition read are a :class:`~stream.errors.ConfigError` naming the partition.
+- Only the last messages are compared: an event log changed since is resumed as far as they fit (events it gained
+  or changed before them are not sent).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +35,12 @@ import pyarrow.compute as pc
 from confluent_kafka import Message
 
 from stream.config import KafkaSettings
-from stream.errors import BadMessage, ConfigError, shown
-from stream.kafka import headers_of, read_to_end, watermarks
+from stream.errors import ConfigError, shown
+from stream.kafka import read_to_end, watermarks
 
-RUN_HEADER = "replay.run"
-SEQ_HEADER = "replay.seq"
-TAIL_READ_S = 60.0  # the longest reading the partitions' last messages may take
+TAIL_READ_S = 60.0  # the longest reading a partition's last messages may take
+FIX = ("replay into fresh topics ([kafka] impressions_topic and clicks_topic), or rerun without --resume (which sends "
+       "every event again)")
 
 
 def run_fingerprint(defines: Mapping[str, Any]) -> str:
@@ -105,57 +108,57 @@ def key_partitions(keys: np.ndarray, partitions: int) -> np.ndarray:
     return ((h_all & np.uint32(0x7FFFFFFF)) % np.uint32(partitions)).astype(np.int32)
 
 
-def _tail_seq(topic: str, partition: int, m: Message, run: str) -> int:
-    """The ``replay.seq`` of ``m``, the last message of ``topic`` partition ``partition``; a ConfigError where it is
-    not one of run ``run``'s."""
-    where = f"topic {topic} partition {partition} (offset {m.offset()})"
-    fix = ("replay into fresh topics ([kafka] impressions_topic and clicks_topic), or rerun without --resume (which "
-           "sends every event again)")
-    try:
-        headers = dict(headers_of(m) or ())
-    except BadMessage:
-        headers = {}
-    got_run, got_seq = headers.get(RUN_HEADER), headers.get(SEQ_HEADER)
-    if got_run is None or got_seq is None or not got_seq.isdigit():
-        raise ConfigError(f"--resume: the last message of {where} is not a replay's (no {RUN_HEADER}/{SEQ_HEADER} "
-                          f"headers: key {shown(m.key())}), so what this replay delivered there cannot be told: {fix}")
-    if got_run.decode("utf-8", "replace") != run:
-        raise ConfigError(f"--resume: the last message of {where} is of another replay run ({RUN_HEADER} "
-                          f"{shown(got_run.decode('utf-8', 'replace'))}; this run is {run}: another data set, "
-                          f"--limit, --seed, click delay, source settings or partition count): {fix}")
-    return int(got_seq)
+def delivered_events(kafka: KafkaSettings, topic: str, shares: Mapping[int, np.ndarray],
+                     keys_of: Callable[[np.ndarray], Sequence[bytes | None]],
+                     values_of: Callable[[np.ndarray], Sequence[bytes | None]]) -> np.ndarray:
+    """The events (positions in the replay order) ``topic`` holds already: of each partition's share (``shares``:
+    partition -> the positions of the events sent there, in order) the prefix up to the position of its last
+    message (module docstring). ``keys_of`` / ``values_of``: the message keys (as bytes) / values of positions."""
+    held: list[np.ndarray] = []
+    for p, (low, high) in sorted(watermarks(kafka, topic).items()):
+        if high > low:
+            share = shares.get(p, np.empty(0, np.int64))
+            held.append(share[:_held_in(kafka, topic, p, (low, high), share, keys_of, values_of)])
+    return np.concatenate(held) if held else np.empty(0, np.int64)
 
 
-def delivered_seqs(kafka: KafkaSettings, topics: list[str], partitions: int, run: str) -> dict[str, np.ndarray]:
-    """Per topic, ``(partitions,)`` int64: the ``replay.seq`` of each partition's last message, -1 where it holds
-    none (never written, or every record deleted). ConfigError where a last message is not run ``run``'s."""
-    out: dict[str, np.ndarray] = {}
-    for topic in topics:
-        seqs = np.full(partitions, -1, np.int64)
-        start = {p: max(high - 1, low, 0) for p, (low, high) in watermarks(kafka, topic).items() if high > low}
-        last: dict[int, Message] = {}
-        if start:
-            read_to_end(kafka, topic, _keep_last(last), start=start, timeout_s=TAIL_READ_S)
-        for p, m in sorted(last.items()):
-            if p < partitions:
-                seqs[p] = _tail_seq(topic, p, m, run)
-        out[topic] = seqs
-    return out
+def _held_in(kafka: KafkaSettings, topic: str, p: int, marks: tuple[int, int], share: np.ndarray,
+             keys_of: Callable[[np.ndarray], Sequence[bytes | None]],
+             values_of: Callable[[np.ndarray], Sequence[bytes | None]]) -> int:
+    """How many events of ``share`` partition ``p`` of ``topic`` (watermarks ``marks``, not empty) holds."""
+    low, high = marks
+    tail = _read_from(kafka, topic, p, max(high - 1, low))
+    if not tail:  # emptied since its watermarks were read
+        return 0
+    key = tail[-1].key()
+    cands = np.array([c for c, k in enumerate(keys_of(share)) if k == key], np.int64)  # where the tail may end
+    checked = 0  # the tail's newest messages the candidates were checked against
+    while True:
+        for i in range(checked, len(tail)):
+            m, live = tail[-1 - i], np.flatnonzero(cands >= i)  # (before a candidate near the share's start: not ours)
+            pos = share[cands[live] - i]
+            bad = [k != m.key() or v != m.value() for k, v in zip(keys_of(pos), values_of(pos), strict=True)]
+            cands = np.delete(cands, live[np.array(bad, bool)])
+        checked = len(tail)
+        if tail[0].offset() == 0 and len(tail) - 1 in cands:  # the whole partition: a prefix of the share, if one fits
+            return len(tail)
+        if len(cands) == 1:
+            return int(cands[0]) + 1
+        where = f"topic {topic} partition {p} (offsets {tail[0].offset()}-{tail[-1].offset()})"
+        if not len(cands):
+            raise ConfigError(f"--resume: the last {len(tail)} message(s) of {where}, the last with key {shown(key)}, "
+                              "are not this replay's events for that partition (another data set or settings: "
+                              "--limit, --seed, click delay, source settings, partition count; or another producer's), "
+                              f"so what this replay delivered there cannot be told: {FIX}")
+        if (tail[0].offset() or 0) <= low:
+            raise ConfigError(f"--resume: the {len(tail)} message(s) of {where}, the whole partition, match "
+                              f"{len(cands)} positions of this replay's events for it (repeated events), so what this "
+                              f"replay delivered there cannot be told: {FIX}")
+        tail = _read_from(kafka, topic, p, max(high - 2 * len(tail), low))
 
 
-def _keep_last(last: dict[int, Message]) -> Callable[[Message], None]:
-    """A reader's ``handle`` keeping each partition's last message read in ``last``."""
-    def keep(m: Message) -> None:
-        last[m.partition()] = m  # type: ignore[index]  # a consumed record has its partition
-    return keep
-
-
-def already_delivered(seq: np.ndarray, topic_kind: np.ndarray, partition: np.ndarray,
-                      last: Mapping[int, np.ndarray]) -> np.ndarray:
-    """(E,) bool: the events (their ``seq``, the kind of the topic each goes to, its partition) at or below the last
-    seq delivered to that partition (``last``: topic kind -> per-partition last seq, -1 for none)."""
-    bound = np.full(len(seq), -1, np.int64)
-    for kind, seqs in last.items():
-        mask = topic_kind == kind
-        bound[mask] = seqs[partition[mask]]
-    return seq <= bound
+def _read_from(kafka: KafkaSettings, topic: str, p: int, offset: int) -> list[Message]:
+    """The messages of ``topic`` partition ``p`` from ``offset`` to its end."""
+    got: list[Message] = []
+    read_to_end(kafka, topic, got.append, start={p: offset}, timeout_s=TAIL_READ_S)
+    return got

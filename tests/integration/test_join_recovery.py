@@ -691,7 +691,7 @@ def test_messages_a_run_gave_the_producer_a_fatal_error_replaced_are_not_claimed
     p = AckedProducer(kafka)
     p._producer = FatalAfter(p._producer, 2)  # type: ignore[assignment]
     with pytest.raises(KafkaException):
-        p.send_run([topic] * 5, [b"v%d" % i for i in range(5)], [b"k"] * 5, [0] * 5, [{}] * 5)
+        p.send_run([topic] * 5, [b"v%d" % i for i in range(5)], [b"k"] * 5, [0] * 5)
     assert p.flush().acked.get(topic, 0) == 0
     assert p.acked_total.get(topic, 0) == 0
     assert read_topic(kafka, topic) == []

@@ -261,9 +261,9 @@ def test_a_replay_message_the_broker_refuses_as_too_large_exits_2_naming_the_top
     _create(kafka, kafka.impressions_topic, 100_000)
 
     class RefusingProducer(AckedProducer):
-        def send_run(self, topics: list[str], values: list[bytes | None], keys: list[Any], partitions: list[int],
-                     headers: list[Any]) -> None:
-            super().send_run(topics, values, keys, partitions, headers)
+        def send_run(self, topics: list[str], values: list[bytes | None], keys: list[Any],
+                     partitions: list[int]) -> None:
+            super().send_run(topics, values, keys, partitions)
             at = topics.index(kafka.impressions_topic)
             key = keys[at].encode() if isinstance(keys[at], str) else keys[at]
             self._on_error(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE),

@@ -1,8 +1,9 @@
-"""``streamrec replay --resume``: a replay stopped part way, rerun, sends only what its topics do not hold yet
-(stream/replay/resume.py)."""
+"""``streamrec replay --resume``: a replay stopped part way, rerun, sends only what its topics do not hold yet, told
+by the content of each partition's last messages (stream/replay/resume.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -23,11 +24,11 @@ from stream.replay.column_map import ColumnMap
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.eventlog import load_eventlog
 from stream.replay.publisher import publish, replay_order
-from stream.replay.resume import RUN_HEADER, SEQ_HEADER, key_partitions
+from stream.replay.resume import key_partitions
 from stream.replay.synthetic import build_synthetic
 from stream.replay.table import EventTable
 from streamrec.cli import main
-from tests.kafka_io import Record, read_topic
+from tests.kafka_io import read_topic
 
 PARTITIONS = 4
 SYN = SyntheticSettings(impressions=9000, malformed_share=0.01)
@@ -41,26 +42,35 @@ def _topics(kafka: KafkaSettings) -> None:
     ensure_topics(kafka, [kafka.impressions_topic, kafka.clicks_topic], partitions=PARTITIONS)
 
 
-def _seqs(kafka: KafkaSettings) -> dict[str, list[Record]]:
-    return {t: read_topic(kafka, t) for t in (kafka.impressions_topic, kafka.clicks_topic)}
+def _contents(kafka: KafkaSettings) -> dict[tuple[str, int], list[tuple[bytes | None, bytes | None]]]:
+    """Per (topic kind, partition): the (key, value) of its messages in offset order."""
+    out: dict[tuple[str, int], list[tuple[bytes | None, bytes | None]]] = {}
+    for kind, topic in (("impressions", kafka.impressions_topic), ("clicks", kafka.clicks_topic)):
+        for r in sorted(read_topic(kafka, topic), key=lambda r: (r.partition, r.offset)):
+            out.setdefault((kind, r.partition), []).append((r.key, r.value))
+    return out
 
 
-def _assert_every_event_once_in_order(kafka: KafkaSettings, n_events: int) -> None:
-    """Every seq of the replay order is in the topics exactly once, each partition's in increasing order, all of one
-    run."""
-    seen: list[int] = []
-    runs = set()
-    for records in _seqs(kafka).values():
-        by_partition: dict[int, list[int]] = {}
-        for r in sorted(records, key=lambda r: (r.partition, r.offset)):
-            headers = dict(r.headers)
-            runs.add(headers[RUN_HEADER])
-            by_partition.setdefault(r.partition, []).append(int(headers[SEQ_HEADER]))
-        for p, seqs in by_partition.items():
-            assert seqs == sorted(seqs), f"partition {p} out of replay order"
-            seen += seqs
-    assert len(runs) == 1
-    assert sorted(seen) == list(range(n_events)), (len(seen), len(set(seen)), n_events)
+def _delivered(kafka: KafkaSettings) -> int:
+    return sum(len(v) for v in _contents(kafka).values())
+
+
+def _fresh(kafka: KafkaSettings, partitions: int = PARTITIONS, suffix: str = "-ref") -> KafkaSettings:
+    """The same broker, other topics (for the replay a resumed one must equal), created."""
+    other = dataclasses.replace(kafka, impressions_topic=f"{kafka.impressions_topic}{suffix}",
+                                clicks_topic=f"{kafka.clicks_topic}{suffix}")
+    ensure_topics(other, [other.impressions_topic, other.clicks_topic], partitions=partitions)
+    return other
+
+
+def _assert_as_one_whole_replay(kafka: KafkaSettings, whole: KafkaSettings) -> None:
+    """Every partition of ``kafka``'s topics holds what one uninterrupted replay wrote to ``whole``'s: each event
+    once, in the replay order (byte for byte: keys and values)."""
+    got, want = _contents(kafka), _contents(whole)
+    assert got.keys() == want.keys()
+    for where, messages in want.items():
+        assert got[where] == messages, f"{where}: {len(got[where])} messages, the whole replay {len(messages)}"
+    assert sum(map(len, got.values())) > 0
 
 
 class _Interrupted(RuntimeError):
@@ -77,27 +87,29 @@ def test_a_replay_stopped_mid_chunk_then_resumed_delivers_every_event_exactly_on
     calls = [0]
 
     class StoppingProducer(AckedProducer):
-        def send_run(self, topics: list[str], values: list[bytes | None], keys: list[Any], partitions: list[int],
-                     headers: list[Any]) -> None:
+        def send_run(self, topics: list[str], values: list[bytes | None], keys: list[Any],
+                     partitions: list[int]) -> None:
             calls[0] += 1
             if calls[0] == 3:
                 half = len(topics) // 2
-                super().send_run(topics[:half], values[:half], keys[:half], partitions[:half], headers[:half])
+                super().send_run(topics[:half], values[:half], keys[:half], partitions[:half])
                 raise _Interrupted("stopped mid-chunk")
-            super().send_run(topics, values, keys, partitions, headers)
+            super().send_run(topics, values, keys, partitions)
 
     with monkeypatch.context() as m:
         m.setattr(publisher_module, "AckedProducer", StoppingProducer)
         with pytest.raises(_Interrupted):
             publish(table, kafka, "synthetic")
-    delivered = sum(len(r) for r in _seqs(kafka).values())
+    delivered = _delivered(kafka)
     assert 0 < delivered < n_events
 
     summary = publish(table, kafka, "synthetic", resume=True)
     assert sum(summary.skipped.values()) == delivered
     assert summary.impressions + summary.clicks + summary.malformed_published + summary.dead_lettered \
         == n_events - delivered
-    _assert_every_event_once_in_order(kafka, n_events)
+    whole = _fresh(kafka)
+    publish(table, whole, "synthetic")
+    _assert_as_one_whole_replay(kafka, whole)
 
 
 def test_resuming_a_complete_replay_sends_nothing_and_says_so(kafka: KafkaSettings,
@@ -112,7 +124,7 @@ def test_resuming_a_complete_replay_sends_nothing_and_says_so(kafka: KafkaSettin
     assert (again.impressions, again.clicks, again.malformed_published) == (0, 0, 0)
     assert first.dead_lettered == 0 and sum(again.skipped.values()) == n_events
     assert "the replay is complete, nothing sent" in caplog.text
-    _assert_every_event_once_in_order(kafka, n_events)
+    assert sum(again.skipped.values()) == _delivered(kafka)
 
 
 def test_resume_with_nothing_delivered_is_a_whole_replay(kafka: KafkaSettings) -> None:
@@ -120,32 +132,37 @@ def test_resume_with_nothing_delivered_is_a_whole_replay(kafka: KafkaSettings) -
     table = _table()
     summary = publish(table, kafka, "synthetic", resume=True)
     assert sum(summary.skipped.values()) == 0
-    _assert_every_event_once_in_order(kafka, len(replay_order(table)[0]))
+    whole = _fresh(kafka)
+    publish(table, whole, "synthetic")
+    _assert_as_one_whole_replay(kafka, whole)
 
 
-def test_resume_refuses_a_partition_whose_last_message_is_not_a_replays(kafka: KafkaSettings) -> None:
+def test_resume_refuses_a_partition_whose_last_message_is_not_one_of_the_runs_events(kafka: KafkaSettings) -> None:
     _topics(kafka)
     producer = AckedProducer(kafka)
     producer.send(kafka.clicks_topic, b"{}", b"someone-else", partition=2)
     producer.flush_answered()
-    with pytest.raises(ConfigError, match=rf"topic {kafka.clicks_topic} partition 2 .*not a replay's.*fresh topics"):
+    with pytest.raises(ConfigError, match=rf"topic {kafka.clicks_topic} partition 2 \(offsets 0-0\).*someone-else.*"
+                                          r"not this replay's events.*fresh topics"):
         publish(_table(), kafka, "synthetic", resume=True)
     assert read_topic(kafka, kafka.impressions_topic) == []  # nothing sent
 
 
-def test_resume_refuses_topics_another_run_wrote(kafka: KafkaSettings) -> None:
+def test_resume_refuses_topics_holding_another_runs_events(kafka: KafkaSettings) -> None:
+    """A topic holding the events of another seed's replay: its partitions' last messages are found nowhere in this
+    run's events."""
     _topics(kafka)
-    publish(_table(seed=1), kafka, "synthetic", run={"seed": 1})
-    before = sum(len(r) for r in _seqs(kafka).values())
-    with pytest.raises(ConfigError, match=r"another replay run.*rerun without --resume"):
-        publish(_table(seed=2), kafka, "synthetic", run={"seed": 2}, resume=True)
-    assert sum(len(r) for r in _seqs(kafka).values()) == before
+    publish(_table(seed=1), kafka, "synthetic")
+    before = _delivered(kafka)
+    with pytest.raises(ConfigError, match=r"not this replay's events.*rerun without --resume"):
+        publish(_table(seed=2), kafka, "synthetic", resume=True)
+    assert _delivered(kafka) == before
 
 
 def test_a_sigkilled_cli_replay_resumed_unpaced_delivers_every_event_exactly_once(
         kafka: KafkaSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """SIGKILL leaves no chance to record anything: the topics' own headers are the record. The rerun is unpaced
-    (the pace is not part of the run)."""
+    """SIGKILL leaves no chance to record anything: the topics' content is the record. The rerun is unpaced (the
+    pace is not part of the run)."""
     _topics(kafka)
     cfg = tmp_path / "replay.toml"
     cfg.write_text(f'[kafka]\nbootstrap_servers = "{kafka.bootstrap_servers}"\nimpressions_topic = '
@@ -165,12 +182,16 @@ def test_a_sigkilled_cli_replay_resumed_unpaced_delivers_every_event_exactly_onc
     finally:
         if proc.poll() is None:
             proc.kill()
-    delivered = sum(len(r) for r in _seqs(kafka).values())
+    delivered = _delivered(kafka)
     assert main([*args, "--resume", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert sum(out["skipped"].values()) == delivered > 0
-    n_events = out["impressions"] + out["clicks"] + out["malformed_published"] + out["dead_lettered"] + delivered
-    _assert_every_event_once_in_order(kafka, n_events)
+    whole = _fresh(kafka)
+    ref = tmp_path / "whole.toml"
+    ref.write_text(cfg.read_text().replace(kafka.impressions_topic, whole.impressions_topic)
+                   .replace(kafka.clicks_topic, whole.clicks_topic))
+    assert main(["replay", "--config", str(ref), *args[3:]]) == 0
+    _assert_as_one_whole_replay(kafka, whole)
 
 
 def test_the_replays_chosen_partition_is_the_one_the_producers_partitioner_picks(kafka: KafkaSettings) -> None:
@@ -189,10 +210,10 @@ def test_the_replays_chosen_partition_is_the_one_the_producers_partitioner_picks
     assert len(set(chosen)) == PARTITIONS
 
 
-def test_dead_letters_carry_the_run_headers_and_are_sent_again_on_a_resume(kafka: KafkaSettings,
-                                                                          tmp_path: Path) -> None:
-    """Rows a source rejected go to <topic>.dlq, which a resume does not read: they are sent again (documented),
-    carrying the run's headers among their original ones so the copies can be told."""
+def test_dead_letters_are_sent_again_on_a_resume_and_do_not_count_as_delivered_events(kafka: KafkaSettings,
+                                                                                       tmp_path: Path) -> None:
+    """Rows a source rejected go to <topic>.dlq, which a resume does not read: they are sent again (documented), and
+    they are no part of a partition's share (the resume of a complete replay sends no event again)."""
     _topics(kafka)
     log = tmp_path / "log.csv"
     log.write_text("user_id,item_id,ts,clicked\n1,2,1700000000000,1\n-1,3,1700000001000,0\n4,5,1700000002000,0\n")
@@ -201,14 +222,16 @@ def test_dead_letters_carry_the_run_headers_and_are_sent_again_on_a_resume(kafka
     again = publish(table, kafka, "log", resume=True)
     assert (first.dead_lettered, again.dead_lettered, again.impressions, again.clicks) == (1, 1, 0, 0)
     letters = read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))
-    assert len(letters) == 2
-    assert all((RUN_HEADER, first.run.encode()) in r.headers for r in letters)
+    assert len(letters) == 2 and letters[0].value == letters[1].value
+    assert sum(again.skipped.values()) == first.impressions + first.clicks == len(read_topic(
+        kafka, kafka.impressions_topic)) + len(read_topic(kafka, kafka.clicks_topic))
 
 
-def test_the_cli_run_is_defined_by_the_seed_and_an_event_logs_file_so_a_resume_of_another_is_refused(
+def test_the_cli_resume_refuses_another_seeds_events_and_sends_only_the_rows_an_event_log_gained(
         kafka: KafkaSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The fingerprint the command gives covers what changes the events: another --seed, or an event log changed
-    since (its size and mtime), is another run, and resuming it into these topics is exit 2, nothing sent."""
+    """The content is what counts: another --seed (other click times) is other events, and resuming it into these
+    topics is exit 2, nothing sent; an event log grown since holds the same events first, and a resume sends only
+    the new rows'."""
     _topics(kafka)
     cfg = tmp_path / "replay.toml"
     cfg.write_text(f'[kafka]\nbootstrap_servers = "{kafka.bootstrap_servers}"\nimpressions_topic = '
@@ -219,8 +242,61 @@ def test_the_cli_run_is_defined_by_the_seed_and_an_event_logs_file_so_a_resume_o
     assert main([*base, "--seed", "5"]) == 0
     assert main([*base, "--seed", "5", "--resume", "--rate", "50"]) == 0  # the same run: the pace is no part of it
     assert main([*base, "--seed", "6", "--resume"]) == 2
-    assert "another replay run" in capsys.readouterr().err
+    assert "not this replay's events" in capsys.readouterr().err
+    assert (len(read_topic(kafka, kafka.impressions_topic)), len(read_topic(kafka, kafka.clicks_topic))) == (2, 1)
     log.write_text(log.read_text() + "5,6,1700000002000,0\n")
-    assert main([*base, "--seed", "5", "--resume"]) == 2
-    assert "another replay run" in capsys.readouterr().err
-    assert len(read_topic(kafka, kafka.impressions_topic)) == 2
+    capsys.readouterr()
+    assert main([*base, "--seed", "5", "--resume", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["impressions"], out["clicks"], sum(out["skipped"].values())) == (1, 0, 3)
+    assert len(read_topic(kafka, kafka.impressions_topic)) == 3
+
+
+def _repeated_rows(tmp_path: Path, rows: str) -> EventTable:
+    """An event log whose rows name their impression id: a row repeated is an event repeated (same key and value)."""
+    log = tmp_path / "repeated.csv"
+    log.write_text("iid,user_id,item_id,ts\n" + rows)
+    return load_eventlog(log, ColumnMap(impression_id="iid", clicked=None), ClickDelay(), seed=1)
+
+
+A, X, B = "a,1,2,1700000000000\n", "x,3,4,1700000001000\n", "b,5,6,1700000002000\n"
+
+
+def _holding(kafka: KafkaSettings, tmp_path: Path, rows: str, held: list[int]) -> tuple[EventTable, KafkaSettings]:
+    """The table of ``rows``, a whole replay of it into fresh one-partition topics, and ``kafka``'s (one partition)
+    holding the whole replay's messages at the positions ``held``, in that order."""
+    table = _repeated_rows(tmp_path, rows)
+    whole = _fresh(kafka, partitions=1)
+    _fresh(kafka, partitions=1, suffix="")
+    publish(table, whole, "log")
+    messages = _contents(whole)[("impressions", 0)]
+    producer = AckedProducer(kafka)
+    for n in held:  # a record batch each: the last message is read first, and the ones before it only when needed
+        key, value = messages[n]
+        producer.send(kafka.impressions_topic, value, key, partition=0)
+        producer.flush_answered()
+    return table, whole
+
+
+@pytest.mark.parametrize(("rows", "held"), [(A + X + X + X + B, 1), (A + X + X + X + B, 2), (A + X + X + X + B, 3),
+                                            (A + X + X + X + B, 4), (X + X + B, 1), (X + X + B, 2)])
+def test_a_resume_completes_a_prefix_whose_last_event_is_repeated_in_its_share_exactly(
+        kafka: KafkaSettings, tmp_path: Path, rows: str, held: int) -> None:
+    """x repeated in the partition's share: a last message x is told by the messages before it, read back until they
+    match one position, or by the whole partition being a prefix of the share. The resume sends exactly the rest."""
+    table, whole = _holding(kafka, tmp_path, rows, list(range(held)))
+    assert len(set(_contents(whole)[("impressions", 0)])) == len(set(rows.splitlines()))  # the x are byte-identical
+    summary = publish(table, kafka, "log", resume=True)
+    assert (summary.skipped[kafka.impressions_topic], summary.impressions) == (held, rows.count("\n") - held)
+    assert _contents(kafka) == _contents(whole)
+
+
+def test_resume_refuses_a_partition_whose_messages_match_several_positions_of_its_share(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """x, x, x in a partition whose share is x, x (a whole replay, then one message of a rerun without --resume):
+    two positions fit; which is unknowable, so nothing is sent."""
+    table, _ = _holding(kafka, tmp_path, X + X, [0, 1, 0])
+    with pytest.raises(ConfigError, match=rf"3 message\(s\) of topic {kafka.impressions_topic} partition 0 .*whole "
+                                          r"partition, match 2 positions.*repeated events.*fresh topics"):
+        publish(table, kafka, "log", resume=True)
+    assert _delivered(kafka) == 3
