@@ -17,13 +17,19 @@ content: the messages carry no headers (any header costs librdkafka's produce 1-
   at one position only, or the whole partition (from offset 0) is read and is exactly a prefix of the share. Last
   messages found nowhere in the share (another run, other data) or that still match several positions with the whole
   partition read are a :class:`~stream.errors.ConfigError` naming the partition.
-- Only the last messages are compared: an event log changed since is resumed as far as they fit (events it gained
-  or changed before them are not sent).
+- A partition nothing was trimmed from (low watermark 0) holds exactly last offset + 1 messages (the idempotent
+  producer, no transactions: contiguous offsets), so its last message must be at that position of its share: that
+  count also tells repeated events apart, and a last message found elsewhere (an event log that gained or lost rows
+  before it in event time since the first run, or another writer's messages) is a ConfigError naming the partition,
+  the count and the position. Where retention trimmed a partition (low watermark > 0) the count cannot be known: a
+  WARNING, once per topic, says the prefix length is not verified there (rows changed before the last messages are
+  not seen).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +43,8 @@ from confluent_kafka import Message
 from stream.config import KafkaSettings
 from stream.errors import ConfigError, shown
 from stream.kafka import read_to_end, watermarks
+
+log = logging.getLogger("streamrec.replay")
 
 TAIL_READ_S = 60.0  # the longest reading a partition's last messages may take
 FIX = ("replay into fresh topics ([kafka] impressions_topic and clicks_topic), or rerun without --resume (which sends "
@@ -115,7 +123,14 @@ def delivered_events(kafka: KafkaSettings, topic: str, shares: Mapping[int, np.n
     partition -> the positions of the events sent there, in order) the prefix up to the position of its last
     message (module docstring). ``keys_of`` / ``values_of``: the message keys (as bytes) / values of positions."""
     held: list[np.ndarray] = []
-    for p, (low, high) in sorted(watermarks(kafka, topic).items()):
+    marks = watermarks(kafka, topic)
+    trimmed = sorted(p for p, (low, high) in marks.items() if high > low > 0)
+    if trimmed:
+        log.warning("--resume: retention trimmed the start of topic %s partition(s) %s (low watermark > 0), so the "
+                    "resume cannot verify there that the partition holds exactly the prefix of its share its last "
+                    "messages end (rows the input gained or lost before them since the first run are not seen): "
+                    "resume with the same input", topic, ", ".join(map(str, trimmed)))
+    for p, (low, high) in sorted(marks.items()):
         if high > low:
             share = shares.get(p, np.empty(0, np.int64))
             held.append(share[:_held_in(kafka, topic, p, (low, high), share, keys_of, values_of)])
@@ -130,6 +145,9 @@ def _held_in(kafka: KafkaSettings, topic: str, p: int, marks: tuple[int, int], s
     tail = _read_from(kafka, topic, p, max(high - 1, low))
     if not tail:  # emptied since its watermarks were read
         return 0
+    # nothing trimmed: offsets 0..last, contiguous (idempotent producer, no transactions); the last message read, not
+    # the high watermark, which may lag
+    count = tail[-1].offset() + 1 if low == 0 else None  # type: ignore[operator]  # a consumed record has its offset
     key = tail[-1].key()
     cands = np.array([c for c, k in enumerate(keys_of(share)) if k == key], np.int64)  # where the tail may end
     checked = 0  # the tail's newest messages the candidates were checked against
@@ -140,11 +158,18 @@ def _held_in(kafka: KafkaSettings, topic: str, p: int, marks: tuple[int, int], s
             bad = [k != m.key() or v != m.value() for k, v in zip(keys_of(pos), values_of(pos), strict=True)]
             cands = np.delete(cands, live[np.array(bad, bool)])
         checked = len(tail)
-        if tail[0].offset() == 0 and len(tail) - 1 in cands:  # the whole partition: a prefix of the share, if one fits
-            return len(tail)
-        if len(cands) == 1:
-            return int(cands[0]) + 1
         where = f"topic {topic} partition {p} (offsets {tail[0].offset()}-{tail[-1].offset()})"
+        if count is not None and count - 1 in cands:  # where its count puts it (repeated events told apart)
+            return count
+        if len(cands) == 1:
+            if count is None:
+                return int(cands[0]) + 1
+            raise ConfigError(f"--resume: topic {topic} partition {p} holds {count} message(s) (offsets "
+                              f"0-{count - 1}, nothing trimmed), so its last must be event {count - 1} (0-based) of "
+                              f"this replay's events for that partition, but it matches event {int(cands[0])}: the "
+                              "input changed since the first run (an event log that gained or lost rows earlier in "
+                              "event time than the last delivered message) or others wrote to the partition: resume "
+                              f"with the same input as the first run, or {FIX}")
         if not len(cands):
             raise ConfigError(f"--resume: the last {len(tail)} message(s) of {where}, the last with key {shown(key)}, "
                               "are not this replay's events for that partition (another data set or settings: "

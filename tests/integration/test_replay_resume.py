@@ -20,6 +20,7 @@ from stream.errors import ConfigError
 from stream.kafka_producer import AckedProducer
 from stream.kafka_topics import ensure_topics
 from stream.replay import publisher as publisher_module
+from stream.replay import resume as resume_module
 from stream.replay.column_map import ColumnMap
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.eventlog import load_eventlog
@@ -260,6 +261,7 @@ def _repeated_rows(tmp_path: Path, rows: str) -> EventTable:
 
 
 A, X, B = "a,1,2,1700000000000\n", "x,3,4,1700000001000\n", "b,5,6,1700000002000\n"
+C = "c,7,8,1700000003000\n"
 
 
 def _holding(kafka: KafkaSettings, tmp_path: Path, rows: str, held: list[int]) -> tuple[EventTable, KafkaSettings]:
@@ -300,3 +302,37 @@ def test_resume_refuses_a_partition_whose_messages_match_several_positions_of_it
                                           r"partition, match 2 positions.*repeated events.*fresh topics"):
         publish(table, kafka, "log", resume=True)
     assert _delivered(kafka) == 3
+
+
+def test_resume_refuses_an_event_log_that_gained_a_row_before_the_delivered_prefix(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """a, b delivered of a, b, c; the log then gains x between a and b in event time. b's content is found at
+    position 2 of the new share, but the partition holds 2 messages (offsets 0-1): refused, nothing sent. Matching
+    the last message alone resumed after b and never sent x."""
+    _holding(kafka, tmp_path, A + B + C, [0, 1])
+    grown = _repeated_rows(tmp_path, A + X + B + C)
+    with pytest.raises(ConfigError, match=rf"topic {kafka.impressions_topic} partition 0 holds 2 message\(s\) "
+                                          r"\(offsets 0-1, nothing trimmed\).*must be event 1 .*matches event 2: the "
+                                          r"input changed since the first run.*same input.*fresh topics"):
+        publish(grown, kafka, "log", resume=True)
+    assert _delivered(kafka) == 2
+
+
+def test_resume_of_a_partition_trimmed_by_retention_warns_once_per_topic_that_the_count_is_not_checked(
+        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A low watermark > 0 (retention trimmed the partition; reported so here) leaves the count unknown: the resume
+    goes by the last messages' content and says, once for the topic, that the prefix length is not verified."""
+    table, whole = _holding(kafka, tmp_path, A + B + C, [0, 1])
+    real = resume_module.watermarks
+
+    def trimmed(settings: KafkaSettings, topic: str, *args: Any, **kwargs: Any) -> dict[int, tuple[int, int]]:
+        return {p: (1 if high > 1 else low, high) for p, (low, high) in real(settings, topic, *args, **kwargs).items()}
+
+    monkeypatch.setattr(resume_module, "watermarks", trimmed)
+    with caplog.at_level("WARNING", logger="streamrec.replay"):
+        summary = publish(table, kafka, "log", resume=True)
+    assert (summary.skipped[kafka.impressions_topic], summary.impressions) == (2, 1)
+    warned = [r.getMessage() for r in caplog.records if "cannot verify" in r.getMessage()]
+    assert len(warned) == 1 and f"topic {kafka.impressions_topic} partition(s) 0 " in warned[0]
+    assert _contents(kafka) == _contents(whole)
