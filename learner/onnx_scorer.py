@@ -71,7 +71,7 @@ import io
 import logging
 import tempfile
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -224,24 +224,28 @@ def export_dense(scorer: Scorer, int8: bool = False) -> bytes:
     return quantize_int8(data) if int8 else data
 
 
-def quantize_int8(model: bytes) -> bytes:
-    """ONNX Runtime's dynamic quantization of ``model``: int8 weights (per tensor, signed), activations per batch."""
-    _ort()
-    import logging
-
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
+def _quantized(model: bytes, quantize: Callable[[str, str], object]) -> bytes:
+    """``quantize(src, dst)`` (one of ONNX Runtime's quantizers, which read and write files) run on ``model``,
+    its advice to pre-process the graph ("consider pre-processing": for conv nets, not an MLP) kept out of the log."""
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         src.write_bytes(model)
         root = logging.getLogger()
         level = root.level
-        root.setLevel(logging.ERROR)  # "consider pre-processing": advice for conv nets, not for an MLP
+        root.setLevel(logging.ERROR)
         try:
-            quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8)
+            quantize(str(src), str(dst))
         finally:
             root.setLevel(level)
         return dst.read_bytes()
+
+
+def quantize_int8(model: bytes) -> bytes:
+    """ONNX Runtime's dynamic quantization of ``model``: int8 weights (per tensor, signed), activations per batch."""
+    _ort()
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    return _quantized(model, lambda src, dst: quantize_dynamic(src, dst, weight_type=QuantType.QInt8))
 
 
 def quantize_int8_static(model: bytes, calibration: list[Feeds]) -> bytes:
@@ -261,19 +265,9 @@ def quantize_int8_static(model: bytes, calibration: list[Feeds]) -> bytes:
         def get_next(self) -> Feeds | None:
             return next(self.it, None)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
-        src.write_bytes(model)
-        root = logging.getLogger()
-        level = root.level
-        root.setLevel(logging.ERROR)  # "consider pre-processing": advice for conv nets, not for an MLP
-        try:
-            quantize_static(str(src), str(dst), Reader(), quant_format=QuantFormat.QOperator,
-                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                            op_types_to_quantize=["MatMul", "Gemm", "Relu"])
-        finally:
-            root.setLevel(level)
-        return dst.read_bytes()
+    return _quantized(model, lambda src, dst: quantize_static(
+        src, dst, Reader(), quant_format=QuantFormat.QOperator, activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm", "Relu"]))
 
 
 def request_feeds(table: Any, pos: np.ndarray, given: np.ndarray, given_mask: np.ndarray, offsets: np.ndarray,
