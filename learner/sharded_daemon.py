@@ -151,7 +151,7 @@ from stream.kafka import new_consumer
 from stream.kafka_topics import topic_identity
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.samples import DELAYED_POSITIVE
-from stream.stop_signals import put_back_signals, take_stop_signals
+from stream.stop_signals import StopsTaken, put_back_signals, take_stop_signals
 from stream.strikes import PartitionFileStrikes, Strikes, settle_strikes
 
 log = logging.getLogger("streamrec.train")
@@ -810,7 +810,17 @@ class ShardedLearner:
         self.id_metrics.observe(st, self.ids.occupancy)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """End the run at its next round's agreement (asked before it, at its first): SIGTERM/SIGINT, or the
+        caller's (``streamrec train``'s, for a stop that came before the run took the signals over)."""
         self._stop = True
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop on this rank ended the run (its summary's reason "signal"), or will."""
+        return self._stop
 
     def summary(self, reason: str) -> dict[str, Any]:
         """Collective: the job's summary (every rank returns it; the metrics aggregated over the ranks)."""
@@ -848,11 +858,14 @@ class ShardedLearner:
 
 
 
-def run_ranks(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
+def run_ranks(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext, *, stops: StopsTaken,
               redis: RedisSettings | None = None, limits: EventLimits = DEFAULT_LIMITS) -> dict[str, Any] | None:
     """This rank's part of ``streamrec train`` under torchrun: join the group, train, leave. The job's summary on
     rank 0 (None on the others). ``redis``: the [redis] settings rank 0 announces deltas on (as the
-    single-process ``Learner``'s).
+    single-process ``Learner``'s). ``stops`` (the caller's, entered): SIGTERM/SIGINT from the learner's build to the
+    caller's summary, the learner's run nested in it, as the single-process ``streamrec train`` takes them: the run
+    put the process's own back in its close, and a stop in the rest of the leave (the directory's LOCK, the group's
+    destroy) killed the rank, no summary, where one in the run ends with it.
 
     Leaving: the learner (its DMP, DDP, sharded tensors, each holding the gloo process group) is dropped and
     collected BEFORE ``destroy_process_group``, so the group's last reference goes there and its C++ destructor
@@ -863,7 +876,7 @@ def run_ranks(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
     "terminate called without an active exception", now and then at the exit of a rank that had finished."""
     ctx.init(timeout_s=ls.collective_timeout_s)
     try:
-        summary = _train(kafka, ls, ctx, redis, limits)
+        summary = _train(kafka, ls, ctx, redis, limits, stops)
     except BaseException as exc:  # its traceback's frames hold the learner: clear them before the group goes
         if (hung := peer_hung(exc, ctx.rank, ls.collective_timeout_s)) is not None:
             log.error("%s", hung)
@@ -890,8 +903,9 @@ def clear_chained_frames(exc: BaseException) -> None:
 
 
 def _train(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
-           redis: RedisSettings | None, limits: EventLimits) -> dict[str, Any]:
-    """The learner's run; nothing of the learner outlives this call (run_ranks), nor rank 0's directory lock."""
+           redis: RedisSettings | None, limits: EventLimits, stops: StopsTaken) -> dict[str, Any]:
+    """The learner's run; nothing of the learner outlives this call (run_ranks), nor rank 0's directory lock (nor
+    does ``stops`` keep it: StopsTaken.run keeps its stopped() as a value)."""
     lock = hold_checkpoint_dir(ls, ctx.rank)
     try:
         check_same_settings(kafka, ls, ctx.rank, limits)
@@ -899,8 +913,9 @@ def _train(kafka: KafkaSettings, ls: LearnerSettings, ctx: RankContext,
         if ctx.rank == 0:
             print(f"training on {kafka.samples_topic} at {kafka.bootstrap_servers} on {ctx.world_size} ranks "
                   f"({ctx.backend}), checkpoints in {ls.checkpoint_dir}", file=sys.stderr)
+        stops.take(learner.stop, lambda: learner.stopped)
         try:
-            summary = learner.run()
+            summary = stops.run(learner.run)
         except BaseException:  # a close that fails too is logged, not raised in the place of what ended the run
             close_after_error(learner.close, "closing the learner", log)
             raise

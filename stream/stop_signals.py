@@ -49,12 +49,20 @@ class StopsTaken:
             self._take()
         return self
 
+    def take(self, on_stop: Callable[[], None], stopped: Callable[[], bool]) -> None:
+        """Taken from here with these, as ``with StopsTaken(on_stop, stopped)`` takes them from its start: for a run
+        whose owner is built inside the command's work (the sharded learner, in ``run_ranks`` after the group's
+        join), while the summary is printed by the command after that work (``streamrec train`` under torchrun)."""
+        self.on_stop, self.stopped = on_stop, stopped
+        self._take()
+
     def run(self, run: Callable[[], T]) -> T:
         try:
             return run()
         finally:
-            self.on_stop = None
-            if self.stopped():
+            stopped, self.on_stop = self.stopped(), None  # known at the run's end: no stop reaches the run after
+            self.stopped = lambda: stopped  # nothing of the run's owner kept (a sharded learner holds the group)
+            if stopped:
                 self._put_back()
             else:
                 self._take()

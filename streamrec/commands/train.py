@@ -130,9 +130,9 @@ def run(args: argparse.Namespace) -> int:
     if ctx.distributed:  # learner/sharded_daemon.py: TorchRec is imported only on this path
         from learner.sharded_daemon import run_ranks
 
-        summary = run_ranks(kafka, ls, ctx, redis=rs, limits=limits)
-        if summary is not None:  # rank 0
-            emit(args, summary, lambda d: "train summary\n" + kv_lines(d))
+        with StopsTaken(None) as stops:  # taken by run_ranks once its learner is built, to rank 0's summary here
+            if (summary := run_ranks(kafka, ls, ctx, stops=stops, redis=rs, limits=limits)) is not None:  # rank 0
+                emit(args, summary, lambda d: "train summary\n" + kv_lines(d))
         return EXIT_OK
     from learner.daemon import Learner
 

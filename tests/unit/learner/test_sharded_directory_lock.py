@@ -19,6 +19,7 @@ from learner.distributed import RankContext
 from stream.config import KafkaSettings
 from stream.errors import ConfigError
 from stream.limits import DEFAULT_LIMITS
+from stream.stop_signals import StopsTaken
 from tests.unit.learner.test_sharded_metrics import NoBroker
 
 
@@ -32,8 +33,9 @@ def train(monkeypatch: pytest.MonkeyPatch, ckpt: Path, run: Any) -> dict[str, An
     monkeypatch.setattr(sd.sharded_checkpoint, "latest", no_read)
     monkeypatch.setattr(sd, "new_consumer", lambda *a, **k: NoBroker())
     monkeypatch.setattr(sd.ShardedLearner, "run", run)
-    return sd._train(KafkaSettings(bootstrap_servers="127.0.0.1:9"), LearnerSettings(checkpoint_dir=ckpt),
-                     RankContext(), None, DEFAULT_LIMITS)
+    with StopsTaken(None) as stops:  # as streamrec train's: the signals the learner took are put back at its end
+        return sd._train(KafkaSettings(bootstrap_servers="127.0.0.1:9"), LearnerSettings(checkpoint_dir=ckpt),
+                         RankContext(), None, DEFAULT_LIMITS, stops)
 
 
 @pytest.mark.usefixtures("one_rank_group")
