@@ -30,14 +30,15 @@ def put_back_signals(handlers: dict[int, Any]) -> None:
 
 class StopsTaken:
     """SIGTERM and SIGINT taken for a command's work around a run that takes them for its own length (``streamrec
-    join``, ``train``, ``serve``, ``refresh --now``): the run put back the process's own as it returned, and a stop
-    after (in the close's last flush, before the summary) killed the process, no summary, where a stop in the run ends
-    with it. Taken once: the first calls ``on_stop`` (none: nothing to stop) and puts the process's own back, so a
-    second is the process's own again (SIGTERM's default ends it, SIGINT's raises KeyboardInterrupt). With ``on_stop``,
-    taken from the start (the run's take nests in it, its put-back puts this back: a stop before the run took them over
-    stops it at once), without, from the run's end; taken again there in any case (faust's event loop, closed, leaves
-    them at their defaults), unless ``stopped()``: the run was ended by a stop, the operator's first, and one after it
-    is their second, the process's own (a close that puts this back again hands such a stop on to the process's own)."""
+    join``, ``train`` (under torchrun too: :meth:`take`), ``serve``, ``refresh --now``): the run put back the process's
+    own as it returned, and a stop after (in the close's last flush, before the summary) killed the process, no summary,
+    where a stop in the run ends with it. Taken once: the first calls ``on_stop`` (none: nothing to stop) and puts the
+    process's own back, so a second is the process's own again (SIGTERM's default ends it, SIGINT's raises
+    KeyboardInterrupt). With ``on_stop``, taken from the start (the run's take nests in it, its put-back puts this back:
+    a stop before the run took them over stops it at once), without, from the run's end; taken again there in any case
+    (faust's event loop, closed, leaves them at their defaults), unless ``stopped()``: the run was ended by a stop, the
+    operator's first, and one after it is their second, the process's own (a close that puts this back again hands such
+    a stop on to the process's own)."""
 
     def __init__(self, on_stop: Callable[[], None] | None, stopped: Callable[[], bool] = lambda: False) -> None:
         self.on_stop, self.stopped = on_stop, stopped
