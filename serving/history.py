@@ -156,9 +156,9 @@ class HistoryReader:
         hits, fill = self.cache.lookup(users)
         if not hits:
             return self._send(users, fill)
-        missing = [u for u in dict.fromkeys(users) if u not in hits]
-        if not missing:  # every user cached: no Redis read at all
+        if fill is None:  # every user cached: no Redis read at all
             return _constant([hits[u].tolist() for u in users])
+        missing = fill.users  # (the cache's own list of the users it did not hold)
         read = self._send(missing, fill)
 
         def merge() -> list[list[int]]:

@@ -94,6 +94,8 @@ class HistoryCache:
             raise ValueError(f"argument 'max_users': got {max_users!r}, expected an integer >= 1")
         self.prefix = f"{prefix}:history:"  # stream/history.py UserHistory.key: f"{prefix}:history:{user_hash}"
         self.max_users, self.metrics = max_users, metrics
+        # bound once: a labels() lookup per request is a dict lookup under a lock each
+        self._hits, self._misses = (metrics.history_cache_users.labels(r) for r in ("hit", "miss"))
         self.ping_s, self.timeout_s, self.backoff_s = ping_s, timeout_s, backoff_s
         self._entries: OrderedDict[int, array[int]] = OrderedDict()
         self._pending: dict[int, int] = {}  # user -> the fill id of the read in flight that may cache it
@@ -153,9 +155,9 @@ class HistoryCache:
                         self._pending[u] = fill_id
                     fill = Fill(self, fill_id, missing)
         if hits:
-            self.metrics.history_cache_users.labels("hit").inc(len(hits))
+            self._hits.inc(len(hits))
         if len(distinct) > len(hits):
-            self.metrics.history_cache_users.labels("miss").inc(len(distinct) - len(hits))
+            self._misses.inc(len(distinct) - len(hits))
         return hits, fill
 
     def _fill(self, fill_id: int, users: list[int], lists: list[list[int]]) -> None:

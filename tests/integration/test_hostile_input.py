@@ -14,6 +14,7 @@ import sys
 import time
 from collections import Counter
 
+import numpy as np
 import orjson
 import pytest
 import redis
@@ -24,6 +25,7 @@ from stream.kafka_producer import AckedProducer
 from stream.kafka_topics import ensure_topics
 from stream.replay.config import ClickDelay, SyntheticSettings
 from stream.replay.publisher import publish
+from stream.replay.resume import key_partitions
 from stream.replay.synthetic import build_synthetic
 from stream.replay.table import CLICK, IMPRESSION, EventTable, RawMessage
 from stream.samples import SampleBatch
@@ -37,33 +39,10 @@ SYN = SyntheticSettings(impressions=3000, users=2000, items=400, impressions_per
                         orphan_click_share=0.01, malformed_share=0.0)
 
 
-def murmur2_partition(key: bytes, partitions: int = PARTITIONS) -> int:
-    """The partition the Java client's (and librdkafka's murmur2) partitioner picks for ``key``."""
-    m, r, length = 0x5BD1E995, 24, len(key)
-    h = (0x9747B28C ^ length) & 0xFFFFFFFF
-    for i in range(0, length - length % 4, 4):
-        k = int.from_bytes(key[i:i + 4], "little")
-        k = (k * m) & 0xFFFFFFFF
-        k ^= k >> r
-        k = (k * m) & 0xFFFFFFFF
-        h = ((h * m) & 0xFFFFFFFF) ^ k
-    tail = key[length - length % 4:]
-    if len(tail) >= 3:
-        h ^= tail[2] << 16
-    if len(tail) >= 2:
-        h ^= tail[1] << 8
-    if tail:
-        h ^= tail[0]
-        h = (h * m) & 0xFFFFFFFF
-    h ^= h >> 13
-    h = (h * m) & 0xFFFFFFFF
-    h ^= h >> 15
-    return (h & 0x7FFFFFFF) % partitions
-
-
 def key_on(partition: int, stem: str) -> str:
     """A key with ``stem`` that the producer's partitioner puts on ``partition``."""
-    return next(k for n in range(10_000) if murmur2_partition((k := f"{stem}-{n}").encode()) == partition)
+    keys = np.array([f"{stem}-{n}" for n in range(10_000)], object)
+    return str(keys[np.flatnonzero(key_partitions(keys, PARTITIONS) == partition)[0]])
 
 
 def _imp(key: str, ts: int, **fields: object) -> dict:
