@@ -22,6 +22,13 @@ stopped (SIGSTOP). torch reports a worker that dies, never one that hangs, and t
 
 Either way the learner stops with the worker, its partitions and the setting named: a restart reads them again from
 the checkpoint (torchrun restarts the group; a supervisor the single process). No message's fault: nothing is struck.
+
+A worker that dies while handing a batch over is a dead worker that torch does not name: the batch's tensors come
+through shared memory, whose file descriptors the training process fetches from the worker over a socket
+(multiprocessing's resource_sharer), and a worker killed then fails that fetch with "Connection reset by peer" (or
+EOF), raised as it is. :func:`watched` says it as torch says a worker's death ("DataLoader worker (pid(s) N) exited
+unexpectedly", :func:`learner.kafka_dataset.worker_died`), so the learner stops as for any dead worker, striking
+nothing, instead of with a bare connection error and its traceback.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from learner.batch import TensorBatch
 _TORCH_TIMEOUT = "DataLoader timed out after"
 # The longest one wait for the loader counts (module docstring): well above a live reader's heartbeat (1 s)
 WAIT_CHUNK_S = 5.0
+# How long a handover broken by a connection error waits for a worker to be seen dead (module docstring)
+DEATH_WAIT_S = 2.0
 
 
 def loader_timeout(stall_s: float) -> float:
@@ -72,6 +81,12 @@ def watched(batches: Iterable[TensorBatch], num_workers: int, stall_s: float,
             batch = next(it)
         except StopIteration:
             return
+        except (ConnectionError, EOFError) as exc:
+            dead = _dead_workers(it, DEATH_WAIT_S)
+            if not dead:
+                raise
+            raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(map(str, dead))}) exited unexpectedly while "
+                               f"handing over a batch ({type(exc).__name__}: {exc})") from exc
         except RuntimeError as exc:
             if _TORCH_TIMEOUT not in str(exc):
                 raise
@@ -94,6 +109,20 @@ def watched(batches: Iterable[TensorBatch], num_workers: int, stall_s: float,
             raise stalled(f"{which} (samples partitions {listed})", stall_s)
         if not timed_out:
             yield batch
+
+
+def _dead_workers(it: Iterator[TensorBatch], wait_s: float) -> list[int]:
+    """The pids of the DataLoader iterator ``it``'s workers that have exited, waited for up to ``wait_s``: a handover
+    broken by a worker's death is seen as its socket closes, a moment before the process can be reaped (module
+    docstring). None when no worker exits in that time (the connection error is another's) or ``it`` has no
+    workers."""
+    workers = getattr(it, "_workers", ())  # multiprocessing.Process, one per worker
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [w.pid for w in workers if not w.is_alive()]
+        if dead or not workers or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.01)
 
 
 def _end_workers(it: Iterator[TensorBatch]) -> None:

@@ -324,12 +324,15 @@ def test_a_second_stop_after_a_last_flush_cut_off_by_a_trickling_redis_says_and_
     """The first stop gives up on its last flush (Redis trickles past ``flush_timeout_s``); that flush ends on its own
     and counts its lookups dropped. A second stop (a caller's own ``stop`` inside ``with ScoringService``) found
     the failure of that flush and logged "the last flush to Redis failed ... before serving stopped", of a stop
-    that made its last flush: it now returns, saying and counting nothing."""
-    timeout_s = 0.5
+    that made its last flush: it now returns, saying and counting nothing.
+
+    The client's own deadline (each whole reply) is five times the stop's wait: with the two equal, the flush could
+    fail on its own before a loaded machine woke the stop's wait, and the stop found no flush to abandon."""
+    timeout_s, wait_s = 1.0, 0.2
     with TrickleProxy(stack.s.redis_port, gap_s=timeout_s / 20) as proxy:
         client = connect_redis(RedisSettings(url=proxy.url), timeout_s=timeout_s, retries=0, whole_reply=True)
         try:
-            lc = LookupCounts(DailyCounts(client, prefix=prefix), flush_s=3600, flush_timeout_s=timeout_s)
+            lc = LookupCounts(DailyCounts(client, prefix=prefix), flush_s=3600, flush_timeout_s=wait_s)
             lc.add("item", np.arange(1, 200, dtype=np.int64))
             proxy.trickling = True
             try:

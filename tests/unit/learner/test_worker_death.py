@@ -129,3 +129,68 @@ def test_a_workers_sigterm_from_the_training_process_ends_it_at_once_and_another
         finally:
             worker.kill()
             worker.join()
+
+
+class _BrokenHandover:
+    """A DataLoader iterator whose next batch's handover fails as a worker killed while handing it over fails it
+    (its shared-memory descriptors fetched over a socket the dead worker closed), with ``workers`` as its workers."""
+
+    def __init__(self, workers: list[Any], exc: Exception) -> None:
+        self._workers, self.exc = workers, exc
+
+    def __iter__(self) -> _BrokenHandover:
+        return self
+
+    def __next__(self) -> Any:
+        raise self.exc
+
+
+@pytest.mark.parametrize("dies", ["before the error", "just after the error"])
+def test_a_worker_killed_while_handing_a_batch_over_is_reported_as_a_dead_worker_and_strikes_nothing(
+        dies: str, tmp_path: Path) -> None:
+    """torch re-raises the handover's "Connection reset by peer" as it is when it has not yet seen the worker gone:
+    the learner stopped with a bare connection error and its traceback, naming no worker. It is now torch's "exited
+    unexpectedly" naming the dead worker (found within a moment: the socket closes before the process can be
+    reaped), which strikes no message."""
+    from learner.worker_stall import watched
+
+    ctx = multiprocessing.get_context("fork")
+    alive = ctx.Process(target=threading.Event().wait, daemon=True)
+    killed = ctx.Process(target=time.sleep, args=(0.0 if dies == "before the error" else 0.3,), daemon=True)
+    for w in (alive, killed):
+        w.start()
+    try:
+        if dies == "before the error":
+            killed.join()
+        reset = ConnectionResetError(104, "Connection reset by peer")
+        with pytest.raises(RuntimeError) as died:
+            next(watched(_BrokenHandover([alive, killed], reset), 2, 60.0, lambda w: [w]))
+        assert f"DataLoader worker (pid(s) {killed.pid}) exited unexpectedly while handing over a batch" in \
+            str(died.value) and "Connection reset by peer" in str(died.value)
+        assert died.value.__cause__ is reset
+        assert worker_died(died.value) and not_the_batch(died.value)
+        strikes = Strikes(FileStrikes(tmp_path / "strikes.json"), limit=1)
+        assert strike_failed_batch(strikes, KEYS, died.value) is False and not strikes.counts
+    finally:
+        for w in (alive, killed):
+            w.kill()
+            w.join()
+
+
+@pytest.mark.parametrize("exc", [ConnectionResetError(104, "Connection reset by peer"), EOFError()])
+def test_a_broken_handover_with_every_worker_alive_is_raised_as_it_is(
+        exc: Exception, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No worker died within the wait: the error is not called a worker's death."""
+    from learner import worker_stall
+
+    monkeypatch.setattr(worker_stall, "DEATH_WAIT_S", 0.2)
+    ctx = multiprocessing.get_context("fork")
+    alive = ctx.Process(target=threading.Event().wait, daemon=True)
+    alive.start()
+    try:
+        with pytest.raises(type(exc)) as raised:
+            next(worker_stall.watched(_BrokenHandover([alive], exc), 1, 60.0, lambda w: [w]))
+        assert raised.value is exc
+    finally:
+        alive.kill()
+        alive.join()
