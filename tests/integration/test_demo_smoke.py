@@ -43,12 +43,18 @@ def demo_env(stack: LocalStack, run: Path, limit: int, small_model: bool = False
             "STREAMREC_KAFKA_BOOTSTRAP_SERVERS": stack.bootstrap_servers, "STREAMREC_REDIS_URL": stack.redis_url}
 
 
+@pytest.mark.timeout(480)  # above the run's own 420 s, so that a slow demo fails with its output, not a stack dump
 def test_the_demo_runs_end_to_end_and_writes_a_report_with_every_plot(stack: LocalStack, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
     env = demo_env(stack, run, LIMIT)
-    proc = subprocess.run(["bash", str(ROOT / "streamrec" / "demo.sh")], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=420)
+    try:
+        proc = subprocess.run(["bash", str(ROOT / "streamrec" / "demo.sh")], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=420)
+    except subprocess.TimeoutExpired as exc:
+        said = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o or ""
+                       for o in (exc.stdout, exc.stderr))
+        pytest.fail(f"the demo ran past 420 s; what it said:\n{said[-6000:]}")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
 
