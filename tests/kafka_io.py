@@ -23,10 +23,24 @@ class Record:
 
 def read_topic(kafka: KafkaSettings, topic: str, timeout_s: float = 30.0) -> list[Record]:
     """Every record of ``topic`` from the beginning to the end (partition EOF on every partition)."""
-    out: list[Record] = []
-    read_to_end(kafka, topic, lambda m: out.append(Record(m.partition(), m.offset(), m.key(), m.value(),
-                                                          list(m.headers() or []))), timeout_s=timeout_s)
+    out, stuck = read_topic_partly(kafka, topic, timeout_s)
+    if stuck is not None:
+        raise stuck
     return out
+
+
+def read_topic_partly(kafka: KafkaSettings, topic: str,
+                      timeout_s: float = 30.0) -> tuple[list[Record], TimeoutError | None]:
+    """:func:`read_topic`, and where a partition did not reach its end within ``timeout_s``, what was read before
+    with that ``TimeoutError`` (None: every partition reached its end): a broker that keeps a partition from its end
+    for a reader is told apart from one that lost records."""
+    out: list[Record] = []
+    try:
+        read_to_end(kafka, topic, lambda m: out.append(Record(m.partition(), m.offset(), m.key(), m.value(),
+                                                              list(m.headers() or []))), timeout_s=timeout_s)
+    except TimeoutError as exc:
+        return out, exc
+    return out, None
 
 
 def make_again(kafka: KafkaSettings, topic: str, partitions: int) -> None:
