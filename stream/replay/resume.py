@@ -24,6 +24,10 @@ content: the messages carry no headers (any header costs librdkafka's produce 1-
   the count and the position. Where retention trimmed a partition (low watermark > 0) the count cannot be known: a
   WARNING, once per topic, says the prefix length is not verified there (rows changed before the last messages are
   not seen).
+- The reads go back by offsets, so records a consumer never gets (another producer's transaction markers, aborted
+  records) at a partition's end are read past, not taken for an empty partition (which sent its share again), nor
+  read again for ever. A partition that held messages (high watermark > 0) and has none to read, trimmed empty by
+  retention or a delete of records, is a ConfigError where this replay has events for it: how many it held is gone.
 """
 
 from __future__ import annotations
@@ -131,8 +135,8 @@ def delivered_events(kafka: KafkaSettings, topic: str, shares: Mapping[int, np.n
                     "messages end (rows the input gained or lost before them since the first run are not seen): "
                     "resume with the same input", topic, ", ".join(map(str, trimmed)))
     for p, (low, high) in sorted(marks.items()):
-        if high > low:
-            share = shares.get(p, np.empty(0, np.int64))
+        share = shares.get(p, np.empty(0, np.int64))
+        if high > low or (high > 0 and len(share)):  # (one trimmed empty held messages all the same: _held_in)
             held.append(share[:_held_in(kafka, topic, p, (low, high), share, keys_of, values_of)])
     return np.concatenate(held) if held else np.empty(0, np.int64)
 
@@ -140,11 +144,19 @@ def delivered_events(kafka: KafkaSettings, topic: str, shares: Mapping[int, np.n
 def _held_in(kafka: KafkaSettings, topic: str, p: int, marks: tuple[int, int], share: np.ndarray,
              keys_of: Callable[[np.ndarray], Sequence[bytes | None]],
              values_of: Callable[[np.ndarray], Sequence[bytes | None]]) -> int:
-    """How many events of ``share`` partition ``p`` of ``topic`` (watermarks ``marks``, not empty) holds."""
+    """How many events of ``share`` partition ``p`` of ``topic`` (watermarks ``marks``: it held messages) holds."""
     low, high = marks
-    tail = _read_from(kafka, topic, p, max(high - 1, low))
-    if not tail:  # emptied since its watermarks were read
+    start = max(high - 1, low)  # where the tail was read from; each read back doubles what it spans
+    tail = _read_from(kafka, topic, p, start) if high > low else []
+    while not tail and start > low:  # its last offsets hold no record (a transaction's marker, aborted records)
+        start = max(2 * start - high, low)
+        tail = _read_from(kafka, topic, p, start)
+    if not tail and not len(share):  # nothing of this replay's is for it
         return 0
+    if not tail:  # trimmed empty (retention, a delete of records), before or since its watermarks were read
+        raise ConfigError(f"--resume: topic {topic} partition {p} held messages (offsets up to {high - 1}) but has "
+                          f"none to read now (low watermark {low}: retention or a delete of records emptied it), so "
+                          f"what this replay delivered there cannot be told: {FIX}")
     # nothing trimmed: offsets 0..last, contiguous (idempotent producer, no transactions); the last message read, not
     # the high watermark, which may lag
     count = tail[-1].offset() + 1 if low == 0 else None  # type: ignore[operator]  # a consumed record has its offset
@@ -175,11 +187,12 @@ def _held_in(kafka: KafkaSettings, topic: str, p: int, marks: tuple[int, int], s
                               "are not this replay's events for that partition (another data set or settings: "
                               "--limit, --seed, click delay, source settings, partition count; or another producer's), "
                               f"so what this replay delivered there cannot be told: {FIX}")
-        if (tail[0].offset() or 0) <= low:
+        if start <= low:
             raise ConfigError(f"--resume: the {len(tail)} message(s) of {where}, the whole partition, match "
                               f"{len(cands)} positions of this replay's events for it (repeated events), so what this "
                               f"replay delivered there cannot be told: {FIX}")
-        tail = _read_from(kafka, topic, p, max(high - 2 * len(tail), low))
+        start = max(2 * start - high, low)  # (by offsets: records a consumer skips no longer read the same again)
+        tail = _read_from(kafka, topic, p, start)
 
 
 def _read_from(kafka: KafkaSettings, topic: str, p: int, offset: int) -> list[Message]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from confluent_kafka import Producer
 
 from stream.config import KafkaSettings
 from stream.errors import ConfigError
@@ -336,3 +337,77 @@ def test_resume_of_a_partition_trimmed_by_retention_warns_once_per_topic_that_th
     warned = [r.getMessage() for r in caplog.records if "cannot verify" in r.getMessage()]
     assert len(warned) == 1 and f"topic {kafka.impressions_topic} partition(s) 0 " in warned[0]
     assert _contents(kafka) == _contents(whole)
+
+
+def _foreign_transaction(kafka: KafkaSettings) -> None:
+    """Another producer's committed transaction of one message in partition 0 of the impressions topic: the message,
+    then its commit marker (an offset no consumer gets a record at)."""
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers,
+                         "transactional.id": f"{kafka.impressions_topic}-foreign"})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    producer.produce(kafka.impressions_topic, b"foreign", b"f", partition=0)
+    producer.commit_transaction(30)
+
+
+def test_resume_refuses_a_partition_whose_last_message_before_a_transaction_marker_is_another_producers(
+        kafka: KafkaSettings, tmp_path: Path) -> None:
+    """a, b of a, b, c delivered, then another producer's transaction (its message, its commit marker). The last
+    offset is the marker: the read back goes past it to the foreign message and refuses. Reading from the marker
+    alone found nothing, took the partition for empty and sent a, b, c again."""
+    _holding(kafka, tmp_path, A + B + C, [0, 1])
+    _foreign_transaction(kafka)
+    marks = resume_module.watermarks(kafka, kafka.impressions_topic)[0]
+    assert marks == (0, 4)  # a, b, the foreign message, its marker
+    with pytest.raises(ConfigError, match=rf"last 1 message\(s\) of topic {kafka.impressions_topic} partition 0 "
+                                          r"\(offsets 2-2\), the last with key b?'?f'?.* are not this replay's events"):
+        publish(_repeated_rows(tmp_path, A + B + C), kafka, "log", resume=True)
+    assert _delivered(kafka) == 3
+
+
+def test_the_read_back_past_a_transaction_marker_starts_earlier_each_time_and_ends_refusing(
+        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another producer's transaction (its message, its marker), then x of a share x, x, b: x matches two positions,
+    and the partition's count (3) neither. The reads back went by the messages read (high - 2 x 1) and read the
+    marker's offset, holding x alone, again for ever; now each starts earlier, reaches the foreign message and
+    refuses (x at position 0, not 2)."""
+    _fresh(kafka, partitions=1, suffix="")
+    _foreign_transaction(kafka)
+    table = _repeated_rows(tmp_path, X + X + B)
+    whole = _fresh(kafka, partitions=1)
+    publish(table, whole, "log")
+    key, value = _contents(whole)[("impressions", 0)][0]
+    producer = AckedProducer(kafka)
+    producer.send(kafka.impressions_topic, value, key, partition=0)
+    producer.flush_answered()
+    starts: list[int] = []
+    real = resume_module._read_from
+
+    def read_from(settings: KafkaSettings, topic: str, p: int, offset: int) -> list[Any]:
+        assert not starts or offset < starts[-1], f"read from offset {offset} again after {starts}"
+        starts.append(offset)
+        return real(settings, topic, p, offset)
+
+    monkeypatch.setattr(resume_module, "_read_from", read_from)
+    with pytest.raises(ConfigError, match=r"partition 0 holds 3 message\(s\).*must be event 2 .*matches event 0"):
+        publish(table, kafka, "log", resume=True)
+    assert starts == [2, 1, 0]
+
+
+def test_resume_refuses_a_partition_retention_trimmed_empty_where_the_replay_has_events(
+        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """a, b of a, b, c delivered, then retention trimmed the partition empty (low = high = 2; reported so here): how
+    many of its share it held is gone, so the resume refuses. It skipped the partition as empty and sent a, b, c
+    again."""
+    table, _ = _holding(kafka, tmp_path, A + B + C, [0, 1])
+    real = resume_module.watermarks
+
+    def emptied(settings: KafkaSettings, topic: str, *args: Any, **kwargs: Any) -> dict[int, tuple[int, int]]:
+        return {p: (high, high) for p, (_low, high) in real(settings, topic, *args, **kwargs).items()}
+
+    monkeypatch.setattr(resume_module, "watermarks", emptied)
+    with pytest.raises(ConfigError, match=rf"topic {kafka.impressions_topic} partition 0 held messages \(offsets "
+                                          r"up to 1\) but has none to read now \(low watermark 2: retention.*fresh "
+                                          r"topics"):
+        publish(table, kafka, "log", resume=True)
+    assert _delivered(kafka) == 2
