@@ -191,7 +191,9 @@ def _held_in(kafka: KafkaSettings, topic: str, p: int, marks: tuple[int, int], s
             raise ConfigError(f"--resume: the {len(tail)} message(s) of {where}, the whole partition, match "
                               f"{len(cands)} positions of this replay's events for it (repeated events), so what this "
                               f"replay delivered there cannot be told: {FIX}")
-        start = max(2 * start - high, low)  # (by offsets: records a consumer skips no longer read the same again)
+        # twice the offsets the last read spanned (by offsets: records a consumer skips are no reason to read the
+        # same again; to the last message read: the high watermark may lag)
+        start = max(2 * start - tail[-1].offset() - 1, low)  # type: ignore[operator]  # a consumed record's offset
         tail = _read_from(kafka, topic, p, start)
 
 
