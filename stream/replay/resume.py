@@ -26,8 +26,9 @@ content: the messages carry no headers (any header costs librdkafka's produce 1-
   not seen).
 - The reads go back by offsets, so records a consumer never gets (another producer's transaction markers, aborted
   records) at a partition's end are read past, not taken for an empty partition (which sent its share again), nor
-  read again for ever. A partition that held messages (high watermark > 0) and has none to read, trimmed empty by
-  retention or a delete of records, is a ConfigError where this replay has events for it: how many it held is gone.
+  read again for ever. A partition that held messages (high watermark > 0) and has none to read holds none of this
+  replay's where nothing was trimmed (low watermark 0: markers, aborted records); trimmed empty by retention or a
+  delete of records, it is a ConfigError where this replay has events for it: how many it held is gone.
 """
 
 from __future__ import annotations
@@ -151,7 +152,9 @@ def _held_in(kafka: KafkaSettings, topic: str, p: int, marks: tuple[int, int], s
     while not tail and start > low:  # its last offsets hold no record (a transaction's marker, aborted records)
         start = max(2 * start - high, low)
         tail = _read_from(kafka, topic, p, start)
-    if not tail and not len(share):  # nothing of this replay's is for it
+    if not tail:  # (its low watermark now: retention may have trimmed it since they were read)
+        low = watermarks(kafka, topic).get(p, marks)[0]
+    if not tail and (low == 0 or not len(share)):  # records none of this replay's (markers, aborted), or none for it
         return 0
     if not tail:  # trimmed empty (retention, a delete of records), before or since its watermarks were read
         raise ConfigError(f"--resume: topic {topic} partition {p} held messages (offsets up to {high - 1}) but has "

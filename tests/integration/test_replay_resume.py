@@ -411,3 +411,15 @@ def test_resume_refuses_a_partition_retention_trimmed_empty_where_the_replay_has
                                           r"topics"):
         publish(table, kafka, "log", resume=True)
     assert _delivered(kafka) == 2
+
+
+def test_a_partition_nothing_was_trimmed_from_that_has_no_record_to_read_holds_none_of_the_runs_events(
+        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offsets no consumer gets a record at (another producer's aborted transaction and its marker; every read made
+    empty here) with low watermark 0: none of them is this replay's (its messages are no transaction's), so the
+    resume sends the partition's whole share, not a refusal as for a partition trimmed empty."""
+    table, whole = _holding(kafka, tmp_path, A + B + C, [0, 1])
+    monkeypatch.setattr(resume_module, "_read_from", lambda *_args: [])
+    summary = publish(table, kafka, "log", resume=True)
+    assert (summary.skipped[kafka.impressions_topic], summary.impressions) == (0, 3)
+    assert _delivered(kafka) == 5
