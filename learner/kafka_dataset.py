@@ -64,13 +64,14 @@ from learner.worker_counters import WorkerTally
 from learner.worker_stall import loader_timeout
 from stream.config import KafkaSettings
 from stream.dlq import DeadLetters
-from stream.errors import BadMessage, quoted, shown
+from stream.errors import BadMessage, StreamError, quoted, shown
 from stream.idle_clock import IdleClock
-from stream.kafka import Headers, has_more, headers_of, new_consumer
+from stream.kafka import Headers, fetched_more, has_more, headers_of, new_consumer
 from stream.limits import DEFAULT_LIMITS, EventLimits
 from stream.retention import Gaps, starting_after_retention
 from stream.samples import MAX_LIST_VALUES, SampleBatch, watermark_of
 from stream.strikes import is_infrastructure
+from stream.unfetched import Unfetched
 
 log = logging.getLogger("streamrec.train")
 _R = TypeVar("_R")
@@ -81,6 +82,20 @@ _R = TypeVar("_R")
 # while waiting for a batch, "DataLoader worker (pid(s) 123, 456) exited unexpectedly". Plain RuntimeErrors, told
 # apart by their text (as learner/distributed.py tells a peer's failure).
 _WORKER_DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? [\d, ]+\) (?:is killed by signal|exited unexpectedly)")
+
+
+class SamplesNeverFetched(StreamError):
+    """A bounded run (``exit_when_idle_s``) idle with samples partitions never fetched since their assignment
+    (``stream.unfetched.Unfetched.overdue``): their samples are unread, so the run fails rather than end as complete."""
+
+
+def never_fetched(kafka: KafkaSettings, partitions: list[int], waited_s: float) -> SamplesNeverFetched:
+    """The error of a bounded run idle with samples ``partitions`` never fetched in ``waited_s``."""
+    return SamplesNeverFetched(
+        f"learner: {kafka.samples_topic} partition(s) {partitions} were never fetched in {waited_s:.0f} s from "
+        f"[kafka] bootstrap_servers={kafka.bootstrap_servers} (their fetches keep failing or never answer: see the "
+        "consumer's errors above); their samples are unread, so this bounded run (exit_when_idle_s) fails instead of "
+        "ending as if its input were trained: fix the broker or the topic's access and run it again")
 
 
 def worker_died(exc: BaseException) -> bool:
@@ -275,6 +290,10 @@ class KafkaSampleDataset(IterableDataset):
         # record is no gap (a false loss of every record before it, the review found)
         gaps = Gaps(consumer, "learner")
         gaps.expect(tp for tp in starts if tp.partition not in unknown)
+        # Where each partition was assigned (or sought): its position while none of its records came since
+        # (stream.kafka.fetched_more), for the idle exit's question whether it has more to read
+        at = {tp.partition: tp.offset for tp in starts}
+        unfetched = Unfetched(clock=time.monotonic)  # looked up now: tests patch time.monotonic
         beyond = {tp.partition: tp.offset for tp in starts if tp.partition not in self.unsaved and tp.offset > 0}
         passed: dict[tuple[int, int], int] = {}  # (partition, offset) of a message after a loss -> its last offset
         # Records a partition starts past (lost, or before a fresh partition's first record) count as passed: a
@@ -329,6 +348,7 @@ class KafkaSampleDataset(IterableDataset):
                         held, lost_unknown = yield from _beating(
                             _first_held(consumer, [TopicPartition(topic, p, 0) for p in added]), self.cfg)
                         consumer.incremental_assign(held)
+                        at.update((tp.partition, tp.offset) for tp in held)
                         gaps.expect(tp for tp in held if tp.partition not in lost_unknown)
                         pending += [to_tensors_empty(self.cfg, (tp.partition, tp.offset - 1, 0)) for tp in held
                                     if tp.offset > 0]
@@ -355,7 +375,7 @@ class KafkaSampleDataset(IterableDataset):
                         passed[got] = gone.low - 1  # type: ignore[index]
                     if beyond:  # (a saved partition's first message: it did not start over)
                         beyond.pop(got[0], None)  # type: ignore[arg-type]
-                if beyond and _start_over_past_end(consumer, topic, beyond):
+                if beyond and _start_over_past_end(consumer, topic, beyond, at):
                     idle.reset()  # a start again: the idle clock too
                 msgs = ordered(fetched)
                 idle.tick()
@@ -423,6 +443,16 @@ class KafkaSampleDataset(IterableDataset):
                     last_yield = time.monotonic()
                 if (self.exit_when_idle_s is not None and not pending and (merge is None or merge.empty())
                         and idle.idle_s >= self.exit_when_idle_s):
+                    # Not while a partition has more to read, by the high watermark its fetcher saw, or its end is
+                    # unknown (no fetch answered since its assignment) for Unfetched's grace: a first fetch slower
+                    # than the limit (a 105 MB response under load, a slow broker) ended the run "idle" with its whole
+                    # input unread. Asked here only, at the limit: a cached-watermark call per partition.
+                    if [p for p in parts if unfetched.behind((topic, p), fetched_more(consumer, topic, p, at.get(p)))]:
+                        idle.reset()
+                        continue
+                    if overdue := unfetched.overdue():  # past the grace: unread, not idle (the joiner's rule too)
+                        raise never_fetched(self.kafka, [p for _, p in overdue],
+                                            unfetched.grace_s + self.exit_when_idle_s)
                     return
         finally:
             _close_reading(consumer, parts)
@@ -676,7 +706,7 @@ def _beating(steps: Generator[None, None, _R], cfg: FeatureConfig, every_s: floa
             last = time.monotonic()
 
 
-def _start_over_past_end(consumer: Consumer, topic: str, beyond: dict[int, int]) -> bool:
+def _start_over_past_end(consumer: Consumer, topic: str, beyond: dict[int, int], at: dict[int, int]) -> bool:
     """Partitions (``beyond``: partition -> saved start, none of its messages read yet) whose end, as the first fetch
     response said it (the true end on Tansu too, ``stream.kafka.has_more``), is below their saved start: the topic was
     deleted and created again since the checkpoint (its offsets started over), and the learner goes on from the new
@@ -685,7 +715,7 @@ def _start_over_past_end(consumer: Consumer, topic: str, beyond: dict[int, int])
     new topic already past the saved offset cannot be told by offsets: the daemons compare its topic id with the
     checkpoint's and read it from its first record (``learner.checkpoint_format.same_topic``). A log truncated under the
     learner (data lost on the broker) is taken the same way: its records before the end are trained again. Returns
-    whether a partition started over."""
+    whether a partition started over; ``at`` (partition -> where it was assigned or sought) gets its new start."""
     again = False
     for p, start in list(beyond.items()):
         low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), cached=True)
@@ -700,7 +730,7 @@ def _start_over_past_end(consumer: Consumer, topic: str, beyond: dict[int, int])
             except KafkaException as exc:
                 log.warning("learner: cannot seek %s partition %d to its start yet (%s); trying again", topic, p, exc)
                 continue
-            again = True
+            at[p], again = max(low, 0), True
         del beyond[p]
     return again
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -70,55 +69,11 @@ Behind = Callable[[str, int], bool]  # whether (input, partition) has more to re
 HOLD_ALL = -sys.maxsize  # the limit of an input whose other input has more to read but has not been read yet
 
 
-UNFETCHED_GRACE_S = 10.0  # the longest an input not fetched yet since its assignment counts as having more to read
-
-
-@dataclass
-class Unfetched:
-    """Whether an input whose end is not known yet has more to read (the drivers' ``behind``): yes, for up to
-    ``grace_s`` from when it was first asked about in its assignment; then no.
-
-    A driver knows an input's end from the high watermark its fetcher last saw (``stream.kafka.fetched_more``), and
-    right after an assignment one input's first fetch can come a round or more before the other's (each waits for its
-    own start position; under load, seconds). Counted as "nothing more" then, the input fetched first was joined
-    whole: a fresh worker on a backlog sent out every impression of its first batches as an observed 0 minutes (of
-    event time) ahead of the delayed positives of the clicks still on their way, what :func:`hold_limits` exists to
-    prevent. Counted as "more" for good, an input whose fetch keeps failing would hold the other back for ever; so it
-    counts as more only for ``grace_s``, time enough for a first fetch, and stalls nothing past it. Nor is it read:
-    :meth:`overdue` names it, for an idle exit to fail on instead of ending the run as if its input were joined."""
-
-    grace_s: float = UNFETCHED_GRACE_S
-    clock: Callable[[], float] = time.monotonic
-    since: dict[Key, float] = field(default_factory=dict)  # when each input was first found unknown
-    unknown: set[Key] = field(default_factory=set)  # the inputs whose end was unknown when last asked
-
-    def behind(self, key: Key, more: bool | None) -> bool:
-        """Whether input ``key`` has more to read, given what its fetcher says (``more``; None: unknown)."""
-        if more is not None:
-            self.unknown.discard(key)
-            return more
-        self.unknown.add(key)
-        now = self.clock()
-        return now - self.since.setdefault(key, now) < self.grace_s
-
-    def overdue(self) -> list[Key]:
-        """The inputs whose end is still unknown past their grace: never fetched since their assignment (a fetch that
-        keeps failing), so not read to their end, whatever :meth:`behind` says of them to the hold."""
-        now = self.clock()
-        return sorted(k for k in self.unknown if now - self.since[k] >= self.grace_s)
-
-    def forget(self, partitions: Iterable[int]) -> None:
-        """Start the grace afresh for the inputs of ``partitions`` (assigned or revoked)."""
-        gone = set(partitions)
-        self.since = {k: t for k, t in self.since.items() if k[1] not in gone}
-        self.unknown = {k for k in self.unknown if k[1] not in gone}
-
-
 def never_fetched(inputs: list[Key], waited_s: float) -> int:
     """The exit status of a bounded run idle with ``inputs`` never fetched since their assignment
-    (``Unfetched.overdue``: every fetch of them failing, the consumer logging each error): 1, said, and the run is not
-    drained: their input is unread, the run not complete. Both drivers ended such a run as idle (status 0,
-    ``--drain`` sending their impressions out as 0s) once the inputs' grace had passed."""
+    (``stream.unfetched.Unfetched.overdue``: every fetch of them failing, the consumer logging each error): 1, said,
+    and the run is not drained: their input is unread, the run not complete. Both drivers ended such a run as idle
+    (status 0, ``--drain`` sending their impressions out as 0s) once the inputs' grace had passed."""
     log.error("inputs %s were never fetched in %.0f s (their fetches keep failing: see the consumer's errors above); "
               "their input is unread, so this bounded run ends with status 1 without draining: fix the broker or the "
               "topics' access and run it again", inputs, waited_s)
@@ -127,9 +82,10 @@ def never_fetched(inputs: list[Key], waited_s: float) -> int:
 
 def unread(partitions: Iterable[int], behind: Behind, paused: set[Key]) -> list[Key]:
     """The inputs of ``partitions`` with more to read (``behind``: by the high watermark their fetcher saw, or not
-    fetched yet since the assignment, for ``Unfetched``'s grace), those ``paused`` left out (the idle exit resumes them
-    first). A driver counts no idleness while there is one: an idle exit before the clicks' first fetch (a slow group
-    join or fetch under load) drained their impressions as 0s, their clicks never read (the faust driver's)."""
+    fetched yet since the assignment, for ``stream.unfetched.Unfetched``'s grace), those ``paused`` left out (the idle
+    exit resumes them first). A driver counts no idleness while there is one: an idle exit before the clicks' first
+    fetch (a slow group join or fetch under load) drained their impressions as 0s, their clicks never read (the faust
+    driver's)."""
     return [(kind, p) for p in sorted(partitions) for kind in (IMPRESSIONS, CLICKS)
             if (kind, p) not in paused and behind(kind, p)]
 

@@ -62,7 +62,6 @@ from stream.joiner.backpressure import (
     InputGate,
     InputPauses,
     Key,
-    Unfetched,
     never_fetched,
     topic_of,
     unread,
@@ -84,6 +83,7 @@ from stream.kafka import (
 from stream.retention import Gaps
 from stream.stop_signals import put_back_signals, take_stop_signals
 from stream.strikes import RECOVERY_BACKOFF_S, is_infrastructure
+from stream.unfetched import Unfetched
 
 log = logging.getLogger("streamrec.join")
 

@@ -93,7 +93,7 @@ from faust.types import TP
 from stream.config import MAX_POLL_INTERVAL_MS, KafkaSettings, SaslMechanism, SecurityProtocol
 from stream.errors import ConfigError, quoted
 from stream.idle_clock import IdleClock
-from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, Unfetched, never_fetched, topic_of, unread
+from stream.joiner.backpressure import CLICKS, InputGate, InputPauses, never_fetched, topic_of, unread
 from stream.joiner.config import JoinerSettings
 from stream.joiner.faust_delivery import BatchConsumer, BatchDelivery, Processed, install
 from stream.joiner.pipeline import JoinPipeline
@@ -101,6 +101,7 @@ from stream.joiner.records import Record
 from stream.kafka import heartbeat_interval_s
 from stream.kafka_access import tls_context
 from stream.strikes import RECOVERY_BACKOFF_S, is_infrastructure
+from stream.unfetched import Unfetched
 
 log = logging.getLogger("streamrec.join")
 

@@ -24,7 +24,7 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Producer, TopicPartition
 
 from stream.config import KafkaSettings
-from stream.joiner.backpressure import CLICKS, IMPRESSIONS, UNFETCHED_GRACE_S
+from stream.joiner.backpressure import CLICKS, IMPRESSIONS
 from stream.joiner.config import JoinerSettings
 from stream.joiner.kafka_driver import KafkaJoinWorker
 from stream.kafka import producer_config
@@ -34,6 +34,7 @@ from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from stream.replay.table import EventTable
 from stream.samples import DELAYED_POSITIVE, SampleBatch
+from stream.unfetched import UNFETCHED_GRACE_S
 from tests.integration.test_joiner import expected_join, join_cmd, join_env, read_samples
 from tests.joiner_stubs import assigning_pipeline
 from tests.kafka_io import read_topic

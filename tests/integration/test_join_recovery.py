@@ -401,8 +401,9 @@ def test_an_input_assigned_at_its_end_holds_the_other_back_no_longer_than_the_un
     clicks' time + drift back, and the gate's grace for an input not fetched yet (``backpressure.Unfetched``) never
     applied. Now the driver's start offset (``Gaps``: where it assigned or sought the partition) stands in for the
     position: clicks at their end have nothing more, and the impressions are joined."""
-    from stream.joiner.backpressure import CLICKS, Unfetched
+    from stream.joiner.backpressure import CLICKS
     from stream.joiner.kafka_driver import _records
+    from stream.unfetched import Unfetched
 
     producer = AckedProducer(kafka)
     make()  # creates the topics

@@ -21,6 +21,7 @@ from learner.features import FeatureConfig, FieldSpec
 from stream.config import KafkaSettings
 from stream.metrics import INPUT_LOST
 from stream.samples import WATERMARK_HEADER, SampleBatch, watermark_header
+from stream.unfetched import UNFETCHED_GRACE_S
 
 CFG = FeatureConfig((FieldSpec("user_id", "single", 50), FieldSpec("item_id", "single", 40),
                      FieldSpec("history", "sequence", 40, shares="item_id")), embedding_dim=4)
@@ -62,8 +63,11 @@ class Consumer:
         # before ``low``; librdkafka's fetch gets OFFSET_OUT_OF_RANGE and resets to the earliest offset, silently
         self.jumps = dict(jumps or {})
 
-    def get_watermark_offsets(self, tp: Any, timeout: float | None = None) -> tuple[int, int]:
+    def get_watermark_offsets(self, tp: Any, timeout: float | None = None, cached: bool = False) -> tuple[int, int]:
         return self.low.get(tp.partition, 0), len(self.parts[tp.partition])
+
+    def position(self, tps: list[Any]) -> list[Any]:  # the next offset to hand out (librdkafka's, once one came)
+        return [SimpleNamespace(offset=self.pos.get(tp.partition, -1001)) for tp in tps]
 
     def assign(self, tps: list[Any]) -> None:
         for tp in tps:  # an offset below what retention left: librdkafka's silent reset to the earliest one
@@ -197,11 +201,12 @@ def test_a_fresh_partition_whose_first_offset_the_broker_did_not_say_is_no_loss_
     calls = [0]
     real = Consumer.get_watermark_offsets
 
-    def first_call_times_out(self: Consumer, tp: Any, timeout: float | None = None) -> tuple[int, int]:
+    def first_call_times_out(self: Consumer, tp: Any, timeout: float | None = None, cached: bool = False,
+                             ) -> tuple[int, int]:
         calls[0] += 1
         if calls[0] == 1:
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "timed out"))
-        return real(self, tp, timeout)
+        return real(self, tp, timeout, cached)
 
     monkeypatch.setattr(Consumer, "get_watermark_offsets", first_call_times_out)
     lost = INPUT_LOST.labels("learner", KafkaSettings().samples_topic)
@@ -531,7 +536,9 @@ class SlowBroker(GrowingConsumer):
     SLOW_S = 9.0
     fresh: frozenset[int] = frozenset()  # the partitions without a saved offset (set by the test)
 
-    def get_watermark_offsets(self, tp: Any, timeout: float | None = None) -> tuple[int, int]:
+    def get_watermark_offsets(self, tp: Any, timeout: float | None = None, cached: bool = False) -> tuple[int, int]:
+        if cached:  # what the last fetch said: no broker call
+            return super().get_watermark_offsets(tp, timeout, cached)
         if tp.partition in self.fresh:
             assert timeout is not None
             self.clock.t += timeout
@@ -725,3 +732,88 @@ def test_the_loaders_workers_are_forked_whatever_the_default_start_method_so_a_s
     assert loader.multiprocessing_context.get_start_method() == "fork"
     assert kd.sample_loader(OneIdleWorker(None), num_workers=0, prefetch_factor=2,
                             pin_memory=False).multiprocessing_context is None
+
+
+class SlowFirstFetch(Consumer):
+    """librdkafka's consumer at a start whose first fetch is slow (a 105 MB response under load, a slow broker, a group
+    join): each poll that hands out nothing waits out its timeout on the fake clock; the high watermark its fetcher saw
+    (``cached=True``) is unknown until ``known_at`` (None: never), no record comes before ``records_at`` (None: never),
+    and the position is unknown until a record is handed out, as librdkafka's."""
+
+    def __init__(self, clock: Clock, parts: dict[int, list[bytes | None]], known_at: float | None,
+                 records_at: float | None) -> None:
+        super().__init__(parts)
+        self.clock, self.known_at, self.records_at = clock, known_at, records_at
+        self.pos, self.handed = {}, {}  # it reads what it is assigned
+
+    def get_watermark_offsets(self, tp: Any, timeout: float | None = None, cached: bool = False) -> tuple[int, int]:
+        if cached and (self.known_at is None or self.clock.t < self.known_at):
+            return -1001, -1001  # no fetch answered since the assignment
+        return super().get_watermark_offsets(tp, timeout, cached)
+
+    def position(self, tps: list[Any]) -> list[Any]:
+        return [SimpleNamespace(offset=self.handed.get(tp.partition, -1001)) for tp in tps]
+
+    def consume(self, n: int, timeout: float) -> list[Msg]:
+        assert self.clock.t < 600.0, "still polling after 600 s (fake clock) with nothing to read: waiting for ever"
+        out = [] if self.records_at is None or self.clock.t < self.records_at else super().consume(n, timeout)
+        for m in out:
+            self.handed[m.partition()] = m.offset() + 1
+        self.clock.t += 0.05 if out else timeout
+        return out
+
+
+def slow_first_fetch(monkeypatch: pytest.MonkeyPatch, known_at: float | None, records_at: float | None,
+                     start: int = 0, worker: bool = False, loader_workers: int = 0,
+                     ) -> tuple[list[tuple[int, int]], float]:
+    """The messages a reader with ``exit_when_idle_s=1`` of partitions 0 and 1 (3 samples each; as DataLoader worker 1
+    of 2: partition 1 only) trains over :class:`SlowFirstFetch`, started at ``start``, read through a DataLoader with
+    ``loader_workers`` worker processes if any; and when it ends (in this process)."""
+    clock = Clock()
+    monkeypatch.setattr(kd.time, "monotonic", clock)
+    if worker:
+        monkeypatch.setattr(kd, "get_worker_info", lambda: SimpleNamespace(num_workers=2, id=1))
+    consumer = SlowFirstFetch(clock, {p: [sample(10 * p + k) for k in range(3)] for p in (0, 1)}, known_at, records_at)
+    monkeypatch.setattr(kd, "new_consumer", lambda *a, **k: consumer)
+    ds = kd.KafkaSampleDataset(KafkaSettings(), CFG, {0: start, 1: start}, exit_when_idle_s=1.0)
+    batches = iter(kd.sample_loader(ds, loader_workers, 2, False) if loader_workers else ds)
+    try:
+        trained = [(p, o) for b in batches for p, o, rows in b.positions if rows]
+    finally:  # its workers (their queue's feeder thread) shut down now, the error raised or not
+        getattr(batches, "_shutdown_workers", lambda: None)()
+    return sorted(trained), clock.t
+
+
+@pytest.mark.parametrize("worker", [False, True], ids=["one-process", "dataloader-worker"])
+def test_a_bounded_run_waits_out_a_first_fetch_slower_than_its_idle_limit_and_trains_its_input(
+        monkeypatch: pytest.MonkeyPatch, worker: bool) -> None:
+    """A first fetch slower than ``exit_when_idle_s`` (a 105 MB response under load: test_kafka_dataset's receive-limit
+    test) ended the run "idle" with nothing read, and it reported success. Now the idle exit waits while a partition's
+    end is unknown (no fetch answered: 0-5 s, within Unfetched's grace) and while it is known to have more (5-8 s: the
+    watermark says 3, nothing handed out yet, the position the assigned start); a DataLoader worker the same."""
+    trained, end = slow_first_fetch(monkeypatch, known_at=5.0, records_at=8.0, worker=worker)
+    assert trained == [(p, k) for p in ((1,) if worker else (0, 1)) for k in range(3)]
+    assert end >= 8.0 + 1.0  # then idle for its limit
+
+
+@pytest.mark.parametrize("loader_workers", [0, 1], ids=["in-process", "in-a-dataloader-worker"])
+def test_a_bounded_run_whose_partitions_are_never_fetched_fails_naming_them_not_ends_as_complete(
+        monkeypatch: pytest.MonkeyPatch, loader_workers: int) -> None:
+    """Every fetch failing (a broker that never answers): past Unfetched's grace the run fails, naming the topic, the
+    partitions, the broker and the fix, instead of exiting 0 as if its input were trained (it ended at 1 s with
+    nothing read); raised in a DataLoader worker, the training process gets the same error."""
+    with pytest.raises(kd.SamplesNeverFetched) as err:
+        slow_first_fetch(monkeypatch, known_at=None, records_at=None, loader_workers=loader_workers)
+    said = str(err.value)
+    kafka = KafkaSettings()
+    assert f"{kafka.samples_topic} partition(s) [0, 1] were never fetched" in said
+    assert f"bootstrap_servers={kafka.bootstrap_servers}" in said and "fix the broker" in said
+    assert f"in {UNFETCHED_GRACE_S + 1.0:.0f} s" in said  # the grace, after the idle limit
+
+
+def test_a_partition_assigned_at_its_end_is_idle_once_its_end_is_known_not_waited_on_for_ever(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """librdkafka's position stays unknown while nothing is handed out: the start the reader assigned (3, the end)
+    stands in for it, so a caught-up reader ends at its limit (counted as "more" it would poll for ever)."""
+    trained, end = slow_first_fetch(monkeypatch, known_at=0.5, records_at=None, start=3)
+    assert trained == [] and end < UNFETCHED_GRACE_S

@@ -297,8 +297,9 @@ def test_the_faust_worker_counts_an_input_not_fetched_since_its_assignment_as_be
     yet holds the other back for ``UNFETCHED_GRACE_S``, not for good; one it has seen is believed."""
     from faust.types import TP
 
-    from stream.joiner.backpressure import CLICKS, IMPRESSIONS, UNFETCHED_GRACE_S, Unfetched
+    from stream.joiner.backpressure import CLICKS, IMPRESSIONS
     from stream.joiner.worker import FaustJoinWorker
+    from stream.unfetched import UNFETCHED_GRACE_S, Unfetched
 
     ends = {TP("impressions", 0): False, TP("clicks", 0): None}
     now = [0.0]

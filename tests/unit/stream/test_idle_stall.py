@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from stream.idle_clock import IdleClock
-from stream.joiner.backpressure import Unfetched
 from stream.joiner.worker import FaustJoinWorker
+from stream.unfetched import Unfetched
 
 SIGTERM_AT_S = 600.0  # run_kafka_worker's clock time at which a run still going is told to stop
 HEARTBEAT_S = 1.0  # the default 6 s session's heartbeat interval (stream.kafka.heartbeat_interval_s)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from stream.joiner.backpressure import CLICKS, UNFETCHED_GRACE_S, Unfetched
+from stream.joiner.backpressure import CLICKS
 from stream.joiner.config import JoinerSettings
+from stream.unfetched import UNFETCHED_GRACE_S, Unfetched
 from tests.unit.stream.test_idle_stall import Clock, idle_worker, run_kafka_worker, tick_until
 
 LIMIT_S = 10.0  # idle_worker's and run_kafka_worker's --exit-when-idle
