@@ -73,10 +73,12 @@ def seconds(text: str) -> float:
 
 
 def emit(args: argparse.Namespace, summary: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:
-    """Print a command's summary, human-readable or as one JSON object; credentials scrubbed either way."""
+    """Print a command's summary, human-readable or as one JSON object; credentials scrubbed either way. Flushed: to a
+    pipe or a file it sat in the buffer until the interpreter's exit, and a stop after the command put the process's
+    own dispositions back (StopsTaken's end) killed the process with it, a summary printed but never written."""
     summary = redact_obj(summary)  # --json: strict JSON (finite_json: NaN and inf as null; the human text keeps "nan")
     print(json.dumps(finite_json(summary), default=str, sort_keys=True, allow_nan=False) if args.json
-          else human(summary))
+          else human(summary), flush=True)
 
 
 def setup_logging(level: str) -> None:
