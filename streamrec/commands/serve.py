@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import threading
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 from serving.settings import ServeSettings
 from stream.config import RedisSettings
 from stream.stop_signals import StopsTaken
-from streamrec.commands.common import EXIT_OK, add_common, default_help, setup_logging, sources
+from streamrec.commands.common import EXIT_OK, add_common, default_help, emit, kv_lines, setup_logging, sources
 
 
 def add_parser(sub: Any) -> None:
@@ -120,6 +119,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
             torch.set_num_threads(threads)
     summary = {"url": svc.url, **svc.updater.status(), "swaps": _total(svc.metrics.swaps),
                "requests": _total(svc.metrics.requests)}
-    print(json.dumps(summary, default=str, sort_keys=True) if args.json else
-          "serve summary\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))
+    emit(args, summary, lambda d: "serve summary\n" + kv_lines(d))  # redacted: last_error may hold a Redis URL
     return EXIT_OK

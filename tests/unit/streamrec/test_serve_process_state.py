@@ -83,3 +83,23 @@ def test_serve_that_raises_puts_back_the_callers_handlers_and_threads(
     else:  # Ctrl-C: main's exit code
         assert _serve(tmp_path) == exit_code
     _assert_callers_state_is_back()
+
+
+def test_serves_summary_is_redacted_and_written_as_the_other_commands_are(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caller_state: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """serve printed its summary with a print of its own: not through ``emit``'s redaction, so the updater's last
+    error (a reason that may quote a ``redis://user:password@host`` URL) went to stdout whole, and not flushed."""
+    real_start = ScoringService.start
+
+    def start_fail_then_sigterm(self: ScoringService) -> ScoringService:
+        svc = real_start(self)
+        svc.updater.last_error = "cannot read redis://streamrec:hunter2@redis.internal:6379/0 (refused)"
+        signal.raise_signal(signal.SIGTERM)
+        return svc
+
+    monkeypatch.setattr(ScoringService, "start", start_fail_then_sigterm)
+    assert _serve(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "serve summary" in out and "redis.internal" in out, out
+    assert "hunter2" not in out, out
