@@ -31,7 +31,7 @@ from monitor.run_log import RunLog
 from monitor.scrape import Scraper, Snapshot, warn_stale
 from monitor.state_file import FiringStateFile
 from stream.errors import quoted
-from stream.stop_signals import put_back_signals, take_stop_signals
+from stream.stop_signals import StopFlag, put_back_signals, take_stop_signals
 
 log = logging.getLogger("streamrec.monitor")
 
@@ -202,7 +202,7 @@ class Monitor:
             self.run_log.evaluation(now, self.engine, alerts)
         return alerts
 
-    def run(self, stop: threading.Event, interval_s: float | None = None) -> None:
+    def run(self, stop: threading.Event | StopFlag, interval_s: float | None = None) -> None:
         interval = self.config.interval_s if interval_s is None else interval_s
         check_interval(interval, self.config.origin)
         while not stop.is_set():
@@ -217,7 +217,7 @@ class Monitor:
         """:meth:`run` until SIGTERM or SIGINT, then :meth:`close` under the same handlers: a further signal ends the
         drain (with the default handlers back, a second SIGTERM during the drain killed the process: no summary, no
         last state-file save). Returns the count of alerts left undelivered; the previous handlers are put back."""
-        stop, signals = threading.Event(), []
+        stop, signals = StopFlag(), []  # set by the handler: an Event's set() could deadlock there (StopFlag)
 
         def note(signum: int, _frame: Any) -> None:
             signals.append(signum)

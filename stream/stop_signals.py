@@ -5,6 +5,7 @@ that goes on (a test, an embedding program) leaves the process's own disposition
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -26,6 +27,35 @@ def put_back_signals(handlers: dict[int, Any]) -> None:
     for sig, handler in handlers.items():
         signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
     handlers.clear()
+
+
+class StopFlag:
+    """A stop that a signal handler sets, waited for by the main thread (``streamrec serve``'s wait, the monitor's
+    rounds). Not a ``threading.Event``: its ``set`` takes the Event's lock, and a handler runs in the main thread
+    between two bytecodes wherever it is, inside ``Event.wait``'s own ``with self._cond`` too, where that lock is held
+    by the very thread the handler interrupted: the handler waited on it for ever, the process hung and took no second
+    SIGTERM (reproduced by holding the lock as the signal came). Here :meth:`set` is one attribute write, and
+    :meth:`wait` sleeps in slices of ``slice_s`` (a signal's handler runs within one) looking at it."""
+
+    def __init__(self, slice_s: float = 0.1) -> None:
+        self.slice_s = slice_s
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until set, or ``timeout`` seconds (None: no bound); whether it is set."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._set:
+            left = self.slice_s if deadline is None else min(self.slice_s, deadline - time.monotonic())
+            if left <= 0:
+                break
+            time.sleep(left)
+        return self._set
 
 
 class StopsTaken:

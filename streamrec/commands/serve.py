@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import threading
 from typing import Any
 
 from serving.settings import ServeSettings
 from stream.config import RedisSettings
-from stream.stop_signals import StopsTaken
+from stream.stop_signals import StopFlag, StopsTaken
 from streamrec.commands.common import EXIT_OK, add_common, default_help, emit, kv_lines, setup_logging, sources
 
 
@@ -102,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pkg_version = version("streamrec")
     except PackageNotFoundError:
         pkg_version = "0"
-    stop, threads = threading.Event(), torch.get_num_threads()  # the caller's count and signals: put back
+    stop, threads = StopFlag(), torch.get_num_threads()  # the caller's count and signals: put back
     torch.set_num_threads(ss.threads)  # >= 1 (ServeSettings); the caller's count and signals back on every exit
     with StopsTaken(stop.set, stop.is_set):  # the first stop ends the wait; a second (the drain) is the process's own
         try:
