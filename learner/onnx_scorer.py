@@ -70,6 +70,7 @@ import hashlib
 import io
 import logging
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -224,19 +225,49 @@ def export_dense(scorer: Scorer, int8: bool = False) -> bytes:
     return quantize_int8(data) if int8 else data
 
 
+class _QuantizerAdvice(logging.Filter):
+    """Drops what ONNX Runtime's quantizers log on the root logger on every call: their advice to pre-process the
+    graph ("Please consider (to run) pre-processing before quantization": for conv nets, not an MLP) and their INFO
+    lines (each activation without quantization parameters); their other warnings pass. A filter of the root logger
+    sees only the records logged on it, not those of named loggers (``streamrec.*``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "root" and (record.levelno < logging.WARNING
+                                               or "pre-processing before quantization" in str(record.msg)))
+
+
+_ADVICE = _QuantizerAdvice()
+_advice_lock = threading.Lock()
+_advice_users = 0  # quantizations running (threads): the filter is on the root logger while any is
+
+
+@contextlib.contextmanager
+def _advice_kept_out() -> Iterator[None]:
+    """The quantizer's advice kept out of the log for the duration, and nothing else: not the root logger's level
+    (process-wide: every thread's warnings, e.g. serving's request threads' during a delta's re-quantization, were
+    dropped, and two overlapping quantizations could leave it at ERROR for good)."""
+    global _advice_users
+    root = logging.getLogger()
+    with _advice_lock:
+        _advice_users += 1
+        root.addFilter(_ADVICE)
+    try:
+        yield
+    finally:
+        with _advice_lock:
+            _advice_users -= 1
+            if not _advice_users:
+                root.removeFilter(_ADVICE)
+
+
 def _quantized(model: bytes, quantize: Callable[[str, str], object]) -> bytes:
     """``quantize(src, dst)`` (one of ONNX Runtime's quantizers, which read and write files) run on ``model``,
-    its advice to pre-process the graph ("consider pre-processing": for conv nets, not an MLP) kept out of the log."""
+    its advice to pre-process the graph kept out of the log (:func:`_advice_kept_out`)."""
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         src.write_bytes(model)
-        root = logging.getLogger()
-        level = root.level
-        root.setLevel(logging.ERROR)
-        try:
+        with _advice_kept_out():
             quantize(str(src), str(dst))
-        finally:
-            root.setLevel(level)
         return dst.read_bytes()
 
 
