@@ -124,6 +124,16 @@ def probe(model: ScoringModel, checkpoint: Mapping[str, Any], samples: int, tole
         if on is not None:
             result["int8_max_abs_diff_on_samples"] = q_diff = _int8_diff(model, on, between)
             where = f"{sum(len(b) for b in on)} holdout samples (against its fp32 path)"
+        if on is not None and diff <= tolerance and not q_diff <= INT8_PROBE_BOUND:
+            # its graph is the checkpoint's (its fp32 path matched the learner above): its calibration does not fit
+            raise ValidationFailed(f"probe: the {model.format} scorer's INT8 scores differ from its own fp32 path "
+                                   f"(the learner's scores within {tolerance:g}) by {q_diff:.3g} (INT8 rounding "
+                                   f"stays below {INT8_PROBE_BOUND:g}) on {sum(len(b) for b in on)} newer holdout "
+                                   "samples: the activation ranges it was calibrated on (the holdout's oldest "
+                                   "messages) do not fit them, e.g. an extreme dense feature value among the "
+                                   "calibration samples widened a range until ordinary values round to zero; scale "
+                                   "or clip the dense features, or publish --format onnx_int8 (dynamic "
+                                   "quantization: no calibration)")
         if not q_diff <= INT8_PROBE_BOUND:
             raise ValidationFailed(f"probe: the {model.format} scorer's scores differ from the learner's eager "
                                    f"scores by {q_diff:.3g} (its rounding stays below {INT8_PROBE_BOUND:g}) on "

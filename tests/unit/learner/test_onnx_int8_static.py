@@ -7,12 +7,14 @@ against that path by ``max_int8_auc_drop``; the holdout's older messages calibra
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
+import pyarrow as pa
 import pytest
 import torch
 
@@ -160,3 +162,32 @@ def test_a_dense_delta_on_static_int8_requantizes_dynamically_and_says_so(
     want = reference(patched, values, offsets, dense)
     assert torch.allclose(model.score(values, offsets, dense, fp32=True), want, atol=TOL, rtol=0)
     assert float((model.score(values, offsets, dense) - want).abs().max()) < validate.INT8_PROBE_BOUND
+
+
+def test_static_int8_calibrated_on_an_extreme_dense_value_is_refused_naming_the_calibration_not_the_graph(
+        tmp_path: Path) -> None:
+    """One extreme (valid: finite, below MAX_ABS_DENSE) dense value among the calibration samples widens the MLP
+    input's activation range until ordinary inputs round to zero: refused by the probe on the newer samples, and
+    the error names the calibration and the fix, not "not the checkpoint's model" (its fp32 path is exact)."""
+    cfg = default_config({"device": "single"}, buckets=500, ctx_buckets=5, embedding_dim=8, dense=("age",))
+    model = DeepFM(cfg, mlp=(32, 16), seed=2, autocast_dtype=None)
+    with torch.no_grad():
+        model.sparse.bag.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
+        for layer in model.dense_arch.modules():
+            if isinstance(layer, torch.nn.Linear):
+                layer.weight.mul_(3)  # an MLP that decides the scores
+    ck = {"meta": {"feature_config": cfg.to_dict(), "samples_trained": 10, "model": {"mlp": "32,16", "dropout": 0.0}},
+          "model": model.state_dict(), "path": "/ckpt/y.pt"}
+    hot = np.arange(0, cfg.num_rows, 3)
+    calib = calibration_samples(300, seed=5)
+    age = calib.column("dense.age").copy()
+    age[0] = 1e6
+    calib = SampleBatch(calib.batch.set_column(calib.batch.schema.get_field_index("dense.age"), "dense.age",
+                                               pa.array(age)))
+    new = ScoringModel.load(build_artifact(ck, tmp_path, hot, format="onnx_int8_static", calibration=[calib]))
+    with pytest.raises(validate.ValidationFailed) as err:
+        validate.probe(new, ck, 256, 1e-5, hot_rows=hot, on=[calibration_samples(300, seed=6)])
+    message = str(err.value)
+    assert "not the checkpoint's model" not in message
+    assert re.search(r"INT8 scores differ from its own fp32 path .* 300 newer holdout samples: the activation "
+                     r"ranges it was calibrated on .* extreme dense feature value .* --format onnx_int8", message)
