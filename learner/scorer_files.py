@@ -19,7 +19,16 @@ from torch import nn
 from torch.fx.experimental import _config as fx_config
 
 from learner.features import FeatureConfig
-from learner.scorer import FORMATS, INT8_FORMATS, ONNX_FORMATS, SCORER_FILES, Bf16Scorer, Scorer, ScorerSpec
+from learner.scorer import (
+    CALIBRATED_FORMATS,
+    FORMATS,
+    INT8_FORMATS,
+    ONNX_FORMATS,
+    SCORER_FILES,
+    Bf16Scorer,
+    Scorer,
+    ScorerSpec,
+)
 from stream.files import write_synced
 
 
@@ -58,7 +67,7 @@ def save_scorer(scorer: Scorer, fmt: str, path: Path, spec: ScorerSpec, cfg: Fea
         from learner import onnx_scorer  # only these formats need torch.onnx and onnxruntime
 
         onnx_scorer.save(scorer, path, int8=fmt in INT8_FORMATS,
-                         calibration=calibration if fmt == "onnx_int8_static" else None)
+                         calibration=calibration if fmt in CALIBRATED_FORMATS else None)
     elif fmt == "torchscript":
         with _quiet_torchscript():
             scripted = torch.jit.script(scorer)
@@ -103,7 +112,7 @@ def load_scorer(fmt: str, files: OpenFiles, spec: ScorerSpec, device: str) -> nn
         from learner import onnx_scorer  # imports onnxruntime: only when an ONNX artifact is loaded
 
         return onnx_scorer.load(files[name].read(), files[onnx_scorer.STATE_FILE].read(), path, spec, device,
-                                int8=fmt in INT8_FORMATS, static=fmt == "onnx_int8_static")
+                                int8=fmt in INT8_FORMATS, static=fmt in CALIBRATED_FORMATS)
     if fmt == "torchscript":
         with _quiet_torchscript():
             return torch.jit.load(files[name], map_location=device).eval()
