@@ -307,7 +307,10 @@ class HistoryCache:
                     conn.send_command("PING")
                     pinged = True
                 continue
-            msg = conn.read_response()
+            try:
+                msg = conn.read_response()
+            except redis.ResponseError:  # the answer to the PING, the one command sent here: an ACL without +ping
+                msg = None  # refuses it (NOPERM), and a refusal is an answer too: the connection is alive
             heard, pinged = time.monotonic(), False
             if isinstance(msg, list) and len(msg) == 3 and msg[0] == b"message":
                 self.invalidate(msg[2])

@@ -264,6 +264,40 @@ def test_a_listener_whose_redis_stops_answering_is_taken_as_lost(own_redis: Secu
         client.close()
 
 
+def refused_pings(admin: redis.Redis, user: str) -> int:
+    return sum(int(e["count"]) for e in admin.acl_log() if e.get("username") == user and e.get("object") == "ping")
+
+
+def test_a_ping_the_acl_refuses_is_an_answer_the_listener_and_its_entries_stay(
+        stack: Any, redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """An ACL user without +ping (the grant the README lists names none): Redis answers the listener's PING with
+    NOPERM, which proves the connection alive as a PONG does. It was taken as a lost listener: the cache emptied, the
+    listener reconnected, and two WARNINGs said after every ping_s of silence, for ever."""
+    user, password = f"{prefix}-noping", uuid.uuid4().hex
+    redis_client.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}", "~*", "&*", "+@all", "-ping")
+    limited = redis.Redis.from_url(stack.redis_url, username=user, password=password)
+    s = Setup(limited, prefix, ping_s=0.1)
+
+    def own_listeners() -> list[str]:
+        return [c["id"] for c in redis_client.client_list() if c.get("user") == user and c.get("name") == LISTENER_NAME]
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="streamrec.serve"):
+            s.cache.start()
+            wait_until(lambda: s.cache.up, "the listener up")
+            s.click(1, 11, 1000)
+            assert s.reader.read([1]) == [[11]] and 1 in s.cache
+            listeners, refused = own_listeners(), refused_pings(redis_client, user)
+            # the second PING goes out only once the first one's answer (the refusal) has been read
+            wait_until(lambda: refused_pings(redis_client, user) >= refused + 2, "two PINGs refused")
+            assert s.cache.up and 1 in s.cache and own_listeners() == listeners and len(listeners) == 1
+        assert not [r.getMessage() for r in caplog.records if "history cache" in r.getMessage()]
+    finally:
+        s.cache.stop()
+        limited.close()
+        redis_client.execute_command("ACL", "DELUSER", user)
+
+
 def test_redis_down_reads_as_without_the_cache(own_redis: SecureRedis, prefix: str) -> None:
     client = redis.Redis.from_url(own_redis.url, username="serve", password="pw", socket_timeout=0.5)
     s = Setup(client, prefix)
