@@ -171,8 +171,7 @@ class HistoryCache:
                     self._entries.move_to_end(u)
             while len(self._entries) > self.max_users:
                 self._entries.popitem(last=False)
-            n = len(self._entries)
-        self.metrics.history_cache_entries.set(n)
+            self._count()
 
     def _cancel(self, fill_id: int, users: list[int]) -> None:
         with self._lock:
@@ -199,22 +198,27 @@ class HistoryCache:
             for u in users:
                 self._entries.pop(u, None)
                 self._pending.pop(u, None)
-            n = len(self._entries)
+            self._count()
         self.metrics.history_cache_invalidations.labels("key").inc(len(users))
-        self.metrics.history_cache_entries.set(n)
 
     def _clear(self) -> None:
         with self._lock:
             self._entries.clear()
             self._pending.clear()
-        self.metrics.history_cache_entries.set(0)
+            self._count()
+
+    def _count(self) -> None:
+        """The entries gauge set to the size, under the lock (the caller holds it): set after its release, a request's
+        fill and the listener's loss or invalidation could set it in the other order, and a stale size stayed (after a
+        stop too) until the next change."""
+        self.metrics.history_cache_entries.set(len(self._entries))
 
     def _set_up(self, up: bool) -> None:
         with self._lock:
             self._up = up
             self._entries.clear()  # both ways: entries filled before a loss may have missed invalidations
             self._pending.clear()
-        self.metrics.history_cache_entries.set(0)
+            self._count()
         self.metrics.history_cache_up.set(1 if up else 0)
 
     def _refused(self, why: str) -> None:
