@@ -53,6 +53,7 @@ from typing import Any
 import redis
 
 from serving.metrics import ServingMetrics
+from stream.history import keys_prefix
 from stream.redis_client import is_cluster
 
 log = logging.getLogger("streamrec.serve")
@@ -92,7 +93,7 @@ class HistoryCache:
                  backoff_s: tuple[float, float] = BACKOFF_S) -> None:
         if isinstance(max_users, bool) or not isinstance(max_users, int) or max_users < 1:
             raise ValueError(f"argument 'max_users': got {max_users!r}, expected an integer >= 1")
-        self.prefix = f"{prefix}:history:"  # stream/history.py UserHistory.key: f"{prefix}:history:{user_hash}"
+        self.prefix = keys_prefix(prefix)  # every user's history key: the prefix, then the user's hash
         self.max_users, self.metrics = max_users, metrics
         # bound once: a labels() lookup per request is a dict lookup under a lock each
         self._hits, self._misses = (metrics.history_cache_users.labels(r) for r in ("hit", "miss"))

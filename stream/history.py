@@ -287,6 +287,12 @@ def _every_click_of_one(times: list[int], distinct: list[int], lists: list[list[
     return len(distinct) == 1 and min(times) >= 1 << _TS_BITS and isinstance(lists[0], list)
 
 
+def keys_prefix(prefix: str) -> str:
+    """What every user's history key starts with under Redis prefix ``prefix`` (:meth:`UserHistory.key`): the
+    prefix serving's history cache asks Redis to track (``serving/history_cache.py``)."""
+    return f"{prefix}:history:"
+
+
 class UserHistory:
     """Users' recent clicks (see the module docstring for keys and the as-of rule)."""
 
@@ -305,7 +311,7 @@ class UserHistory:
         self._append_many: Any = None
 
     def key(self, user_hash: int) -> str:
-        return f"{self.prefix}:history:{int(user_hash)}"
+        return f"{keys_prefix(self.prefix)}{int(user_hash)}"
 
     def append_many(
         self,
