@@ -237,9 +237,13 @@ class Monitor:
         return undelivered
 
     def _forget_delivered(self) -> bool:
-        """Drop from :attr:`_resolving` the resolved alerts no sink still waits to deliver; whether any went."""
-        waiting = {id(a) for a in self.sink.waiting()}
-        kept = [(a, rec) for a, rec in self._resolving if id(a) in waiting]
+        """Drop from :attr:`_resolving` the resolved alerts no sink still waits to deliver; whether any went. An alert
+        is told by its fingerprint, state and time, not by the object: a sink queues one over ``MAX_BODY`` as its
+        :meth:`~monitor.alerts.Alert.shortened` copy, and looked for as the object, an undelivered resolve of a series
+        with a label of megabytes was taken for delivered at once (out of the state file: after a restart its alert
+        stayed firing at the receiver)."""
+        waiting = {(a.fingerprint, a.state, a.ts) for a in self.sink.waiting()}
+        kept = [(a, rec) for a, rec in self._resolving if (a.fingerprint, a.state, a.ts) in waiting]
         gone, self._resolving = len(kept) < len(self._resolving), kept
         return gone
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from monitor import state_file
+from monitor.alerts import WebhookSink
 from monitor.scrape import Snapshot
 from monitor.state_file import FiringStateFile
 from tests.unit.monitor.test_engine_faults import Clocks, delivered, monitor, restart_rules
@@ -72,3 +73,27 @@ def test_a_record_of_another_alert_left_out_later_is_said_too(
     assert f.read()[0] == small
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2 and "(rules huge)" in said[0] and "(rules huge, huge2)" in said[1], said
+
+
+def test_a_resolve_queued_shortened_for_its_huge_label_stays_firing_in_the_state_file_until_delivered(
+        tmp_path: Path) -> None:
+    """A sink queues an alert over WebhookSink.MAX_BODY shortened (a copy): the monitor took the copy's original for
+    delivered at once (it looked for the original among the alerts waiting), so an undelivered resolve of a series with
+    a scraped label of megabytes left the state file, and after a restart its alert stayed firing at the receiver."""
+    state, clocks = tmp_path / "state.json", Clocks()
+    huge = "u" * (WebhookSink.MAX_BODY + 1)
+    answers = iter([f'share{{user="{huge}"}} 0.9\nlag 3\n'] * 21 + [f'share{{user="{huge}"}} 0.1\nlag 3\n'] * 2)
+    mon, sink = monitor(restart_rules(state), lambda: Snapshot.from_texts({"learner": next(answers)}), clocks)
+    for _ in range(21):
+        mon.step()
+        clocks.tick(15)
+    assert delivered(mon, sink) == [("cold_start_share", "firing")]
+    sink.fail = 10**6  # the webhook goes down
+    try:
+        assert [(a.rule, a.state.value) for a in mon.step()] == [("cold_start_share", "resolved")]
+        clocks.tick(15)
+        mon.step()
+        assert [r["labels"] for r in json.loads(state.read_text())["firing"]] == [{"user": huge}]  # was: []
+    finally:
+        assert mon.close(0.2) == 1  # SIGTERM: the resolve still queued
+    assert [r["labels"] for r in json.loads(state.read_text())["firing"]] == [{"user": huge}]  # was: []
