@@ -77,18 +77,22 @@ class RunLog:
         lost)."""
         f = open_append_regular(self.path)
         try:
-            mine = os.fstat(f.fileno())
-            try:  # the file the append goes to (one renamed away meanwhile, or not readable: left as it is)
-                with open_regular(self.path) as (raw, st):
-                    if ((st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino) and st.st_size
-                            and raw.seek(st.st_size - 1) >= 0 and raw.read(1) != b"\n"):
-                        f.write("\n")
-            except OSError as exc:  # (a log the monitor may write but not read ran before; a rotation's rename)
-                log.debug("run log %s: its last line not checked (%s)", self.path, exc)
+            self._end_cut_line(f)
         except BaseException:
             f.close()
             raise
         return f
+
+    def _end_cut_line(self, f: TextIO) -> None:
+        """End the last line of ``f`` (open for appending at :attr:`path`) where it was cut."""
+        mine = os.fstat(f.fileno())
+        try:  # the file the append goes to (one renamed away meanwhile, or not readable: left as it is)
+            with open_regular(self.path) as (raw, st):
+                if ((st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino) and st.st_size
+                        and raw.seek(st.st_size - 1) >= 0 and raw.read(1) != b"\n"):
+                    f.write("\n")
+        except OSError as exc:  # (a log the monitor may write but not read ran before; a rotation's rename)
+            log.debug("run log %s: its last line not checked (%s)", self.path, exc)
 
     def start(self, sources: Mapping[str, str], interval_s: float, rules: Sequence[Rule]) -> None:
         # The sources as logs show them: a user:password in a url is written as *** (the file outlives the process
@@ -103,6 +107,9 @@ class RunLog:
         try:
             if self._file.closed:  # a rotation failed half way: start a file again
                 self._reopen()
+            elif self._failing:  # a write that failed (disk full) may have left part of its line: ended first, or
+                self._file.flush()  # the next record was glued to it, one unreadable line
+                self._end_cut_line(self._file)
             if self._file.tell() and self._file.tell() + len(line) > self.max_bytes:
                 self._rotate()
             self._file.write(line)
