@@ -91,7 +91,8 @@ class DeltaReader:
         self.retries = 0  # reads or applications of a delta that failed transiently and were left for the next round
         self._reads, self._applies = _Shortages(), _Shortages()  # (kept apart: _Shortages)
         self.retrying: Path | None = None  # the delta the last round ended at, read again next round (None: none)
-        self._lineages: dict[tuple[str, int, int], str | None] = {}  # file version -> the lineage read in it
+        # file version -> (lineage, created) read in it
+        self._stamps: dict[tuple[str, int, int], tuple[str | None, float]] = {}
 
     def mark_bad(self, path: Path, reason: str = "could not be applied") -> None:
         """Never yield this version of ``path`` again."""
@@ -180,20 +181,40 @@ class DeltaReader:
         fp = _fingerprint(path)
         if lineage is None or fp is None:
             return False
-        if fp not in self._lineages:
+        theirs = self._stamp(fp, path)
+        return theirs is not None and theirs[0] is not None and theirs[0] != lineage
+
+    def _stamp(self, fp: _Version, path: Path) -> tuple[str | None, float] | None:
+        """(lineage, created) of version ``fp`` of delta ``path``, read (whole, checked) once per file version; None
+        when it cannot be read."""
+        if fp not in self._stamps:
             try:
-                self._lineages[fp] = load_delta(path, self.key).lineage
+                d = load_delta(path, self.key)
             except (DeltaError, OSError, MemoryError, ValueError, RecursionError):
-                return False
-        theirs = self._lineages[fp]
-        return theirs is not None and theirs != lineage
+                return None
+            self._stamps[fp] = (d.lineage, d.created)
+        return self._stamps[fp]
+
+    def _held(self, path: Path, lineage: str | None, applied_created: float | None) -> bool:
+        """Whether delta ``path`` (at or below the seq of a model of ``lineage`` re-based on a directory that went
+        backwards, trained no further than it) is one the model holds: of its lineage (known), written no later than
+        the newest delta it applied (``applied_created``). A lineage's numbering never goes back (``DELTA_SEQ``), so
+        such a file is one it numbered before the model's seq: a deltas directory restored from a backup, not a
+        restarted numbering. Applied again, its older values overwrote the newer ones of the deltas it applied after
+        it, until the next artifact."""
+        fp = _fingerprint(path)
+        if lineage is None or applied_created is None or fp is None:
+            return False
+        stamp = self._stamp(fp, path)
+        return stamp is not None and stamp[0] == lineage and stamp[1] <= applied_created
 
     def latest_seq(self) -> int:
         found = list_deltas(self.directory)
         return found[-1][0] if found else 0
 
     def newer(self, after_seq: int, after_samples: int, lineage: str | None = None,
-              applied_samples: int | None = None, same_round: bool = False) -> Iterator[Delta]:
+              applied_samples: int | None = None, same_round: bool = False,
+              applied_created: float | None = None) -> Iterator[Delta]:
         """Checked deltas with ``seq > after_seq``, oldest first, of ``lineage`` (when both it and the delta have
         one); with ``after_seq`` 0 (the model's place in the numbering not known, or re-based below) only those with
         ``samples_trained > after_samples``: the others are already in the model's source checkpoint. Skipped by
@@ -211,7 +232,10 @@ class DeltaReader:
         up to ``after_seq`` abandoned, :func:`read_abandoned`: the restart has written nothing newer yet); instead it
         is counted in :attr:`rewinds`, logged once per position, and the model is re-based on ``samples_trained``:
         every delta newer than ``after_samples`` comes, in seq order, as for a model that holds none (values are
-        absolute, so the result is the learner's current rows). A delta whose seq a restart of ``lineage`` recorded
+        absolute, so the result is the learner's current rows), except, when only the latest seq went back, the deltas
+        at or below ``after_seq`` the model holds (:meth:`_held`: of ``lineage``, trained no further than it, written
+        no later than ``applied_created``, when the newest delta it applied was written): a deltas directory restored
+        from a backup. A delta whose seq a restart of ``lineage`` recorded
         abandoned is never read: a dead branch the restart could not remove (a directory refusing removals).
 
         ``same_round``: this call is part of the previous one's round (serving reads the deltas for a new artifact,
@@ -227,7 +251,7 @@ class DeltaReader:
         self._bad = {fp for fp in self._bad if fp[0] in live}  # forget files that are gone
         self._reads.prune(live)
         self._applies.prune(live)
-        self._lineages = {fp: lin for fp, lin in self._lineages.items() if fp[0] in live}
+        self._stamps = {fp: st for fp, st in self._stamps.items() if fp[0] in live}
         dead = read_abandoned(self.directory, lineage) if found else []  # the ranges a restart of lineage abandoned
         if dead:  # a dead branch a restart could not remove is never read
             found = [f for f in found if not covered(f[0], f[0], dead)]
@@ -237,6 +261,7 @@ class DeltaReader:
                                                      for s, n, p in found)
         # (not when a restart of the lineage removed every seq past the latest: nothing newer yet)
         behind = latest < after_seq and covered(latest + 1, after_seq, dead) < after_seq - latest
+        rebased_from = 0  # the model's seq when the directory went backwards (behind) and it was re-based; 0: not
         if after_seq > 0 and found and (behind or passed):
             if (after_seq, held) not in self._rewound:
                 if len(self._rewound) > _REMEMBER:
@@ -250,6 +275,7 @@ class DeltaReader:
                             "was emptied or replaced); re-basing on samples_trained: every delta past %d samples "
                             "applies, in seq order", self.directory, latest, max(n for _, n, _ in found), after_seq,
                             held, after_samples)
+            rebased_from = after_seq
             after_seq = 0
         expected = after_seq + 1
         for seq, samples, path in found:
@@ -271,6 +297,9 @@ class DeltaReader:
             expected = seq + 1
             if samples <= after_samples and after_seq == 0:
                 continue
+            if seq <= rebased_from and samples <= held and not passed and self._held(path, lineage, applied_created):
+                self._settle(seq)  # (restored from a backup: in the model already, not applied again)
+                continue
             fp = _fingerprint(path)
             if fp is None:
                 self._vanish(seq, after_seq, lineage)
@@ -291,7 +320,7 @@ class DeltaReader:
                                      f"{exc}") + (f" ({TRANSIENT_TRIES} reads in a row)" if transient(exc) else ""))
                 continue
             self._reads.failing.pop(fp, None)  # (not its application's tries: they are rounds of their own)
-            self._lineages[fp] = d.lineage
+            self._stamps[fp] = (d.lineage, d.created)
             if lineage is not None and d.lineage is not None and d.lineage != lineage:
                 self._unfit.add(fp)
                 self._settle(seq)

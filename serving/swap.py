@@ -413,7 +413,7 @@ class ModelUpdater:
         held = None
         try:
             for d in self.deltas.newer(after, live.source_samples, live.lineage, applied_samples=m.delta_samples,
-                                       same_round=same_round):
+                                       same_round=same_round, applied_created=m.trained_at):
                 if self._stop.is_set():  # a backlog ends at stop (each delta goes live whole: nothing half-applied)
                     break
                 try:

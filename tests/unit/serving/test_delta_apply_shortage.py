@@ -24,6 +24,7 @@ class Model:
     memory before one succeeds (-1: every one)."""
 
     delta_samples, source_samples, source_delta_seq, lineage = 0, 0, 0, None
+    trained_at = 0.0  # (ScoringModel.trained_at: when the newest state it holds was written)
     version, format = "v1", "torchscript"
 
     def __init__(self, short: dict[int, int]) -> None:

@@ -24,6 +24,7 @@ class Model:
     """What the updater reads of a ScoringModel."""
 
     delta_samples, source_samples, source_delta_seq, lineage = 0, 0, 0, None
+    trained_at = 0.0  # (ScoringModel.trained_at: when the newest state it holds was written)
     format = "torchscript"
 
     def __init__(self, version: str, version_dir: Path) -> None:

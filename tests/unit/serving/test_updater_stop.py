@@ -15,6 +15,7 @@ class Model:
     """What _apply_deltas reads of a ScoringModel; ``on_apply`` runs after each delta goes live."""
 
     version, delta_seq, source_delta_seq, delta_samples, source_samples = "v1", 0, 0, 0, 10
+    trained_at = 0.0  # (ScoringModel.trained_at: when the newest state it holds was written)
 
     def __init__(self, on_apply: Any) -> None:
         self.applied: list[int] = []
