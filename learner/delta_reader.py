@@ -273,7 +273,8 @@ class DeltaReader:
                 log.warning("the deltas in %s went backwards (latest seq %d, trained to %d samples) behind this "
                             "model's seq %d (trained to %d): the learner's numbering restarted (its deltas directory "
                             "was emptied or replaced); re-basing on samples_trained: every delta past %d samples "
-                            "applies, in seq order", self.directory, latest, max(n for _, n, _ in found), after_seq,
+                            "applies, in seq order (not those of this lineage the model holds: a directory "
+                            "restored from a backup)", self.directory, latest, max(n for _, n, _ in found), after_seq,
                             held, after_samples)
             rebased_from = after_seq
             after_seq = 0
