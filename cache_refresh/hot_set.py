@@ -54,6 +54,7 @@ import redis
 from learner.features import FeatureConfig
 from learner.row_mapper import RowMapper
 from stream.counts import DailyCounts
+from stream.counts_keys import parse_day
 from stream.errors import StreamrecError
 
 log = logging.getLogger("streamrec.refresh")
@@ -232,7 +233,8 @@ def stale_day(counts: DailyCounts, kind: str, event: str, fallback: str, availab
     mine, theirs = _days(counts, kind, event, available), _days(counts, kind, fallback, available)
     if not mine or not theirs:
         return None
-    behind = dt.date.fromisoformat(theirs[-1]) - dt.date.fromisoformat(mine[-1])
+    # the keys' YYYYMMDD read as the keys' module reads it: date.fromisoformat takes it from Python 3.11 on only
+    behind = parse_day(theirs[-1]) - parse_day(mine[-1])
     return mine[-1] if behind > dt.timedelta(days=STALE_DAYS) else None
 
 
