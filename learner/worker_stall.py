@@ -114,7 +114,7 @@ def watched(batches: Iterable[TensorBatch], num_workers: int, stall_s: float,
 def _dead_workers(it: Iterator[TensorBatch], wait_s: float) -> list[int]:
     """The pids of the DataLoader iterator ``it``'s workers that have exited, waited for up to ``wait_s``: a handover
     broken by a worker's death is seen as its socket closes, a moment before the process can be reaped (module
-    docstring). None when no worker exits in that time (the connection error is another's) or ``it`` has no
+    docstring). Empty when no worker exits in that time (the connection error is another's) or ``it`` has no
     workers."""
     workers = getattr(it, "_workers", ())  # multiprocessing.Process, one per worker
     deadline = time.monotonic() + wait_s
