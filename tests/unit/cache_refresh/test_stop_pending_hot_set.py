@@ -83,7 +83,7 @@ class _Counts:
 
     def all_days_available(self) -> dict[tuple[str, str], list[str]]:
         self._read("days")
-        return {(kind, event): ["2026-01-01"] for kind in ("item", "user") for event in ("lookup", "impression")}
+        return {(kind, event): ["20260101"] for kind in ("item", "user") for event in ("lookup", "impression")}
 
     def top(self, kind: str, event: str, day: str, days: int, k: int) -> list[tuple[str, float]]:
         self._read(f"top {kind}s")
