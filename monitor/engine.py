@@ -14,6 +14,7 @@ state machines have already moved, so an alert not queued then would never be se
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import threading
 import time
@@ -101,6 +102,18 @@ class UnexportedMetrics:
             del self._unsettled[rule]
 
 
+_QUOTE_OR_DIGITS = re.compile(r"""['"].*|[0-9]+""", re.DOTALL)
+
+
+def failure_kind(reason: str) -> str:
+    """A failed scrape's reason less what changes from one scrape of a failing source to the next: the source's
+    text it quotes (from the first quote on: the line that does not parse, the line a cut answer ends in) and the
+    numbers (a line's). :meth:`Monitor.step` logs a source's failure again only when its kind changes: compared
+    whole, a source answering ``streamrec_lag 12,5`` (a decimal comma) was logged every interval for as long as
+    it did."""
+    return _QUOTE_OR_DIGITS.sub("#", reason)
+
+
 class Monitor:
     """Scrape, evaluate, send; :meth:`run` repeats that every ``interval_s`` until ``stop`` is set.
 
@@ -128,7 +141,7 @@ class Monitor:
         self._duplicates_seen: dict[tuple[str, Labels, tuple[str, ...]], None] = {}
         self.sent: dict[str, int] = {s.value: 0 for s in AlertState}
         self.scrape_errors: dict[str, int] = {}
-        self._last_errors: dict[str, str] = {}
+        self._last_errors: dict[str, str] = {}  # source -> failure_kind of its last failed scrape
         self._stale: set[str] = set()  # sources whose stale samples were logged at the last scrape
         self._unexported = UnexportedMetrics(config)
         self.state_file: FiringStateFile | None = None
@@ -166,11 +179,11 @@ class Monitor:
         snap = self.scrape()
         for source, err in snap.errors.items():
             self.scrape_errors[source] = self.scrape_errors.get(source, 0) + 1
-            if self._last_errors.get(source) != err:  # log a source's failure once, not every interval
+            if self._last_errors.get(source) != failure_kind(err):  # once, not every interval
                 log.warning("scrape of source %s failed: %s", source, err)
         for source in set(self._last_errors) - set(snap.errors):
             log.info("source %s answers again", source)
-        self._last_errors = dict(snap.errors)
+        self._last_errors = {source: failure_kind(err) for source, err in snap.errors.items()}
         self._stale = warn_stale(snap, self._stale)
         self._unexported.warn(snap)
         for (metric, lb), sources in snap.duplicates.items():
