@@ -185,7 +185,8 @@ def get_text(url: str, deadline: float, max_bytes: int) -> str:
     whatever the peer does (a server that accepts and never answers, or trickles its answer, raises
     :class:`TimeoutError` at the deadline), and never holds more than ``max_bytes`` of the answer: a
     longer one raises :class:`ValueError` saying so. A status other than 2xx raises
-    :class:`OSError` naming it; redirects are not followed (give the final URL). A user and password in ``url``
+    :class:`OSError` naming it, as does a compressed answer (a ``Content-Encoding`` other than identity: read as
+    text it was refused as cut off); redirects are not followed (give the final URL). A user and password in ``url``
     are sent as HTTP Basic authentication.
     """
     conn, path = _deadline_connection(url, deadline)
@@ -196,6 +197,11 @@ def get_text(url: str, deadline: float, max_bytes: int) -> str:
         if not 200 <= resp.status < 300:
             raise OSError(f"HTTP {resp.status} {reason_of(resp)}" + (" (redirects are not followed: give the final "
                                                                   "URL)" if 300 <= resp.status < 400 else ""))
+        encoding = resp.getheader("Content-Encoding", "").strip(" \t")
+        if encoding and encoding.lower() != "identity":  # (http.client asks for identity, and decodes nothing)
+            raise OSError(f"the answer is compressed (Content-Encoding: {quoted(encoding, 40)}), which the monitor "
+                          "does not decode; have the source (or the proxy before it) answer uncompressed when "
+                          "asked for Accept-Encoding: identity")
         body = resp.read(max_bytes + 1)
         if len(body) > max_bytes:
             raise ValueError(f"the answer is larger than {max_bytes} bytes; not read further")
