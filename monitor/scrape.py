@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter as PCounter
@@ -150,21 +150,29 @@ class Scraper:
     def scrape(self) -> Snapshot:
         """Fetch every source at once (one thread each, up to :attr:`MAX_PARALLEL`), all by one deadline, so a round
         takes ``scrape_timeout_s`` at most however many sources hang (a source still waiting for a thread then is a
-        failed scrape: each fetch's own timeout added one more per :attr:`MAX_PARALLEL` hanging sources), then
+        failed scrape: each fetch's own timeout added one more per :attr:`MAX_PARALLEL` hanging sources; so is one
+        whose fetch is stuck where its deadline does not reach, resolving the host's name: left to end alone), then
         parse them in the order of the rules file (which source wins a duplicate series does not depend on which
         answered first)."""
         snap = Snapshot()
         if not self.sources:
             return snap
         started, self._round_deadline = self.clock(), time.monotonic() + self.timeout_s
+        pool = ThreadPoolExecutor(min(len(self.sources), self.MAX_PARALLEL), thread_name_prefix="scrape")
         try:
-            with ThreadPoolExecutor(min(len(self.sources), self.MAX_PARALLEL), thread_name_prefix="scrape") as pool:
-                answers = {name: pool.submit(self.fetch, url) for name, url in self.sources.items()}
+            answers = {name: pool.submit(self.fetch, url) for name, url in self.sources.items()}
+            # not the pool's shutdown: a fetch stuck where no deadline reaches (name resolution: the resolver's own
+            # timeouts, tens of seconds) held the round, and the next, past scrape_timeout_s; it is a failed scrape
+            wait(answers.values(), max(0.0, self._round_deadline - time.monotonic()))
         finally:
+            pool.shutdown(wait=False, cancel_futures=True)
             self._round_deadline = None
         for name, url in self.sources.items():
             try:
-                snap.add_text(name, _whole(answers[name].result()), started, self.stale_after_s,
+                answer = answers[name]
+                if not answer.done() or answer.cancelled():  # (cancelled: still waiting for a thread)
+                    raise TimeoutError(f"{name} still fetching at the deadline")
+                snap.add_text(name, _whole(answer.result()), started, self.stale_after_s,
                               self.timeout_s + CLOCK_SKEW_S)  # the answer may be stamped up to timeout_s after start
                 STALE_SAMPLES.labels(name).inc(snap.stale.get(name, (0, ""))[0])
             except Exception as exc:  # noqa: BLE001 - a dead source is "no data", never a crash
