@@ -14,7 +14,6 @@ state machines have already moved, so an alert not queued then would never be se
 from __future__ import annotations
 
 import logging
-import re
 import signal
 import threading
 import time
@@ -29,7 +28,7 @@ from monitor.expr import Labels, labels_of, metrics_of
 from monitor.rule_engine import RuleEngine, State
 from monitor.rules import RulesConfig, check_interval
 from monitor.run_log import RunLog
-from monitor.scrape import Scraper, Snapshot, warn_stale
+from monitor.scrape import Scraper, Snapshot, failure_kind, warn_stale
 from monitor.state_file import FiringStateFile
 from stream.errors import quoted
 from stream.stop_signals import StopFlag, put_back_signals, take_stop_signals
@@ -100,18 +99,6 @@ class UnexportedMetrics:
                             "[sources]?)", rule,
                             ", ".join(missing), ", ".join(sorted(self._answered)) or "none")
             del self._unsettled[rule]
-
-
-_QUOTE_OR_DIGITS = re.compile(r"""['"].*|[0-9]+""", re.DOTALL)
-
-
-def failure_kind(reason: str) -> str:
-    """A failed scrape's reason less what changes from one scrape of a failing source to the next: the source's
-    text it quotes (from the first quote on: the line that does not parse, the line a cut answer ends in) and the
-    numbers (a line's). :meth:`Monitor.step` logs a source's failure again only when its kind changes: compared
-    whole, a source answering ``streamrec_lag 12,5`` (a decimal comma) was logged every interval for as long as
-    it did."""
-    return _QUOTE_OR_DIGITS.sub("#", reason)
 
 
 class Monitor:

@@ -11,6 +11,7 @@ or too far ahead to be current.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -118,6 +119,18 @@ def _whole(text: str) -> str:
         raise ValueError(f"the answer was cut off: its last line, line {number} ({shown(last)}), does not end with a "
                          "newline (a target that died while writing it)")
     return text
+
+
+_QUOTE_OR_DIGITS = re.compile(r"""['"].*|[0-9]+""", re.DOTALL)
+
+
+def failure_kind(reason: str) -> str:
+    """A failed scrape's reason less what changes from one scrape of a failing source to the next: the source's
+    text it quotes (from the first quote on: the line that does not parse, the line a cut answer ends in) and the
+    numbers (a line's). ``monitor.engine.Monitor.step`` logs a source's failure again only when its kind changes:
+    compared whole, a source answering ``streamrec_lag 12,5`` (a decimal comma) was logged every interval for as
+    long as it did."""
+    return _QUOTE_OR_DIGITS.sub("#", reason)
 
 
 class Scraper:

@@ -7,15 +7,12 @@ put back; faust: its closed event loop leaves them at their defaults); the stops
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.python_child import last_json, run_python
 
 CHILD = """
 import os, signal, sys
@@ -74,8 +71,7 @@ sys.exit(main(["join", "--driver", sys.argv[3], "--json"]))
 
 
 def _join(driver: str, stops_at_close: int, how: str = "-") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", CHILD, str(stops_at_close), how, driver],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return run_python(CHILD, str(stops_at_close), how, driver, timeout_s=120)
 
 
 @pytest.mark.parametrize("driver", ["kafka", "faust"])
@@ -83,7 +79,7 @@ def test_a_sigterm_after_the_run_still_flushes_and_prints_the_summary_with_statu
     done = _join(driver, stops_at_close=1)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert "day counts flushed" in done.stderr
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = last_json(done)
     assert (summary["samples"], summary["driver"], summary["reason"]) == (7, driver, "input idle")
 
 
@@ -97,7 +93,7 @@ def test_a_second_sigterm_after_the_run_is_the_process_own_again(driver: str) ->
 def test_a_sigterm_before_the_kafka_run_takes_the_signals_stops_the_run_with_its_summary() -> None:
     done = _join("kafka", stops_at_close=0, how="early")
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    assert json.loads(done.stdout.strip().splitlines()[-1])["reason"] == "signal"
+    assert last_json(done)["reason"] == "signal"
 
 
 @pytest.mark.parametrize("driver", ["kafka", "faust"])
@@ -106,7 +102,7 @@ def test_a_sigterm_after_a_run_a_sigterm_ended_is_the_operators_second_and_the_p
     absorbed: a second SIGTERM to a joiner stuck in its last flush did nothing)."""
     stopped = _join(driver, stops_at_close=0, how="signalled")
     assert stopped.returncode == 0, (stopped.returncode, stopped.stderr[-2000:])
-    assert json.loads(stopped.stdout.strip().splitlines()[-1])["reason"] == "signal"
+    assert last_json(stopped)["reason"] == "signal"
     done = _join(driver, stops_at_close=1, how="signalled")
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-2000:])
     assert "day counts flushed" not in done.stderr

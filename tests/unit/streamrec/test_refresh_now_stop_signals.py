@@ -7,13 +7,11 @@ for the run's stages (``run_once``) under the real ``run_now``; the stops arrive
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.python_child import last_json, run_python
 
 CHILD = """
 import os, signal, sys
@@ -40,14 +38,13 @@ sys.exit(main(["refresh", "--now", "--json", "--checkpoint-dir", sys.argv[3], "-
 
 
 def _refresh(tmp_path: Path, stops_in_summary: int, how: str = "-") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", CHILD, str(stops_in_summary), how, str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run_python(CHILD, str(stops_in_summary), how, str(tmp_path), timeout_s=300)
 
 
 def test_a_sigterm_while_the_summary_is_printed_is_absorbed_with_status_0(tmp_path: Path) -> None:
     done = _refresh(tmp_path, stops_in_summary=1)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"current": "v1", "stops": "written"}
+    assert last_json(done) == {"current": "v1", "stops": "written"}
 
 
 def test_a_second_sigterm_while_the_summary_is_printed_is_the_process_own(tmp_path: Path) -> None:

@@ -6,13 +6,11 @@ others."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.python_child import last_json, run_python
 
 CHILD = """
 import os, signal, sys
@@ -44,15 +42,14 @@ sys.exit(main(["serve", "--no-redis", "--port", "0", "--device", "cpu", "--threa
 
 
 def _serve(tmp_path: Path, stops_in_drain: int) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", CHILD, str(stops_in_drain), str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run_python(CHILD, str(stops_in_drain), str(tmp_path), timeout_s=300)
 
 
 def test_a_sigterm_drains_and_prints_the_summary_with_status_0(tmp_path: Path) -> None:
     done = _serve(tmp_path, stops_in_drain=0)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert "drained" in done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1])["url"] == "http://127.0.0.1:0"
+    assert last_json(done)["url"] == "http://127.0.0.1:0"
 
 
 def test_a_second_sigterm_in_the_drain_is_the_process_own(tmp_path: Path) -> None:

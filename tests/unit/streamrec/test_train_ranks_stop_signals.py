@@ -8,13 +8,11 @@ where the stand-in also checks that nothing kept the learner alive (its DMP and 
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.python_child import last_json, run_python
 
 CHILD = """
 import os, signal, sys, weakref
@@ -69,8 +67,7 @@ sys.exit(main(["train", "--checkpoint-dir", sys.argv[3], "--device", "cpu", "--j
 
 
 def _train(tmp_path: Path, stops_at_leave: int, how: str = "-") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", CHILD, str(stops_at_leave), how, str(tmp_path / "ckpt")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run_python(CHILD, str(stops_at_leave), how, str(tmp_path / "ckpt"), timeout_s=300)
 
 
 def test_a_sigterm_in_the_ranks_group_leave_still_leaves_and_prints_rank_0s_summary_with_status_0(
@@ -78,7 +75,7 @@ def test_a_sigterm_in_the_ranks_group_leave_still_leaves_and_prints_rank_0s_summ
     done = _train(tmp_path, stops_at_leave=1)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert "group left" in done.stderr
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = last_json(done)
     assert (summary["samples_trained"], summary["reason"]) == (7, "no samples arrived")
 
 
@@ -99,7 +96,7 @@ def test_a_sigterm_in_the_leave_after_a_run_a_sigterm_ended_is_the_operators_sec
         tmp_path: Path) -> None:
     stopped = _train(tmp_path, stops_at_leave=0, how="signalled")
     assert stopped.returncode == 0, (stopped.returncode, stopped.stderr[-2000:])
-    assert json.loads(stopped.stdout.strip().splitlines()[-1])["reason"] == "signal"
+    assert last_json(stopped)["reason"] == "signal"
     done = _train(tmp_path, stops_at_leave=1, how="signalled")
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-2000:])
     assert "group left" not in done.stderr
@@ -109,4 +106,4 @@ def test_a_sigterm_after_the_learners_build_before_its_run_takes_the_signals_sto
         tmp_path: Path) -> None:
     done = _train(tmp_path, stops_at_leave=0, how="early")
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    assert json.loads(done.stdout.strip().splitlines()[-1])["reason"] == "signal"
+    assert last_json(done)["reason"] == "signal"

@@ -7,13 +7,11 @@ by its close); the stops arrive in the close."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.python_child import last_json, run_python
 
 CHILD = """
 import os, signal, sys
@@ -52,15 +50,14 @@ sys.exit(main(["train", "--checkpoint-dir", sys.argv[3], "--device", "cpu", "--j
 
 
 def _train(tmp_path: Path, stops_at_close: int, how: str = "-") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", CHILD, str(stops_at_close), how, str(tmp_path / "ckpt")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run_python(CHILD, str(stops_at_close), how, str(tmp_path / "ckpt"), timeout_s=300)
 
 
 def test_a_sigterm_in_the_learners_close_still_releases_and_prints_the_summary_with_status_0(tmp_path: Path) -> None:
     done = _train(tmp_path, stops_at_close=1)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert "directory released" in done.stderr
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = last_json(done)
     assert (summary["samples_trained"], summary["reason"]) == (7, "input idle")
 
 
@@ -75,7 +72,7 @@ def test_a_sigterm_after_a_run_a_sigterm_ended_is_the_operators_second_and_the_p
     second stop on to the process's own."""
     stopped = _train(tmp_path, stops_at_close=0, how="signalled")
     assert stopped.returncode == 0, (stopped.returncode, stopped.stderr[-2000:])
-    assert json.loads(stopped.stdout.strip().splitlines()[-1])["reason"] == "signal"
+    assert last_json(stopped)["reason"] == "signal"
     done = _train(tmp_path, stops_at_close=1, how="signalled")
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-2000:])
     assert "directory released" not in done.stderr
@@ -84,4 +81,4 @@ def test_a_sigterm_after_a_run_a_sigterm_ended_is_the_operators_second_and_the_p
 def test_a_sigterm_before_the_run_takes_the_signals_stops_the_run_with_its_summary(tmp_path: Path) -> None:
     done = _train(tmp_path, stops_at_close=0, how="early")
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    assert json.loads(done.stdout.strip().splitlines()[-1])["reason"] == "signal"
+    assert last_json(done)["reason"] == "signal"
