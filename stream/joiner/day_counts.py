@@ -184,15 +184,34 @@ class DayCountsWriter:
 
     def flush_last(self) -> None:
         """The last flush (at close): a write in flight that failed on an outage gets the one retry a next flush would
-        give it (under its write id, with the counts buffered since); only a failure of that last flush is raised."""
+        give it (under its write id, with the counts buffered since); only a failure of that last flush is raised,
+        after an ERROR saying how many events of durable batches it leaves uncounted (:meth:`unwritten`): no flush
+        comes after it."""
         try:
-            self.finish_flush()
-        except Exception as exc:
-            if not is_infrastructure(exc):
-                raise
-            log.warning("a day counts write failed (%s: %s); retried with the last flush",
-                        type(exc).__name__, quoted(str(exc)))
-        self.flush()
+            try:
+                self.finish_flush()
+            except Exception as exc:
+                if not is_infrastructure(exc):
+                    raise
+                log.warning("a day counts write failed (%s: %s); retried with the last flush",
+                            type(exc).__name__, quoted(str(exc)))
+            self.flush()
+        except BaseException as exc:
+            if lost := self.unwritten():
+                log.error("the last day counts flush failed (%s: %s): %d events of durable batches are not counted "
+                          "in Redis (%s)", type(exc).__name__, quoted(str(exc)), sum(lost.values()),
+                          ", ".join(f"{kind}/{event} {n}" for (kind, event), n in sorted(lost.items())))
+            raise
+
+    def unwritten(self) -> dict[tuple[str, str], int]:
+        """The events of durable batches not written to Redis, per (kind, event): the write that failed after it was
+        sent and the buffer (not the batch in progress: it is done again from its input). A copy of each is read (one
+        C-level step): a wait for the writer interrupted (Ctrl-C) leaves its write in the writer's hands."""
+        out: dict[tuple[str, str], int] = {}
+        for counts in ([] if self.failed_write is None else [self.failed_write.counts]) + [self.buffered]:
+            for key, (ids, _) in list(counts.items()):
+                out[key] = out.get(key, 0) + len(ids)
+        return out
 
     def shutdown(self) -> None:
         """Stop the writer thread, once the write in flight (if any) is done."""

@@ -168,3 +168,21 @@ def test_the_writer_looks_up_the_ids_the_join_hashed_instead_of_hashing_them_aga
     misses = sf.hash_value.cache_info().misses
     assert named_by_hash(set(raws)) == {sf.stable_hash(v): v for v in raws}
     assert sf.hash_value.cache_info().misses == misses
+
+
+def test_a_last_flush_that_fails_says_how_many_events_of_durable_batches_it_leaves_uncounted(caplog) -> None:
+    """close() with Redis down: the write that failed in flight (sent: item impressions and user clicks) and the counts
+    buffered since are not written; the ERROR says how many events per kind and event (it raised the Redis error only,
+    and the process exited without a word of the counts lost)."""
+    counts = FakeCounts(fail=10)
+    p = counts_writer(counts)
+    buffer(p, [1, 1, 2], [10, 11, 12], "a")
+    p.buffered[("user", "click")] = ([7, 8], [10, 11])
+    p.start_flush()  # in flight: fails
+    p.flushing[0].exception()  # type: ignore[index]  # (waits for it)
+    buffer(p, [3], [20], "b")  # a later batch's counts
+    with caplog.at_level("ERROR", logger="streamrec.join"), pytest.raises(redis.ConnectionError):
+        pipeline_closing(p).close()
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(said) == 1, said
+    assert "6 events" in said[0] and "item/impression 4" in said[0] and "user/click 2" in said[0], said[0]
