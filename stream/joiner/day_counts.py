@@ -171,10 +171,16 @@ class DayCountsWriter:
                     for kind, raws in write.names.items():
                         self.names[kind] |= raws
             if isinstance(exc, redis.RedisError) and not is_infrastructure(exc):
-                # Redis refused the counts themselves (a WRONGTYPE: a key of ours holding something else), the same
-                # every time: no message's fault (the write sums many batches'), so no strikes for this batch's
-                # messages (which would dead-letter good data), and no rewinding forever either.
+                # Redis refused the counts write (a WRONGTYPE: a key of ours holding something else; a command it does
+                # not take: renamed or disabled), the same every time: no message's fault (the write sums many
+                # batches'), so no strikes for this batch's messages (which would dead-letter good data), and no
+                # rewinding forever either.
                 reply = str(exc).rsplit("caused error: ", 1)[-1]  # Redis's own words, not the pipeline's preamble
+                if "WRONGTYPE" not in reply:  # not a key's type (a command renamed or disabled): no key to delete
+                    raise ConfigError(f"Redis refused the day counts write under prefix {self.counts.prefix!r} "
+                                      f"({type(exc).__name__}: {quoted(reply, 300)}): the joiner writes them with "
+                                      "EVALSHA and SCRIPT (EXISTS, LOAD) in MULTI/EXEC; give it those commands as "
+                                      "Redis's reply says (renamed or disabled in its config?)") from exc
                 raise ConfigError(f"Redis refused the day counts write under prefix {self.counts.prefix!r} "
                                   f"({type(exc).__name__}: {quoted(reply, 300)}): a key under "
                                   f"'{self.counts.prefix}:counts:' or '{self.counts.prefix}:names:' holds something "

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 
+from stream.errors import ConfigError
 from stream.features import hash_value
 from stream.joiner.day_counts import DayCountsWriter
 from stream.joiner.pipeline import JoinPipeline
@@ -186,3 +187,44 @@ def test_a_last_flush_that_fails_says_how_many_events_of_durable_batches_it_leav
     said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(said) == 1, said
     assert "6 events" in said[0] and "item/impression 4" in said[0] and "user/click 2" in said[0], said[0]
+
+
+class RefusingCounts(FakeCounts):
+    """Every record call refused by Redis with ``reply`` (an error reply that is no state of the server's)."""
+
+    def __init__(self, reply: str) -> None:
+        super().__init__(fail=0)
+        self.reply = reply
+
+    def record(self, kind: str, event: str, ids: list[int], ts: list[int], names: dict, write_id: str) -> None:
+        raise redis.ResponseError(self.reply)
+
+
+def test_a_counts_write_refused_for_a_disabled_command_names_the_command_not_a_key_to_delete() -> None:
+    """A Redis whose config renames or disables EVALSHA (rename-command) refuses every counts write: the joiner stops
+    with a ConfigError quoting Redis, which told the operator to delete a key under the prefix or set another prefix
+    (the fix of a WRONGTYPE), neither of which helps."""
+    counts = RefusingCounts("unknown command 'evalsha', with args beginning with: '9fb2' '3' ")
+    p = counts_writer(counts)
+    counts.prefix = "sr"  # type: ignore[attr-defined]
+    buffer(p, [1], [10], "a")
+    try:
+        with pytest.raises(ConfigError) as info:
+            p.flush()
+    finally:
+        p.shutdown()
+    said = str(info.value)
+    assert "unknown command 'evalsha'" in said and "delete that key" not in said, said
+    assert "EVALSHA" in said and "MULTI" in said, said  # what the joiner needs of Redis: the fix
+
+
+def test_a_counts_write_refused_for_a_key_of_another_type_still_names_the_key_to_delete() -> None:
+    counts = RefusingCounts("WRONGTYPE Operation against a key holding the wrong kind of value")
+    counts.prefix = "sr"  # type: ignore[attr-defined]
+    p = counts_writer(counts)
+    buffer(p, [1], [10], "a")
+    try:
+        with pytest.raises(ConfigError, match="delete that key or set another prefix"):
+            p.flush()
+    finally:
+        p.shutdown()
