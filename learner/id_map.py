@@ -697,12 +697,21 @@ class IdMap:
         free stack the map had (``state_dict()["free"]``; top last) when it holds exactly the rows left free, so the
         rows go out in the order they would have; else the lowest free row first."""
         rows = np.asarray(rows, dtype=np.int64)
+        keys, seen = np.asarray(keys, dtype=np.int64), np.asarray(seen, dtype=np.float64)
         if rows.size and (rows.min() < 0 or rows.max() >= self.capacity or np.unique(rows).size != rows.size):
             raise ValueError(f"IdMap.load_entries: rows must be distinct and in [0, {self.capacity})")
+        if keys.shape != rows.shape or seen.shape != rows.shape:
+            raise ValueError(f"IdMap.load_entries: {keys.shape} keys and {seen.shape} times for {rows.shape} rows: "
+                             "one key and one time per row")
+        # as load_state_dict: a key on two rows leaked one (the table finds one of them) and miscounted the live keys
+        if keys.size and (keys.min() < 0 or np.unique(keys).size != keys.size):
+            why = "a key on more than one row" if keys.min() >= 0 else f"key {int(keys.min())}"
+            raise ValueError(f"IdMap.load_entries: the admitted keys must be distinct hashed ids >= 0, got {why}: the "
+                             "state is malformed")
         self._row_key[:] = EMPTY
         self._row_seen[:] = 0.0
-        self._row_key[rows] = np.asarray(keys, dtype=np.int64)
-        self._row_seen[rows] = np.asarray(seen, dtype=np.float64)
+        self._row_key[rows] = keys
+        self._row_seen[rows] = seen
         lowest = np.flatnonzero(self._row_key < 0)[::-1]  # a stack: the lowest free row is handed out first
         if free is not None and not np.array_equal(np.sort(free := np.asarray(free, np.int64)), lowest[::-1]):
             free = None  # not the rows this map has free

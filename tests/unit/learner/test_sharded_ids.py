@@ -409,3 +409,41 @@ def test_a_checkpointed_ids_now_that_is_no_event_time_is_refused_at_load_naming_
     states[1]["ids_now"] = now
     with pytest.raises(ValueError, match=r"rank 1's ids_now is .*, not an event time in seconds"):
         ShardedRowMapper(ROOMY, ranges, 0, ACC0).load_shares(states)
+
+
+def _states_giving_a_key_two_rows(across_parts: bool) -> list[dict[str, Any]]:
+    """Two ranks' states (user_id: three ids admitted in rank 1's share) damaged so that one admitted id has a second
+    row: in the same rank's part, or in rank 0's part too (each part's free stack left consistent with its rows)."""
+    from learner.sharded_ids import ShardedRowMapper, owner_index
+
+    ranges = [(0, 0, 344), (1, 344, 688)]
+    ranks = [ShardedRowMapper(ROOMY, ranges, r, ACC0) for r in (0, 1)]
+    shares = ranks[0].fields["user_id"].shares
+    keys = np.arange(1000, 1100, dtype=np.int64)
+    mine = keys[owner_index(keys, shares) == 1][:3]
+    share = ranks[1].fields["user_id"].map
+    assert share is not None
+    share.lookup(np.repeat(mine, 2), now=1.0)  # admitted (admit after 2)
+    states = [r.state_dict() for r in ranks]
+    part = states[0 if across_parts else 1]["id_shards"]["user_id"]["map"]
+    row_key = part["row_key"].clone()
+    free = np.flatnonzero(row_key.numpy() < 0)
+    row_key[int(free[0])] = int(mine[0])
+    part["row_key"], part["free"] = row_key, torch.from_numpy(free[1:][::-1].copy())
+    return states
+
+
+@pytest.mark.parametrize("across_parts", [False, True], ids=["one_part", "two_parts"])
+def test_a_rank_part_giving_an_id_a_second_row_is_refused_at_restore_and_unshard(across_parts: bool) -> None:
+    """A checkpoint whose parts give an admitted id two rows (damaged) is refused, as one process's load refuses such
+    a state: merged through ``IdMap.load_entries`` unchecked, the restored share held the id on two rows (one
+    leaked, the live count one too many) and every delta's whole maps then carried it, which serving refuses ("gives
+    a key more than one row"), so no delta with the maps applied there again."""
+    from learner.sharded_ids import ShardedRowMapper, whole_maps
+
+    states = _states_giving_a_key_two_rows(across_parts)
+    ranges = [(0, 0, 344), (1, 344, 688)]
+    with pytest.raises(ValueError, match="distinct hashed ids >= 0, got a key on more than one row"):
+        ShardedRowMapper(ROOMY, ranges, 1, ACC0).load_shares(states)
+    with pytest.raises(ValueError, match="distinct hashed ids >= 0, got a key on more than one row"):
+        whole_maps(ROOMY, states)
