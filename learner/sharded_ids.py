@@ -481,6 +481,10 @@ class ShardedRowMapper:
                 f.clock.seen[:] = clock
             if not parts:
                 continue
+            for s, st in parts:  # else a key on a row past them moved another field's row (vector, sum) onto its own
+                if s < 0 or s + len(st["row_key"]) > f.spec.capacity:
+                    raise ValueError(f"{name}'s id map part at own row {s} has {len(st['row_key'])} rows, outside the "
+                                     f"field's {f.spec.capacity} own rows: the state is malformed")
             p = _Parts.of(parts)
             same = sorted((s, int(st["row_key"].shape[0])) for s, st in parts) == \
                 [(s.start, s.count) for s in f.shares]

@@ -447,3 +447,24 @@ def test_a_rank_part_giving_an_id_a_second_row_is_refused_at_restore_and_unshard
         ShardedRowMapper(ROOMY, ranges, 1, ACC0).load_shares(states)
     with pytest.raises(ValueError, match="distinct hashed ids >= 0, got a key on more than one row"):
         whole_maps(ROOMY, states)
+
+
+@pytest.mark.parametrize("start", [398, -1])
+def test_a_rank_part_whose_rows_leave_the_fields_own_rows_is_refused_at_restore(start: int) -> None:
+    """A damaged part whose start puts its rows past the field's own rows (or before them): its ids on rows outside
+    every share were moved, from global rows of the next field's block (ctx.device's row 668, its vector and row-wise
+    sum copied onto a user's row) or of the field's buckets, in silence."""
+    from learner.sharded_ids import ShardedRowMapper, owner_index
+
+    ranges = [(0, 0, 344), (1, 344, 688)]
+    ranks = [ShardedRowMapper(ROOMY, ranges, r, ACC0) for r in (0, 1)]
+    keys = np.arange(1000, 1100, dtype=np.int64)
+    mine = keys[owner_index(keys, ranks[0].fields["user_id"].shares) == 1][:3]
+    share = ranks[1].fields["user_id"].map
+    assert share is not None
+    share.lookup(np.repeat(mine, 2), now=1.0)  # admitted on own rows 76-78 (share 1's first), i.e. its rows 0-2
+    states = [r.state_dict() for r in ranks]
+    states[1]["id_shards"]["user_id"]["start"] = start  # rows 398-400 of a field of 400 own rows; or -1 to 1
+    with pytest.raises(ValueError, match=r"user_id's id map part at own row -?\d+ has 324 rows, outside the field's "
+                                         r"400 own rows"):
+        ShardedRowMapper(ROOMY, ranges, 1, ACC0).load_shares(states)
