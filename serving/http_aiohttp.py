@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from serving.app import Response, ScoringApp
 from serving.http_wire import (
     FOLLOW_BUDGET,
+    HEAD_CUT_SHORT,
     HEAD_TOO_LARGE,
     MAX_HEAD,
     TOKEN,
@@ -280,7 +281,7 @@ def _aiohttp_protocol() -> type:
             (``lingering_time``) reads the body through the parser, without a half-close or a byte bound, and only when
             the connection is kept."""
             transport = self.transport
-            if transport is None or budget <= 0 or not transport.can_write_eof():
+            if transport is None or budget <= 0 or self.peer_eof or not transport.can_write_eof():  # (EOF: no rest)
                 self.force_close()
                 return
             self._force_close = True  # aiohttp's loop ends, leaving the transport to the linger (force_close closes it)
@@ -331,20 +332,33 @@ def _aiohttp_protocol() -> type:
         def eof_received(self) -> bool | None:  # type: ignore[override]  # (asyncio.Protocol's: True keeps it open)
             """The client shut its sending side (``SHUT_WR``, ``nc -N``): the requests it sent in full are answered,
             then the connection is closed (the last answer says ``Connection: close``), as on the threading server.
-            aiohttp closed the connection at once, answering none of them. A request cut short by the EOF, or an
-            idle connection, is closed at once, as before."""
+            aiohttp closed the connection at once, answering none of them. A body cut short by the EOF is its
+            handler's 400 (answered in turn, after the requests before it), as on the threading server: the
+            connection was closed at once, the client left without an answer. So is a request whose head the EOF cut
+            short (a 400 before the close: nothing else is being answered). An idle connection is closed at once."""
             if self.linger_left is not None:
                 log.debug("lingering close ended: eof")
                 return None  # (the transport closes)
             if self._parser is None or self._force_close:
                 return None
+            cut = False
             try:
                 self._parser.feed_eof()
-            except HttpProcessingError:  # a body (or chunk) cut short
-                return None
+            except HttpProcessingError as exc:  # a body (or chunk) cut short; or a head (llhttp's error)
+                body = self.open_body
+                if body is not None and not body.is_eof():
+                    reason = (str(getattr(exc, "message", exc)).strip().splitlines() or ["cut"])[0].rstrip(": .")
+                    body.set_exception(BadFraming(400, f"incomplete body: {reason}, before the connection closed"))
+                    self.open_body, self.peer_eof = None, True
+                    return True  # (the transport stays open for its answer, which closes it)
+                cut = True
             waiter = getattr(self, "_waiter", None)
-            if not self._messages and waiter is not None and not waiter.done():
-                return None  # idle, waiting for a request that cannot come
+            if not self._messages and waiter is not None and not waiter.done():  # no request queued nor handled:
+                if self.deadline is not None and self.transport is not None:  # a request's first bytes came, its
+                    self.transport.write(raw_response(400, HEAD_CUT_SHORT))  # head cut short (else idle)
+                return None  # (the transport closes, the answer flushed)
+            if cut:
+                return None
             self.peer_eof = True  # the last queued request's answer closes the connection (AiohttpServer._reply)
             if not self._messages:
                 self.close()  # no request queued: close once the one being handled (if any) is answered, or now

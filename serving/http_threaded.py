@@ -18,6 +18,7 @@ from typing import Any
 from serving.app import ScoringApp
 from serving.http_wire import (
     CHUNK_LINE,
+    HEAD_CUT_SHORT,
     MAX_HEAD,
     SCHEME,
     TOKEN,
@@ -261,6 +262,9 @@ class _Handler(BaseHTTPRequestHandler):
         except http.client.HTTPException as err:
             self.send_error(431, "Too many headers", str(err))
             return False
+        if lines[-1] == b"":  # EOF before the blank line: a head cut short (was served as if whole), as on aiohttp
+            self.send_error(400, HEAD_CUT_SHORT)
+            return False
         self.headers = parse_header_lines(lines, self.MessageClass)
         self._field_error = field_lines_error(lines)  # refused by _framing
         connection = self.headers.get_all("Connection")
@@ -341,6 +345,8 @@ class _Handler(BaseHTTPRequestHandler):
         while True:
             line = self.rfile.readline(1026)
             m = CHUNK_LINE.fullmatch(line)
+            if not line:  # (EOF: a malformed line b'' said nothing of the cut)
+                raise BadFraming(400, "incomplete chunked body: no last chunk (0) before the connection closed")
             if m is None:  # (a bare LF, whitespace around the size, a CR or NUL in an extension were taken)
                 raise BadFraming(400, f"malformed chunk-size line {line[:40]!r}: hexadecimal digits, optional "
                                        "extensions, then CRLF (RFC 9112 7.1)")

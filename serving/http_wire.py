@@ -72,6 +72,8 @@ VERSION = re.compile(r"HTTP/[0-9]\.[0-9]")  # a well-formed HTTP-version (RFC 91
 _MAX_LINE, _MAX_HEADERS = 65536, 100  # the stdlib's limits on a header line (bytes) and on a block's lines
 MAX_HEAD = 65536  # bytes of a request's header lines, line ends included (and of a chunked body's trailer): 431
 HEAD_TOO_LARGE = f"request header fields too large: the header block is over {MAX_HEAD} bytes"
+HEAD_CUT_SHORT = ("incomplete request: the connection closed before the blank line that ends its headers; send the "
+                  "whole request (its head ends in an empty line) before shutting the sending side")
 _OWS = " \t"  # HTTP's whitespace (RFC 9110 5.6.3); str.split() and str.strip() also take \x1c-\x1f, \x85, \xa0
 
 

@@ -302,6 +302,39 @@ def test_requests_sent_before_the_client_shuts_its_side_are_answered_then_the_co
         assert closed_by_server(s, f, within_s=20.0)
 
 
+@pytest.mark.parametrize("cut", [
+    request("POST", "/v1/score", EMPTY_ITEMS, {"Content-Length": "500"}),  # fewer bytes than its Content-Length
+    b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel",  # a chunk cut short
+    b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",  # no last chunk
+], ids=["content-length", "chunk", "last-chunk"])
+def test_a_body_cut_short_by_the_clients_eof_is_a_400_after_the_answers_before_it(server: Server, cut: bytes) -> None:
+    """A client that shuts its side with a body unfinished reads a 400 saying so, after the answer to the request
+    pipelined before it; aiohttp closed the connection without a word (the threading server answered 400)."""
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("GET", "/healthz") + cut)
+        s.shutdown(socket.SHUT_WR)
+        assert read_response(f)[0] == 200
+        status, headers, body = read_response(f)
+        assert status == 400 and headers["connection"] == "close"
+        assert json.loads(body)["error"].startswith("incomplete ")
+        assert "before the connection closed" in json.loads(body)["error"]
+        assert closed_by_server(s, f)
+
+
+@pytest.mark.parametrize("cut", [b"GET /healthz HTTP/1.1\r\n", b"GET /healthz HTTP/1.1\r\nHost: x\r\n",
+                                 b"GET /healthz HTTP/1.1\r\nHost: exa"], ids=["request-line", "headers", "mid-line"])
+def test_a_head_cut_short_by_the_clients_eof_is_a_400_not_served(server: Server, cut: bytes) -> None:
+    """A request whose head never ended (no blank line before the client's EOF) is incomplete: a 400 naming it on
+    both servers. The threading server served it as if whole (a 200 here), aiohttp closed without a word."""
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(cut)
+        s.shutdown(socket.SHUT_WR)
+        status, headers, body = read_response(f)
+        assert status == 400 and headers["connection"] == "close"
+        assert json.loads(body)["error"].startswith("incomplete request: the connection closed before the blank line")
+        assert closed_by_server(s, f)
+
+
 PAD = b"X-Pad: " + b"a" * 7000 + b"\r\n"  # 7009 bytes: a header line within aiohttp's 8190
 
 
