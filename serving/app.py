@@ -152,8 +152,7 @@ class ScoringApp:
             if not full:
                 self.admitted += 1
         if full:
-            endpoint = path if path in self._paths else "other"
-            self.metrics.requests.labels(endpoint, "503").inc()
+            self.refused(path, 503)
             yield _error(503, f"overloaded: {self.s.max_in_flight} requests in flight (max_in_flight); "
                               "retry shortly")
             return
@@ -162,6 +161,14 @@ class ScoringApp:
         finally:
             with self._count_lock:
                 self.admitted -= 1
+
+    def refused(self, path: str, status: int) -> None:
+        """Count an answer given without :meth:`handle` (a slot refused, and the servers' own: bad framing, a body
+        over ``max_body_bytes``, a deadline's 408, a header block too large, a version, a connection over
+        ``max_connections``) in ``streamrec_serving_requests_total`` by endpoint (``other`` where the path is unknown
+        or unread) and status, as :meth:`handle` counts its answers: those refusals were in no metric."""
+        path = path.split("?", 1)[0]
+        self.metrics.requests.labels(path if path in self._paths else "other", str(status)).inc()
 
     def handle(self, method: str, path: str, body: bytes) -> Response:
         t0 = time.perf_counter()

@@ -195,6 +195,7 @@ def _aiohttp_protocol() -> type:
                 return
             if self.head_open and self.head_bytes > MAX_HEAD + 8192 and self.transport is not None:  # (+ a line)
                 log.debug("request head past %s bytes and not complete: 431", MAX_HEAD)
+                self._refused(431)
                 self.transport.write(raw_response(431, HEAD_TOO_LARGE))
                 self.force_close()
 
@@ -310,6 +311,11 @@ def _aiohttp_protocol() -> type:
             log.debug("lingering close ended: time")
             self.force_close()
 
+        def _refused(self, status: int) -> None:
+            """Count an answer written here, to a request whose path is unread (:meth:`ScoringApp.refused`)."""
+            if self.app is not None:
+                self.app.refused("", status)
+
         def body_read(self) -> None:
             """The request's body is in: its deadline no longer applies (the next request's starts with its bytes)."""
             if self.watchdog is not None:
@@ -326,6 +332,7 @@ def _aiohttp_protocol() -> type:
                 self.watchdog = self._loop.call_later(0.05, self._on_deadline)  # look again once it is answered
                 return
             log.debug("request headers not received within %s s: closing", self.request_timeout_s)
+            self._refused(408)
             self.transport.write(raw_response(408, too_late(self.request_timeout_s)))
             self.force_close()
 
@@ -355,7 +362,8 @@ def _aiohttp_protocol() -> type:
             waiter = getattr(self, "_waiter", None)
             if not self._messages and waiter is not None and not waiter.done():  # no request queued nor handled:
                 if self.deadline is not None and self.transport is not None:  # a request's first bytes came, its
-                    self.transport.write(raw_response(400, HEAD_CUT_SHORT))  # head cut short (else idle)
+                    self._refused(400)  # head cut short (else idle)
+                    self.transport.write(raw_response(400, HEAD_CUT_SHORT))
                 return None  # (the transport closes, the answer flushed)
             if cut:
                 return None
@@ -428,6 +436,7 @@ def _aiohttp_protocol() -> type:
                           exc if isinstance(exc, HttpProcessingError) else text)
             if request.writer.output_size > 0:
                 raise ConnectionError("answer already under way: cannot send the error one")
+            self._refused(status)
             self.linger_after = status < 500 or status == 505  # llhttp refused it, its rest unread (a 500: closed)
             resp = web.Response(status=status, body=error_body(text), content_type="application/json")
             resp.force_close()
@@ -488,6 +497,12 @@ class AiohttpServer:
                 proto.linger(self.app.s.linger_s, self.app.s.linger_bytes)
         return r
 
+    async def _refuse(self, request: web.BaseRequest, target: str, status: int, message: str) -> web.StreamResponse:
+        """The JSON ``status`` for a request refused by the server itself (counted: :meth:`ScoringApp.refused`),
+        then a (lingering) close."""
+        self.app.refused(target, status)
+        return await self._reply(request, (status, "application/json", error_body(message)), close=True)
+
     async def _read_body(self, request: web.BaseRequest, limit: int) -> bytes:
         if request.headers.get("Expect", "").lower() == "100-continue" and request.version >= (1, 1):
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -517,22 +532,23 @@ class AiohttpServer:
 
         s = self.app.s
         proto: Any = request.protocol  # a _Protocol (_aiohttp_protocol)
+        target = origin_form(request.raw_path)  # (not request.path: yarl's reading of "//healthz" is "////healthz")
         version = f"HTTP/{request.version[0]}.{request.version[1]}"
         if version not in VERSIONS:  # llhttp takes HTTP/2.0 and 0.9 (a request line without one) too
+            self.app.refused(target, 505)
             if proto.transport is not None:  # written raw: aiohttp's status line would say the request's version
                 proto.transport.write(raw_response(505, unsupported_version(version)))
             proto.force_close()
             return web.Response(status=505)  # (not sent: the connection is closed, its writes refused)
         limit = s.max_body_bytes
         if sum(len(k) + len(v) + 4 for k, v in request.raw_headers) + 2 > MAX_HEAD:  # (the threading server's count)
-            return await self._reply(request, (431, "application/json", error_body(HEAD_TOO_LARGE)), close=True)
-        target = origin_form(request.raw_path)  # (not request.path: yarl's reading of "//healthz" is "////healthz")
+            return await self._refuse(request, target, 431, HEAD_TOO_LARGE)
         try:  # (not request.content_length: its int() raises past 4300 digits, a 500)
             content_length(request.headers.getall("Content-Length", []) or ["0"], limit)
             if request.body_exists and "Content-Encoding" in request.headers:  # (auto_decompress is off)
                 check_content_coding(request.headers.getall("Content-Encoding"))
         except BadFraming as exc:  # over the limit, a coding: said before the body is read
-            return await self._reply(request, (exc.status, "application/json", error_body(exc.message)), close=True)
+            return await self._refuse(request, target, exc.status, exc.message)
         if self.app.admitted >= s.max_in_flight:  # every slot looks taken: ask before reading the body
             with self.app.admission(target) as refused:  # (a slot is not held across the body's read)
                 if refused is not None:  # its body (if any) is not read, nor sent on Expect: the connection ends
@@ -544,17 +560,13 @@ class AiohttpServer:
             try:
                 body = await asyncio.wait_for(self._read_body(request, limit), deadline - self._loop.time())
             except asyncio.TimeoutError:
-                return await self._reply(request, (408, "application/json", error_body(
-                    too_late(s.request_timeout_s))), close=True)
+                return await self._refuse(request, target, 408, too_late(s.request_timeout_s))
             except _TooLarge:  # a chunked body past the limit
-                return await self._reply(request, (413, "application/json", error_body(
-                    f"request body exceeds {limit} bytes")), close=True)
-            except BadFraming as exc:  # too many chunks; or one declared past the limit (ChunkSizes)
-                return await self._reply(request, (exc.status, "application/json", error_body(exc.message)),
-                                         close=True)
+                return await self._refuse(request, target, 413, f"request body exceeds {limit} bytes")
+            except BadFraming as exc:  # too many chunks; one declared past the limit (ChunkSizes); cut by an EOF
+                return await self._refuse(request, target, exc.status, exc.message)
             except (RequestPayloadError, ConnectionError) as exc:  # malformed chunks; or the client left
-                return await self._reply(request, (400, "application/json", error_body(
-                    f"malformed request body: {exc}")), close=True)
+                return await self._refuse(request, target, 400, f"malformed request body: {exc}")
             finally:
                 proto.reading_body = False
         proto.body_read()
@@ -575,6 +587,7 @@ class AiohttpServer:
 
         def connection() -> asyncio.Protocol:
             if self._draining or len(manager.connections) >= s.max_connections:
+                self.app.refused("", 503)
                 return _Refuse(too_many_connections(s.max_connections))
             p = protocol(manager, loop=loop, **kwargs)
             p.request_timeout_s, p.max_body_bytes, p.app = s.request_timeout_s, s.max_body_bytes, self.app

@@ -131,6 +131,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._one_request()
         except _Deadline:
             self._unread = False  # a client too slow for its deadline gets no more time to send (no linger)
+            self.app.refused(self.path if self.command else "", 408)
             try:
                 self._send(408, "application/json", error_body(too_late(s.request_timeout_s)), close=True)
             except OSError:
@@ -164,12 +165,13 @@ class _Handler(BaseHTTPRequestHandler):
         if not self.parse_request():  # it answered (through send_error below)
             return
         if not self._before_stop:  # it arrived as stop() began
+            self.app.refused(self.path, 503)
             self._send(503, "application/json", error_body("shutting down"), close=True)
             return
         try:
             length = self._framing()
         except BadFraming as exc:
-            self._send(exc.status, "application/json", error_body(exc.message), close=True)
+            self._refuse(exc)
             return
         if self.app.admitted >= self.app.s.max_in_flight:  # every slot looks taken: ask before reading the body
             with self.app.admission(self.path) as refused:  # (a slot is not held across the body's read)
@@ -179,7 +181,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:  # bounded by max_body_bytes and request_timeout_s; read bodies at once by max_connections
             body = self._read_body(length)
         except BadFraming as exc:
-            self._send(exc.status, "application/json", error_body(exc.message), close=True)
+            self._refuse(exc)
             return
         self._unread = False
         # a slot of max_in_flight from the body's end until the answer is ready, released before it is written: a
@@ -212,6 +214,7 @@ class _Handler(BaseHTTPRequestHandler):
         text = message or short
         if explain and explain != long:
             text = f"{text}: {explain}"
+        self.app.refused(self.path if self.command else "", code)  # (command: this request's path was read)
         self._send(code, "application/json", error_body(text), close=True)
 
     def parse_request(self) -> bool:
@@ -278,6 +281,11 @@ class _Handler(BaseHTTPRequestHandler):
                 and not self.handle_expect_100()):
             return False
         return True
+
+    def _refuse(self, exc: BadFraming) -> None:
+        """Answer a request refused by its framing or its body (counted: :meth:`ScoringApp.refused`), and close."""
+        self.app.refused(self.path, exc.status)
+        self._send(exc.status, "application/json", error_body(exc.message), close=True)
 
     def _send(self, status: int, ctype: str, body: bytes, close: bool = False) -> None:
         """The whole answer, status line, headers and body, in one ``sendall``: the stdlib's ``send_response`` /
@@ -473,6 +481,7 @@ class _TCPServer(ThreadingHTTPServer):
                 with self.lock:
                     self.conns.pop(request, None)
                     self.threads.discard(t)
+        self.app.refused("", 503)
         try:  # over the limit: a quick 503 from the accepting thread (a small write, never blocking), closed
             request.setblocking(False)
             request.send(raw_response(503, "shutting down", {"Retry-After": "1"}) if draining

@@ -1,6 +1,7 @@
 """The scoring service's Prometheus metrics, in a registry of its own (one per service instance).
 
-    streamrec_serving_requests_total{endpoint, status}      requests answered, by HTTP status
+    streamrec_serving_requests_total{endpoint, status}      requests answered, by HTTP status (the servers' own
+                                                            refusals too: 400, 408, 413, 415, 431, 505, 503)
     streamrec_serving_request_seconds{endpoint}             service time (parse -> response bytes)
     streamrec_serving_candidates_total                      items scored
     streamrec_serving_embedding_lookups_total{tier}         hot (fast memory) / cold (the artifact's table, or in the

@@ -724,3 +724,52 @@ def test_an_answered_requests_slot_is_free_when_its_client_sends_the_next(make: 
         c.send(request("POST", "/v1/score", EMPTY_ITEMS))
         status, _, body = c.response(timeout_s=5.0)
         assert status == 422 and json.loads(body)["error"] == EMPTY_ITEMS_ERROR
+
+
+# -- refusals in /metrics -------------------------------------------------------------------------------------------
+def requests_by_status(app: ScoringApp) -> dict[str, float]:
+    """``streamrec_serving_requests_total`` as ``/metrics`` renders it, summed by status over endpoints."""
+    out: dict[str, float] = {}
+    for line in app.metrics.render().decode().splitlines():
+        if line.startswith("streamrec_serving_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            code = labels.split('status="', 1)[1].split('"', 1)[0]
+            out[code] = out.get(code, 0.0) + float(value)
+    return out
+
+
+def test_requests_the_server_refuses_itself_are_counted_by_status_in_metrics(
+        make: Make, clients: Callable[..., Client]) -> None:
+    """A body over ``max_body_bytes`` (413), bad framing (400), a coded body (415), a header block over 64 KiB (431),
+    an HTTP version not served (505), a request past its deadline (408), a connection over ``max_connections`` (503):
+    answered by the server, never by the app, they were in no metric (``/metrics`` showed no 413 however many
+    clients sent too much); now ``streamrec_serving_requests_total`` counts each by its status, as the app's own."""
+    srv, app = make(request_timeout_s=1.0)
+    pad = {f"X-Pad-{i}": "a" * 7000 for i in range(10)}  # 70 KiB of head, each line within aiohttp's 8190
+    refused = [
+        (request("POST", "/v1/score", headers={"Content-Length": "5000"}), 413),
+        (request("POST", "/v1/score", headers={"Content-Length": "abc"}), 400),
+        (request("POST", "/v1/score", EMPTY_ITEMS, {"Content-Encoding": "gzip"}), 415),
+        (request("GET", "/healthz", headers=pad), 431),
+        (b"GET /healthz HTTP/1.2\r\nHost: x\r\n\r\n", 505),
+    ]
+    before = requests_by_status(app)
+    for data, status in refused:
+        c = clients(srv)
+        c.send(data)
+        assert c.response()[0] == status
+        c.close()
+    late = clients(srv)
+    late.send(request("POST", "/v1/score", headers={"Content-Length": "50"}) + b'{"user_id"')
+    assert late.response(timeout_s=5.0)[0] == 408
+    late.close()
+    after = requests_by_status(app)
+    counted = {code: after.get(code, 0.0) - before.get(code, 0.0) for code in ("400", "408", "413", "415", "431",
+                                                                              "505")}
+    assert counted == {"400": 1.0, "408": 1.0, "413": 1.0, "415": 1.0, "431": 1.0, "505": 1.0}
+    full, full_app = make(max_connections=1)  # (a server of its own: no connection above lingers on it)
+    held = clients(full)
+    held.send(request("GET", "/healthz"))
+    assert held.response()[0] == 200  # (its connection is counted in: it was answered)
+    assert clients(full).response()[0] == 503
+    assert requests_by_status(full_app).get("503") == 1.0
