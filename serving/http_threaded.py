@@ -21,6 +21,7 @@ from serving.http_wire import (
     HEAD_CUT_SHORT,
     MAX_HEAD,
     SCHEME,
+    TARGET_BYTE,
     TOKEN,
     VERSION,
     VERSIONS,
@@ -252,6 +253,10 @@ class _Handler(BaseHTTPRequestHandler):
         if not (path.startswith("/") or SCHEME.match(path) or (path == "*" and command == "OPTIONS")):
             self.send_error(400, f"malformed request: request target {path[:200]!r} is none of /path, "
                                  "http://host/path and * (OPTIONS only): RFC 9112 3.2")
+            return False
+        if (bad := TARGET_BYTE.search(path)) is not None:  # (as llhttp: a 400 on aiohttp)
+            self.send_error(400, f"malformed request: request target {ascii(path[:200])} holds byte "
+                                 f"0x{ord(bad.group()):02x}, outside visible ASCII: percent-encode it (RFC 3986)")
             return False
         self.command, self.path = command, origin_form(path)  # (not the stdlib's "//" to "/": nothing redirects)
         try:

@@ -38,6 +38,9 @@ def too_late(timeout_s: float) -> str:
 
 
 _ABSOLUTE_FORM = re.compile(r"https?://[^/?#]*", re.IGNORECASE)
+# a byte no request target holds (RFC 9112 3.2, RFC 3986: visible ASCII only; others are percent-encoded): llhttp
+# refuses them (a 400 on aiohttp), the threading server served them (GET /healthz?x=\xff: 200)
+TARGET_BYTE = re.compile(r"[^\x21-\x7e]")
 SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # an absolute-form target's start (a target but /, * and these: 400)
 
 
