@@ -84,6 +84,10 @@ class ReplaySummary:
     acked: dict[str, int] = field(default_factory=dict)
     run: str = ""  # the fingerprint of what defines the events (stream/replay/resume.py; logged, never sent)
     skipped: dict[str, int] = field(default_factory=dict)  # --resume: events per topic its partitions held already
+    # --resume: of dead_lettered, those an earlier run had sent already (each was before an event the topics hold, in
+    # the replay order, which every run sends in): <topic>.dlq is not read, so they are sent again, and it holds them
+    # twice where the earlier send was delivered. A lower bound: dead letters after the last event held are not counted
+    dead_lettered_again: int = 0
     first_ts: int | None = None
     last_ts: int | None = None
     elapsed_s: float = 0.0
@@ -302,7 +306,7 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
     in the summary, adds the partition count), ``{"dataset": dataset}`` by default. ``resume``: skip the events each
     partition holds already, found by the content of its last messages; ConfigError where they are not this run's
     events for it, or match several positions. Dead letters (``<topic>.dlq``) are sent again on a resume: their
-    topics are not read.
+    topics are not read; the summary's ``dead_lettered_again`` counts those an earlier run had sent (a lower bound).
     """
     topics = {IMPRESSION: kafka.impressions_topic, CLICK: kafka.clicks_topic}
     written = [*topics.values(), *(kafka.dlq_topic(t) for t in topics.values())]
@@ -359,6 +363,8 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
                                   lambda pos: _chunk_values(encoder, raw, kinds[pos], indexes[pos], room)[0])] = True
         summary.skipped = {imp_topic: int(np.count_nonzero(held & (topic_kind == IMPRESSION))),
                            click_topic: int(np.count_nonzero(held & (topic_kind == CLICK)))}
+        if held.any():  # an earlier run sent everything before the last event held, its dead letters included
+            summary.dead_lettered_again = int(np.count_nonzero(dead[:int(np.flatnonzero(held)[-1])]))
         keep = ~held
         kinds, indexes, topic_kind, key_of, part_of, dead = (
             a[keep] for a in (kinds, indexes, topic_kind, key_of, part_of, dead))
@@ -367,6 +373,10 @@ def publish(table: EventTable, kafka: KafkaSettings, dataset: str, *, rate: floa
             origin = int(rest[rest > 0].min()) if (rest > 0).any() else origin
         log.info("[replay] --resume (run %s): the topics hold %s events of it already (skipped); %d to send%s",
                  run_id, summary.skipped, len(kinds), "" if len(kinds) else ": the replay is complete, nothing sent")
+        if summary.dead_lettered_again:
+            log.warning("[replay] --resume: %d dead letters an earlier run sent already are sent again (the "
+                        "dead-letter topics %s are not read): they may be there twice", summary.dead_lettered_again,
+                        ", ".join(written[2:]))
     check_pace(rate, speed, len(kinds), origin, max(int(ts_all.max()) if len(ts_all) else 0,
                                                     max((m.ts for m in table.raw), default=0)))
     topic_of = np.array([imp_topic, click_topic], dtype=object)[topic_kind]

@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
             f"({d['events_per_s']:,.0f} events/s)\n"
             f"  impressions: {d['impressions']:,}\n  clicks: {d['clicks']:,}\n"
             f"  malformed published: {d['malformed_published']:,}\n"
-            f"  dead-lettered at source: {d['dead_lettered']:,}\n"
+            f"  dead-lettered at source: {d['dead_lettered']:,}" + (f" ({d['dead_lettered_again']:,} of them sent by "
+            "an earlier run already: the .dlq topics may hold those twice)" if d["dead_lettered_again"] else "") + "\n"
             f"  acknowledged per topic: {d['acked']}\n  skipped as delivered already (--resume): {d['skipped']}\n"
             f"  run: {d['run']}\n  source:\n{kv_lines(d['source'], '    ')}"
         )

@@ -229,6 +229,30 @@ def test_dead_letters_are_sent_again_on_a_resume_and_do_not_count_as_delivered_e
         kafka, kafka.impressions_topic)) + len(read_topic(kafka, kafka.clicks_topic))
 
 
+def test_a_resume_says_how_many_dead_letters_an_earlier_run_had_sent_already(
+        kafka: KafkaSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The dead letters a resume sends again were counted in its summary as new: it now says how many of them an
+    earlier run had sent (those before the last event the topics hold, in the replay order every run sends in), and
+    a resume with nothing delivered (a whole replay) says none."""
+    _topics(kafka)
+    cfg = tmp_path / "replay.toml"
+    cfg.write_text(f'[kafka]\nbootstrap_servers = "{kafka.bootstrap_servers}"\nimpressions_topic = '
+                   f'"{kafka.impressions_topic}"\nclicks_topic = "{kafka.clicks_topic}"\n[replay]\nprogress = false\n')
+    log = tmp_path / "log.csv"
+    log.write_text("user_id,item_id,ts,clicked\n1,2,1700000000000,0\n-1,3,1700000001000,0\n4,5,1700000002000,0\n"
+                   "-2,6,1700000003000,0\n7,8,1700000004000,0\n")
+    base = ["replay", "--config", str(cfg), "--dataset", str(log), "--resume"]
+    assert main([*base, "--json"]) == 0  # nothing delivered yet: a whole replay
+    whole = json.loads(capsys.readouterr().out)
+    assert (whole["dead_lettered"], whole["dead_lettered_again"]) == (2, 0)
+    assert main([*base, "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert (again["impressions"], again["dead_lettered"], again["dead_lettered_again"]) == (0, 2, 2)
+    assert main(base) == 0
+    assert "dead-lettered at source: 2 (2 of them sent by an earlier run already" in capsys.readouterr().out
+    assert len(read_topic(kafka, kafka.dlq_topic(kafka.impressions_topic))) == 6
+
+
 def test_the_cli_resume_refuses_another_seeds_events_and_sends_only_the_rows_an_event_log_gained(
         kafka: KafkaSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The content is what counts: another --seed (other click times) is other events, and resuming it into these
