@@ -327,7 +327,7 @@ def _build(table: pa.Table, cols: ColumnMap, delay: ClickDelay, seed: int, path:
             error.kind = check.kind
             raw.append(RawMessage(
                 topic_kind=IMPRESSION,
-                ts=int(ts[i]) if ts_status[i] == TIME_OK else 0,
+                ts=int(ts[i]) if ts_status[i] == TIME_OK and not ahead[i] else 0,  # ahead: no usable time either
                 key=keys[i].encode(),
                 value=orjson.dumps(row, default=json_default),
                 error=error,

@@ -153,6 +153,29 @@ def test_a_speed_paced_log_of_only_rejected_rows_paces_from_its_first_row_not_th
     assert sleeps and max(sleeps) < 2.0, sleeps
 
 
+def test_a_row_rejected_for_a_time_ahead_of_the_wall_clock_does_not_pace_the_replay(
+        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row dated 2099 (a typo) is rejected at the source as future_ts, but its dead letter kept that time in the
+    replay order: --speed counted the replay's event time up to it, so at speed 1 a log of one second was refused as
+    pacing over a year, and at a speed that let it through the replay slept for months after its last event before
+    sending that dead letter. Its time is no usable time now (as one out of range): it paces nothing."""
+    log = tmp_path / "log.csv"
+    log.write_text("user_id,item_id,ts,clicked\n1,2,1700000000000,0\n3,4,4000000000000,0\n5,6,1700000000500,0\n")
+    table = load_eventlog(log, ColumnMap(), ClickDelay(), seed=1)
+    sleeps: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        real_sleep(min(s, 0.01))
+
+    monkeypatch.setattr(publisher_module.time, "sleep", sleep)
+    summary = publish(table, kafka, "log", speed=1.0)
+    assert (summary.impressions, summary.dead_lettered) == (2, 1)
+    assert table.raw[0].error is not None and table.raw[0].error.kind == "future_ts"  # type: ignore[attr-defined]
+    assert max(sleeps, default=0.0) < 2.0, sleeps
+
+
 def test_synthetic_replay_is_deterministic_by_seed(kafka: KafkaSettings) -> None:
     s = SyntheticSettings(impressions=2000)
     publish(build_synthetic(s, ClickDelay(), seed=11), kafka, "synthetic")
