@@ -191,8 +191,12 @@ def _csv_error(path: Path, exc: BaseException, read: Any, serial: pcsv.ReadOptio
         return EventLogError(f"cannot read {path} as CSV: a row does not parse and holds bytes that are not UTF-8 "
                              "text (a binary or compressed file?)")
     msg = str(exc)
-    if "Empty CSV file" in msg:
-        return EventLogError(f"cannot read {path} as CSV: it is empty (a CSV file needs a header row)")
+    if "Empty CSV file" in msg:  # also a header alone with no line end after it (Arrow cannot count its columns)
+        return EventLogError(f"cannot read {path} as CSV: it holds no header row ended by a line break (it is empty, "
+                             "or its one line has no line end: a CSV file needs a header row; end it with one)")
+    if "Truncated compressed stream" in msg:
+        return EventLogError(f"cannot read {path} as CSV: the compressed file is cut short (an interrupted copy or "
+                             "download?): copy it again whole")
     try:
         read(serial)
     except (pa.ArrowException, OSError, UnicodeDecodeError) as again:

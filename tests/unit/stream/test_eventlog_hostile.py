@@ -382,3 +382,24 @@ def test_an_unclosed_quote_in_a_file_of_many_csv_blocks_is_refused_not_read_shor
     assert path.stat().st_size > 2 << 20  # more than one block
     with pytest.raises(EventLogError, match=r"quote.csv.* line 101\b.*unclosed quote"):
         load(path, limit, features=("genre",))
+
+
+def test_a_header_with_no_line_end_is_refused_as_such_not_as_an_empty_file(tmp_path: Path) -> None:
+    """Arrow cannot count the columns of a header with no line break after it and calls the file empty: the error
+    said 'it is empty' of a file holding a header row."""
+    log = tmp_path / "log.csv"
+    log.write_text("user_id,item_id,ts,clicked")
+    with pytest.raises(EventLogError, match=r"log\.csv as CSV: .*its one line has no line end") as e:
+        load_eventlog(log, ColumnMap(), ClickDelay(), seed=0)
+    assert "it is empty (" not in str(e.value)
+
+
+@pytest.mark.parametrize("limit", [None, 5])
+def test_a_compressed_log_cut_short_is_refused_naming_the_file_and_the_fix(tmp_path: Path, limit: int | None) -> None:
+    """A .csv.gz cut short (an interrupted copy) was Arrow's bare 'Truncated compressed stream', no fix said."""
+    rows = b"".join(b"%d,2,1600000000000,0\n" % i for i in range(2000))
+    whole = gzip.compress(b"user_id,item_id,ts,clicked\n" + rows)
+    log = tmp_path / "log.csv.gz"
+    log.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(EventLogError, match=r"log\.csv\.gz as CSV: the compressed file is cut short .*copy it again"):
+        load_eventlog(log, ColumnMap(), ClickDelay(), seed=0, limit=limit)
