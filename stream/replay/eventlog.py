@@ -41,6 +41,8 @@ Reading
     A Parquet string cell that is not UTF-8 (Arrow does not check them on read) rejects its row in an id or feature
     column and refuses the file, naming the column and row, in any other.
     A file named ``.csv`` that starts like gzip, bzip2, zstd or Parquet is refused with the name that reads it.
+    An uncompressed CSV whose last line has no line end is read, with a WARNING that its last row may be cut (a file
+    cut mid-line in its last column parses as a row with that value cut short).
     Text from the file in an error message is escaped (control characters as ``\\x..``) and clipped.
 
 Context and dense

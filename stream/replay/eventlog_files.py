@@ -8,6 +8,8 @@ import contextlib
 import csv
 import functools
 import io
+import logging
+import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -25,6 +27,8 @@ _PARQUET_EXT = (".parquet", ".pq")
 _CSV_EXT = (".csv", ".tsv", ".txt")
 COMPRESSED_EXT = (".gz", ".bz2", ".zst")
 _CODEC = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}  # what Arrow infers from a path's extension
+
+log = logging.getLogger("streamrec.replay")
 # -- reading ---------------------------------------------------------------------------------------
 def detect_format(path: Path) -> tuple[str, str]:
     """``(format, stem)`` of ``path`` from its extension: format ``parquet`` or ``csv``."""
@@ -327,13 +331,27 @@ def read_csv(path: Path, fh: io.FileIO, ext: str, cols: ColumnMap, wanted: list[
 
         table = _csv(path, head_rows, have, cols, line_of)
         if table is not None:
-            return table
+            return _said_if_cut(path, fh, codec, table, limit)
     def whole(ro: pcsv.ReadOptions) -> pa.Table:
         with _stream(fh, codec) as src:
             return pcsv.read_csv(src, read_options=ro, parse_options=parse, convert_options=convert)
 
     table = _csv(path, whole, have, cols, line_of)
-    return table if limit is None else table.slice(0, limit)
+    return _said_if_cut(path, fh, codec, table if limit is None else table.slice(0, limit), limit)
+
+
+def _said_if_cut(path: Path, fh: io.FileIO, codec: str | None, table: pa.Table, limit: int | None) -> pa.Table:
+    """``table``, read to the end of an uncompressed CSV whose last line has no line end, with a WARNING: a file cut
+    mid-line (a copy or an export still running) whose cut fell in its last column parses as a row with that value
+    cut short (``3,4,16000`` for a time, ``1`` for ``17``), published as written. Many writers leave the last line
+    end out, so it is read. A compressed file cut short is refused by its codec."""
+    if codec is None and table.num_rows and (limit is None or table.num_rows < limit):
+        size = os.fstat(fh.fileno()).st_size
+        if size and os.pread(fh.fileno(), 1, size - 1) not in (b"\n", b"\r"):
+            log.warning("[replay] %s: its last line has no line end; it is read as a row, but if the file was cut "
+                        "short (a copy or an export still running) its last value is cut too: check that row, or "
+                        "end the file with a line break", shown(str(path)))
+    return table
 
 
 # -- column helpers ----------------------------------------------------------------------------

@@ -403,3 +403,16 @@ def test_a_compressed_log_cut_short_is_refused_naming_the_file_and_the_fix(tmp_p
     log.write_bytes(whole[: len(whole) // 2])
     with pytest.raises(EventLogError, match=r"log\.csv\.gz as CSV: the compressed file is cut short .*copy it again"):
         load_eventlog(log, ColumnMap(), ClickDelay(), seed=0, limit=limit)
+
+
+@pytest.mark.parametrize(("end", "warned"), [("", True), ("\n", False), ("\r\n", False)])
+def test_a_csv_whose_last_line_has_no_line_end_is_read_with_a_warning_that_its_last_row_may_be_cut(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, end: str, warned: bool) -> None:
+    """A log cut mid-line in its last column (here the time: 1700000001000 cut to 17000) parsed as a row with the
+    value cut, and nothing said; a line end missing at the end is said now (the row is still read)."""
+    log = tmp_path / "log.csv"
+    log.write_text("user_id,item_id,clicked,ts\n1,2,0,1700000000000\n3,4,0,17000" + end, newline="")
+    with caplog.at_level("WARNING", logger="streamrec.replay"):
+        table = load_eventlog(log, ColumnMap(time_unit="ms"), ClickDelay(), seed=0)
+    assert table.n_impressions + len(table.raw) == 2
+    assert any("its last line has no line end" in r.getMessage() for r in caplog.records) is warned
