@@ -18,7 +18,7 @@ All ranks write into ``.tmp-<name>`` at one step boundary (the lock-step's check
 save returned on every rank (its metadata is written by rank 0 once every rank's shards are) and every rank's
 ``rank-<r>.pt`` is durable does rank 0 write ``meta.json`` and rename the directory into place. A rank killed
 in between leaves a ``.tmp-`` directory, which no load reads (the next save removes it): the previous checkpoint
-stays the newest. On a
+stays the newest. Pruned checkpoints are renamed ``.tmp-<name>`` before they are deleted (:func:`_prune`). On a
 restart every rank reads the newest complete directory; with the same world size each rank gets its own
 ``rank-<r>.pt`` back, with another one the per-rank states are merged (metrics summed into rank 0, recent ids
 given to every rank) and DCP reshards the table to the new row ranges. The directory must be one filesystem
@@ -402,9 +402,25 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
     _agree(error, rank, tmp)
     _say_unsure(unsure, final)
     if rank == 0:  # (after the agreement: not while a power loss may undo this one's rename)
-        for old in list_complete(directory)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(directory, keep)
     return final
+
+
+def _prune(directory: Path, keep: int) -> None:
+    """Remove the complete checkpoints but the newest ``keep``: each renamed ``.tmp-<name>`` first (no longer
+    listed), then deleted, so a process killed while deleting one leaves a ``.tmp-`` directory, which the next save
+    removes. Deleted in place, a kill after its ``meta.json`` went (rmtree's order is the directory's) left a
+    ``dcp-`` directory that is no checkpoint and was never pruned: every such kill leaked a whole table on disk. One
+    that cannot be renamed (EPERM, EROFS) is logged and counted, and kept."""
+    for old in list_complete(directory)[:-keep]:
+        doomed = directory / f".tmp-{old.name}"
+        try:
+            old.rename(doomed)
+        except OSError as exc:
+            checkpoint.PRUNE_FAILURES.labels("checkpoints").inc()
+            log.warning("cannot prune %s (%s); move it away", old, exc)
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)  # (what stays is removed by the next save)
 
 
 def _written(path: Path, data: bytes | Callable[[BinaryIO], object]) -> NotDurable | None:
