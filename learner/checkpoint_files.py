@@ -6,6 +6,8 @@ aside as ``.damaged`` or marked ``.refused`` (:func:`set_aside`).
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from stream.files import write_atomic
@@ -15,6 +17,19 @@ log = logging.getLogger("streamrec.checkpoint")
 _PREFIX = "ckpt-"
 DAMAGED = ".damaged"  # the suffix of a checkpoint the learner's restore fell back past (:func:`set_aside`)
 REFUSED = ".refused"  # beside a checkpoint set aside that could not be renamed: it is not listed (:func:`set_aside`)
+
+
+def checkpoint_name(prefix: str, samples: int, names: Iterable[str]) -> str:
+    """The name of a new checkpoint of ``samples`` samples trained: ``<prefix><samples:015d>-<ms>``, ``ms`` the time
+    now, or one past the newest of ``names`` (the listed checkpoints', without suffix) of the same sample count when
+    the clock went back since that one was named (an NTP step, a VM restored). Loads and pruning take the greatest
+    name as the newest: named by the clock alone, a checkpoint written after such a step with no sample trained since
+    the last (the exit's after a periodic one, duplicates and dead-lettered messages read meanwhile) sorted before it,
+    so the restart resumed the older one's offsets and read those messages again, and pruning counted it as older.
+    Both the single-process checkpoints (:data:`_PREFIX`) and the sharded ones (``learner/sharded_checkpoint.py``)."""
+    head = f"{prefix}{samples:015d}-"
+    taken = [int(n[len(head):]) + 1 for n in names if n.startswith(head) and n[len(head):].isdigit()]
+    return f"{head}{max([int(time.time() * 1000), *taken])}"
 
 
 def set_aside(paths: list[Path]) -> None:

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 import torch
 from prometheus_client import Counter
 
-from learner.checkpoint_files import _PREFIX, DAMAGED, REFUSED, list_checkpoints
+from learner.checkpoint_files import _PREFIX, DAMAGED, REFUSED, checkpoint_name, list_checkpoints
 from learner.checkpoint_format import FORMAT_VERSION
 from learner.checkpoint_lineage import lineage
 from stream.errors import StreamrecError
@@ -140,7 +140,11 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
                 "lineage": meta.get("lineage") or lineage(directory)}
     except NotDurable as exc:  # LINEAGE's, before any checkpoint file: a failed checkpoint, not one written
         raise OSError(exc.errno, str(exc)) from exc
-    name = f"{_PREFIX}{int(meta['samples_trained']):015d}-{int(time.time() * 1000)}"
+    try:  # (after the clock went back: still after the newest of its sample count)
+        taken = [p.stem for p in list_checkpoints(directory)]
+    except OSError:  # (EIO) named by the clock alone: the save goes on; its prune logs the listing's error
+        taken = []
+    name = checkpoint_name(_PREFIX, int(meta["samples_trained"]), taken)
     path, sidecar = directory / f"{name}.pt", directory / f"{name}.json"
     unsure = None
     for target, data in ((sidecar, json.dumps(meta, default=str).encode()),  # the .pt last: its rename is the save

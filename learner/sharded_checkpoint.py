@@ -358,8 +358,9 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
     :class:`NotDurable` on every rank once the checkpoint is in place (:func:`_say_unsure`): written, and read at
     restart, but not known to survive a power loss; nothing is pruned (as one process's ``checkpoint.save``)."""
     directory = Path(directory)
-    name = broadcast_object(f"{PREFIX}{int(meta['samples_trained']):015d}-{int(time.time() * 1000)}" if rank == 0
-                            else None)
+    name = broadcast_object(checkpoint.checkpoint_name(PREFIX, int(meta["samples_trained"]),
+                                                       [p.name for p in list_complete(directory)])
+                            if rank == 0 else None)
     tmp, final = directory / f".tmp-{name}", directory / name
     error: BaseException | None = None
     unsure: NotDurable | None = None  # this rank's write in place whose directory's fsync failed
