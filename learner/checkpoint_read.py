@@ -20,7 +20,7 @@ import torch
 from learner.checkpoint_files import _PREFIX, DAMAGED, REFUSED, list_checkpoints
 from learner.checkpoint_format import Checkpoint, CheckpointError, _opened
 from stream.errors import StreamrecError
-from stream.files import MAX_STATE_FILE_BYTES, open_regular, read_regular
+from stream.files import MAX_STATE_FILE_BYTES, describe_os_error, open_regular, read_regular
 
 log = logging.getLogger("streamrec.checkpoint")
 
@@ -121,7 +121,9 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
     checkpoint that loads but does not fit the model its own config describes (the check raises anything but a
     :class:`StreamrecError`: a tensor of another shape, a missing key, a negative offset) is skipped as damaged; a
     ``StreamrecError`` (other shaping settings, another topic: the operator's to decide) is raised, and so is an
-    ``OSError`` (the check reads and writes the directory's ``LINEAGE``, not the file). Out of memory (``_NOT_DAMAGE``)
+    ``OSError`` (the check reads and writes the directory's ``LINEAGE``, not the file); a file this process may not
+    read (``PermissionError``) is a :class:`CheckpointError` naming it and the fix, not a damaged one (the refresh,
+    with ``accept``, skips it as unreadable). Out of memory (``_NOT_DAMAGE``)
     is no damaged file on any path: it is raised, and the previous checkpoint is not used. A meta whose shaping
     settings, topic or lineage has another type (:func:`~learner.checkpoint_format.mistyped`) is a damaged file on every
     path (skipped, in ``problems``).
@@ -148,6 +150,11 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
             continue
         except _NOT_DAMAGE:
             raise
+        except PermissionError as exc:
+            if accept is not None:  # (the refresh publishes the previous one, reported; it sets nothing aside)
+                _skip(path, "is unreadable", exc, problems)
+                continue
+            raise _unreadable(path, exc) from None
         except Exception as exc:  # noqa: BLE001 - a torn or corrupt file: fall back to the previous one
             _skip(path, "is unreadable", exc, problems)
             continue
@@ -178,6 +185,15 @@ def load_latest(directory: Path, safe: bool = True, problems: list[tuple[Path, s
             continue
         return ckpt
     return None
+
+
+def _unreadable(path: Path, exc: OSError) -> CheckpointError:
+    """The learner's resume of a checkpoint this process may not read (EACCES: a backup tool's or another user's
+    mode). Not damage: the file is whole. Taken as damaged, the learner resumed the previous checkpoint, set the
+    newest aside and pruned it, discarding for good everything trained between them."""
+    return CheckpointError(f"checkpoint {path} cannot be read ({describe_os_error(exc)}): give the learner's user "
+                           "read access to it (chmod/chown) and restart, or move it away to resume from the one "
+                           "before it")
 
 
 def _skip(path: Path, what: str, exc: Exception, problems: list[tuple[Path, str]] | None) -> None:
