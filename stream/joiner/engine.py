@@ -120,6 +120,15 @@ class JoinConfig:
         if self.policy == "es_dfm" and not 0 <= self.elapsed_ms <= self.window_ms:
             raise ValueError(f"elapsed_ms must be in [0, window_ms], got {self.elapsed_ms}")
 
+    def emission(self) -> dict[str, int | str]:
+        """The settings that decide which samples a state's impressions have had (the claim records them:
+        ``pipeline.JoinPipeline.restore``): the policy, the window and the lateness (when an impression closes), and
+        es_dfm's elapsed time (when its observed sample goes out). :meth:`PartitionJoin.restore` takes every impression
+        its watermark has passed under them as emitted: under others it took some that never were (no sample), or
+        held open again some that were (two)."""
+        return {"policy": self.policy, "window_ms": self.window_ms, "lateness_ms": self.lateness_ms,
+                **({"elapsed_ms": self.elapsed_ms} if self.policy == "es_dfm" else {})}
+
 
 POLICIES = tuple(p.value for p in EmissionPolicy)
 

@@ -347,15 +347,7 @@ class JoinPipeline:
                 for part in numbers:
                     self.producer.send(self.state_topic, None, chunk_key(partition, seq, part), partition=partition)
             eng = PartitionJoin.restore(partition, self.cfg, chunks)
-            if eng.pending and plog.policy not in (None, self.cfg.policy):
-                # its pending impressions were emitted (or not) under the other policy: restored under this one, a
-                # wait impression was taken as already emitted by fake_negative (no sample), a fake_negative one
-                # emitted again by wait (two)
-                raise ConfigError(
-                    f"partition {partition}'s join state ({self.state_topic}) was written under [joiner] emission = "
-                    f"{plog.policy!r}, and this joiner runs {self.cfg.policy!r}: its pending impressions would be "
-                    "labelled wrong or lost. Run it with the policy it was written under, or change policy under a new "
-                    "app_id (--app-id) and let the old one drain (`streamrec join --exit-when-idle N --drain`)")
+            self._check_emission(eng, plog.emission)
             again = self._follow_topics(eng, now, plog.followed)
             self._ids_asked.update(((inputs[kind], partition), eng.offsets[kind]) for kind in (0, 1))
             if start is None:  # a reload's input is read on from where the batch is: no start over of the reader
@@ -363,7 +355,7 @@ class JoinPipeline:
             # This owner's claim, durable before its first chunk (the flush below): the seqs a stale owner would
             # write next are fenced off, and this one's chunks start past them (state_log.py, "Fencing")
             if start is None:
-                claim, start = next_claim(plog, (now[0], now[1]), self.cfg.policy)
+                claim, start = next_claim(plog, (now[0], now[1]), self.cfg.emission())
                 self.producer.send(self.state_topic, claim, claim_key(partition), partition=partition)
             eng.continue_at(start)
             restored[partition] = eng
@@ -377,6 +369,35 @@ class JoinPipeline:
         if empty and say_lost:
             self._say_lost_state(empty)
         self.totals.stage_s["restore"] += time.monotonic() - t0
+
+    def _check_emission(self, eng: PartitionJoin, was: dict[str, int | str]) -> None:
+        """A ConfigError naming both where ``eng``'s state holds impressions pending and was written under other
+        emission settings (``was``, its claim's: ``JoinConfig.emission``; those it does not record are taken as this
+        joiner's). The restore takes what its watermark passed under this joiner's settings as emitted: a wait
+        impression as emitted by fake_negative (no sample), a fake_negative one by wait (two); an es_dfm impression
+        past a shorter elapsed time as observed (no sample) and one before a longer one as not (its click an observed 1
+        after its observed 0: the learner drops it as the same sample); one closed by a shorter window or lateness
+        without its negative, and one a longer window holds open again twice. (The newest impression is pending
+        whatever the settings, its time ahead of the watermark; only a drain closes every one, under the settings of
+        then, and a longer window opens them again.)"""
+        now = self.cfg.emission()
+        changed = [k for k, v in was.items() if now.get(k, v) != v]
+        if not changed or not eng.pending:
+            return
+        names = {"policy": "emission", "window_ms": "attribution_window_s", "lateness_ms": "allowed_lateness_s",
+                 "elapsed_ms": "elapsed_s"}
+
+        def shown_as(k: str, v: int | str) -> str:
+            return repr(v) if k == "policy" else f"{int(v) / 1000:g}"
+
+        said = ", ".join(f"{names[k]} = {shown_as(k, was[k])}" for k in changed)
+        runs = ", ".join(f"{names[k]} = {shown_as(k, now[k])}" for k in changed) if len(changed) > 1 else \
+            shown_as(changed[0], now[changed[0]])
+        raise ConfigError(
+            f"partition {eng.partition}'s join state ({self.state_topic}) was written under [joiner] {said}, and this "
+            f"joiner runs {runs}: its pending impressions would be labelled wrong or lost. Run it with the settings it "
+            "was written under, or change them under a new app_id (--app-id) and let the old one drain (`streamrec "
+            "join --exit-when-idle N --drain`)")
 
     def _follow_topics(self, eng: PartitionJoin, now: list[str | None], followed: tuple[str | None, str | None]
                        ) -> list[int]:

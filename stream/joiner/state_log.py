@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -101,20 +101,20 @@ def claim_key(partition: int) -> bytes:
 
 
 def encode_claim(fenced: Fenced, topics: tuple[str | None, str | None] = (None, None),
-                 policy: str | None = None) -> bytes:
+                 emission: Mapping[str, int | str] | None = None) -> bytes:
     """``topics``: the input topic ids the claiming owner reads (``PartitionLog.followed``); left out when unknown.
-    ``policy``: the ``[joiner] emission`` its chunks are written under (``PartitionLog.policy``)."""
+    ``emission``: the settings its chunks are written under (``JoinConfig.emission``, ``PartitionLog.emission``)."""
     ids = {"topics": list(topics)} if any(topics) else {}
-    return orjson.dumps({"fenced": [[lo, hi] for lo, hi in fenced], **ids, **({"policy": policy} if policy else {})})
+    return orjson.dumps({"fenced": [[lo, hi] for lo, hi in fenced], **ids, **(emission or {})})
 
 
 def _decode_claim(value: bytes) -> Fenced:
     return _read_claim(value)[0]
 
 
-def _read_claim(value: bytes) -> tuple[Fenced, tuple[str | None, str | None], str | None]:
-    """A claim record's fenced ranges, the input topic ids and the emission policy its owner wrote (the last two
-    None where a joiner before them wrote it), each checked: a ValueError (or the JSON's own) names the damage."""
+def _read_claim(value: bytes) -> tuple[Fenced, tuple[str | None, str | None], dict[str, int | str]]:
+    """A claim record's fenced ranges, the input topic ids and the emission settings its owner wrote (None and those
+    absent where a joiner before them wrote it), each checked: a ValueError (or the JSON's own) names the damage."""
     claim = orjson.loads(value)
     ranges = claim["fenced"]
     fenced = [(int(lo), int(hi)) for lo, hi in ranges]
@@ -126,7 +126,16 @@ def _read_claim(value: bytes) -> tuple[Fenced, tuple[str | None, str | None], st
     policy = claim.get("policy")
     if policy is not None and type(policy) is not str:
         raise ValueError(f"policy must be an emission policy's name, got {shown(policy, 200)}")
-    return fenced, (topics[0], topics[1]), policy
+    emission: dict[str, int | str] = {} if policy is None else {"policy": policy}
+    for name in _EMISSION_MS:
+        if (ms := claim.get(name)) is not None:
+            if type(ms) is not int or ms < 0:
+                raise ValueError(f"{name} must be an integer of milliseconds >= 0, got {shown(ms, 200)}")
+            emission[name] = ms
+    return fenced, (topics[0], topics[1]), emission
+
+
+_EMISSION_MS = ("window_ms", "lateness_ms", "elapsed_ms")  # a claim's emission settings besides its policy
 
 
 def claimed_top(log: PartitionLog) -> int:
@@ -136,12 +145,12 @@ def claimed_top(log: PartitionLog) -> int:
 
 
 def next_claim(log: PartitionLog, topics: tuple[str | None, str | None] = (None, None),
-               policy: str | None = None) -> tuple[bytes, int]:
+               emission: Mapping[str, int | str] | None = None) -> tuple[bytes, int]:
     """The claim a new owner of ``log``'s partition writes (reading the input topics of ids ``topics``, emitting
-    under ``policy``), and the seq its first chunk takes (module docstring, "Fencing")."""
+    under the settings ``emission``), and the seq its first chunk takes (module docstring, "Fencing")."""
     top = claimed_top(log)
     start = top + FENCE_SPAN + 1
-    return encode_claim([*log.fenced, (top + 1, start - 1)][-FENCED_KEEP:], topics, policy), start
+    return encode_claim([*log.fenced, (top + 1, start - 1)][-FENCED_KEEP:], topics, emission), start
 
 
 _LISTS = ("joined", "waiting", "evicted", "unwaited")  # the chunk's lists in the header, in item order (then added)
@@ -358,8 +367,9 @@ class PartitionLog(NamedTuple):
     # The input topic ids the claim's owner read: a change to them was followed, the strikes of the topic before
     # dropped (``pipeline.JoinPipeline._follow_topics``); (None, None) without a claim or from a joiner before them
     followed: tuple[str | None, str | None] = (None, None)
-    # The emission policy the claim's owner wrote its chunks under; None without a claim or from a joiner before it
-    policy: str | None = None
+    # The emission settings the claim's owner wrote its chunks under (JoinConfig.emission): {} without a claim, those
+    # a joiner before them did not record left out (the policy alone, or nothing)
+    emission: dict[str, int | str] = {}
 
 
 def _whole(parts: dict[int, tuple[dict[str, Any], bytes]]
@@ -402,12 +412,12 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
         where: dict[int, int] = {}  # seq -> offset of a record of it, for an error about the chunk
         fenced: Fenced = []
         followed: tuple[str | None, str | None] = (None, None)
-        policy: str | None = None
+        emission: dict[str, int | str] = {}
         raw_parts: dict[int, list[tuple[int, bytes, int]]] = {}  # seq -> (part, value, offset): read after the claim
         for key, (offset, value) in records.items():
             try:
                 if key == claim_key(p):
-                    fenced, followed, policy = _read_claim(value)
+                    fenced, followed, emission = _read_claim(value)
                     continue
                 _, seq_text, part_text = key.decode().split(":")
                 seq, part = int(seq_text), int(part_text)
@@ -446,7 +456,7 @@ def load_chunks(kafka: KafkaSettings, topic: str, partitions: list[int],
                             "chunk being written was not committed and its batch is read again; one being retired "
                             "no longer mattered)", topic, p, seq, why)
         out[p] = plog = PartitionLog(chunks, {seq: max(parts) + 1 for seq, parts in by_seq.items()}, incomplete,
-                                     fenced, fenced_out, max(raw_parts, default=-1), followed, policy)
+                                     fenced, fenced_out, max(raw_parts, default=-1), followed, emission)
         if (top := claimed_top(plog)) > _SEQ_MAX - FENCE_SPAN - 1:  # a new owner's first chunk would be past int64
             key = claim_key(p) if top > plog.top else chunk_key(p, top)
             raise _unreadable(topic, p, key, records[key][0] if key in records else where[top], ValueError(

@@ -42,7 +42,16 @@ from stream.kafka import admin_config, consumer_config
 from stream.kafka_producer import AckedProducer
 from stream.kafka_topics import ensure_topics, topic_identity
 from stream.strikes import STRIKES_TTL_S
-from tests.integration.test_join_pipeline import T0, click, imp, make, prefix, sample_rows, settings  # noqa: F401
+from tests.integration.test_join_pipeline import (  # noqa: F401
+    T0,
+    WINDOW_MS,
+    click,
+    imp,
+    make,
+    prefix,
+    sample_rows,
+    settings,
+)
 from tests.integration.test_joiner import join_cmd, join_env
 from tests.kafka_io import make_again, read_topic
 
@@ -942,6 +951,44 @@ def test_a_restart_under_another_emission_policy_with_impressions_pending_is_ref
     assert set(again.engines[0].pending) == {"a"}
 
 
+@pytest.mark.parametrize("changes, said", [
+    ({"attribution_window_s": 5.0}, "attribution_window_s = 10, and this joiner runs 5"),  # "c" closed, no negative
+    ({"allowed_lateness_s": 2.0}, "allowed_lateness_s = 0, and this joiner runs 2"),
+    ({"attribution_window_s": 5.0, "allowed_lateness_s": 2.0},
+     "attribution_window_s = 10, allowed_lateness_s = 0, and this joiner runs attribution_window_s = 5, "
+     "allowed_lateness_s = 2"),
+])
+def test_a_restart_under_another_window_or_lateness_with_impressions_pending_is_refused_naming_both(
+        kafka: KafkaSettings, make, changes: dict[str, float], said: str) -> None:
+    """The restore takes every impression its watermark has passed as emitted: under a shorter window (or lateness)
+    "c", pending when the state was written (T0 + 10 s is past the watermark, T0 + 6 s - 1), was closed by the restore
+    itself and never got its negative; under a longer one, impressions already closed would be held open and emitted
+    again. The claim records both; a restore under others with impressions pending is a ConfigError naming both."""
+    first = make()  # wait, a 10 s window, no lateness (the fixture's)
+    first.process([imp(kafka, 0, 0, "c", T0), imp(kafka, 0, 1, "b", T0 + 6_000), click(kafka, 0, 0, "b", T0 + 6_000)])
+    with pytest.raises(ConfigError, match=rf"partition 0's join state .* was written under \[joiner\] {said}: "):
+        make(**changes).restore({0})
+    again = make()
+    again.restore({0})
+    assert set(again.engines[0].pending) == {"b", "c"}
+
+
+def test_a_restart_under_another_es_dfm_elapsed_time_with_impressions_pending_is_refused_naming_both(
+        kafka: KafkaSettings, make) -> None:
+    """es_dfm's elapsed time decides which pending impressions have had their observed sample: restored under 2 s,
+    "c" (T0, no click, watermark T0 + 5 s - 1) was taken as observed under 8 s too and never got a sample; under a
+    longer one than it was written under, a click between the two made an observed 1 after the observed 0, which the
+    learner drops as the same sample. The claim records the elapsed time; another is refused while one is pending."""
+    first = make(emission="es_dfm", elapsed_s=8.0)
+    first.process([imp(kafka, 0, 0, "c", T0), imp(kafka, 0, 1, "b", T0 + 5_000), click(kafka, 0, 0, "b", T0 + 5_000)])
+    with pytest.raises(ConfigError, match=r"partition 0's join state .* was written under \[joiner\] elapsed_s = 8, "
+                                          r"and this joiner runs 2: "):
+        make(emission="es_dfm", elapsed_s=2.0).restore({0})
+    again = make(emission="es_dfm", elapsed_s=8.0)
+    again.restore({0})
+    assert set(again.engines[0].pending) == {"b", "c"} and not again.engines[0].pending["c"].observed
+
+
 class ClosingFails:
     """A consumer whose ``close()`` closes it and then fails (its revocation callback raising, say)."""
 
@@ -1133,8 +1180,8 @@ def _faust_joins_an_impressions_topic_made_again(kafka: KafkaSettings, stack, ma
         committer.commit(offsets=[TopicPartition(kafka.impressions_topic, 0, n_old)], asynchronous=False)
     finally:
         committer.close()
-    again = subprocess.run(join_cmd(first.js.app_id, "faust", idle_s=1.0), capture_output=True, text=True,
-                           env=join_env(kafka, stack.redis_url, prefix), timeout=240)
+    again = subprocess.run(join_cmd(first.js.app_id, "faust", idle_s=1.0, window_s=WINDOW_MS / 1000),
+                           capture_output=True, text=True, env=join_env(kafka, stack.redis_url, prefix), timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["impressions"] == n_new, again.stderr[-3000:]
     assert again.stderr.count("was deleted and created again: reading it from its first record") == 1
@@ -1357,8 +1404,8 @@ def test_a_drain_at_exit_that_finds_an_input_made_again_commits_its_first_offset
     env = join_env(kafka, stack.redis_url, prefix)
 
     def run() -> dict[str, Any]:
-        done = subprocess.run(join_cmd(first.js.app_id, driver, idle_s=1.0), capture_output=True, text=True, env=env,
-                              timeout=240)
+        done = subprocess.run(join_cmd(first.js.app_id, driver, idle_s=1.0, window_s=WINDOW_MS / 1000),
+                              capture_output=True, text=True, env=env, timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -76,9 +76,11 @@ def join_env(kafka: KafkaSettings, redis_url: str, prefix: str) -> dict[str, str
     return env
 
 
-def join_cmd(app_id: str, driver: str, idle_s: float = 4.0) -> list[str]:
+def join_cmd(app_id: str, driver: str, idle_s: float = 4.0, window_s: float = WINDOW_S) -> list[str]:
+    """``window_s``: the window the app id's join state was written under, where a test wrote some (the restore refuses
+    another while impressions are pending: ``pipeline.JoinPipeline._check_emission``)."""
     return [sys.executable, "-m", "streamrec.cli", "join", "--app-id", app_id, "--driver", driver,
-            "--window-s", str(WINDOW_S), "--lateness-s", "0", "--exit-when-idle", str(idle_s), "--drain", "--json"]
+            "--window-s", str(window_s), "--lateness-s", "0", "--exit-when-idle", str(idle_s), "--drain", "--json"]
 
 
 def run_join(env: dict[str, str], app_id: str, driver: str) -> dict:

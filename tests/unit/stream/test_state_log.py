@@ -271,6 +271,21 @@ def test_a_claim_leaving_a_new_owner_no_int64_seq_is_refused_naming_it(monkeypat
     assert next_claim(plog)[1] == (1 << 63) - 1  # the highest a claim can leave: its owner's first chunk an int64
 
 
+def test_a_claim_records_the_emission_settings_its_owner_writes_under_and_refuses_a_damaged_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The restore compares them with the joiner's (pipeline.JoinPipeline._check_emission): the policy alone let an
+    # es_dfm state restored under another elapsed_s, or any state under another window or lateness, lose samples
+    es_dfm = JoinConfig(window_ms=60_000, lateness_ms=5_000, policy="es_dfm", elapsed_ms=20_000)
+    claim, _ = next_claim(PartitionLog([], {}, {}), emission=es_dfm.emission())
+    assert _load(monkeypatch, [(b"0:claim", claim)]).emission == {"policy": "es_dfm", "window_ms": 60_000,
+                                                                   "lateness_ms": 5_000, "elapsed_ms": 20_000}
+    assert JoinConfig(policy="wait").emission().keys() == {"policy", "window_ms", "lateness_ms"}  # no elapsed time
+    assert _load(monkeypatch, [(b"0:claim", b'{"fenced":[],"policy":"wait"}')]).emission == {"policy": "wait"}
+    for bad in (b'"5"', b"-1", b"true", b"1.5"):
+        with pytest.raises(StateLogError, match=r"the record b'0:claim' .*elapsed_ms must be an integer"):
+            _load(monkeypatch, [(b"0:claim", b'{"fenced":[],"elapsed_ms":%s}' % bad)])
+
+
 def _old_joiner_chunk(lateness_ms: int) -> list[bytes]:
     """The chunk the joiner before the 1 ms watermark (d910cad) wrote for a batch that added impression "a" at 100 and
     moved both inputs (quorum 1, window 1000) to 1100 + lateness: its watermark ``max_ts - lateness`` = 1100 closed
