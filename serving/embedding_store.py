@@ -45,7 +45,9 @@ default alert rule ``embedding_store_errors`` fires on it), requests skip Redis 
 id's own row to its hash bucket's row (the row the id would have if it were not admitted, kept locally), any other
 row (a static field's hash row: it is its own bucket) to zeros, the "unknown" value of an embedding;
 ``..._fallback_rows_total{kind}`` counts them. Hot rows, overrides and cached rows keep serving; no request fails.
-The outage is logged once, at its first failed read, and once more when Redis answers again.
+The outage is logged once, at its first failed read, and once more when Redis answers again. A Redis that answers
+without the rows of a version loaded while it was down (back empty, say) is not an outage: it is logged once as what
+it is (:meth:`RedisEmbeddingStore.refused`), and once more when the rows are there.
 Nothing is cached from a failed round trip. **A bad row** (its key missing: deleted, evicted; or its value malformed:
 of another length, not finite or beyond ``MAX_ROW_ABS``, a bound no trained row reaches) is not Redis being down: that
 row alone falls back, uncached, the round trip's other rows are served and cached, and Redis stays in use;
@@ -219,6 +221,26 @@ class RedisEmbeddingStore:
         else:
             log.warning("embedding store %s failed (%s); the delta serves from this process's overrides, Redis "
                         "gets the rows at the next refresh", what, self.last_error)
+
+    def refused(self, what: str, exc: BaseException, said: str | None = None) -> str:
+        """Redis answered, but without a loaded version's rows (:meth:`open`'s ValueError: its meta gone, as from a
+        Redis restarted empty or a version pruned, or one that does not fit). Counted, and Redis skipped for
+        ``retry_after_s``, as a failed read (the meta is asked again once per window); not an outage: it ends one
+        :meth:`failed` logged (whose line would otherwise stay the last word: a ConnectionError, while Redis answers),
+        and is logged itself unless its reason is ``said`` (the caller's last: it lasts until the rows are written,
+        so once, not a line per window). Returns the reason."""
+        self._down_until = self._clock() + self.retry_after_s
+        reason = self.last_error = f"{what}: {type(exc).__name__}: {exc}"[:300]
+        if self.metrics is not None:
+            self.metrics.embedding_store_errors.inc()
+        with self._outage_lock:
+            self._failures = 0
+        if reason != said:
+            log.warning("embedding store: Redis answers, but %s; the version's misses use fallback rows until its rows "
+                        "are there (a Redis restarted empty: `streamrec refresh --now` writes a new version's), asked "
+                        "again every %.1fs (said once; counted in streamrec_serving_embedding_store_errors_total)",
+                        reason, self.retry_after_s)
+        return reason
 
     def answered(self) -> None:
         """Redis answered a read: an outage :meth:`failed` logged has ended, said once."""
@@ -419,6 +441,7 @@ class LayeredRows:
         self.dtype = RowDtype.of(meta["dtype"] if meta else RowDtype.FLOAT32, "embedding store dtype")
         self.key = self._key_of(meta)  # the values' tag key (None: untagged values, written before the tags)
         self._checked = meta is not None  # meta not read yet (Redis down at load): read it before the first fetch
+        self._refusal: str | None = None  # why Redis, answering, lacked the version's rows (logged: store.refused)
         self.cache = RowCache(min(store.cache_rows, self.num_rows))  # never more rows than the table has
         # Dynamic fields: (first, bucket rows, own rows, field name); their bucket areas are local.
         self._blocks = sorted(buckets)
@@ -527,7 +550,7 @@ class LayeredRows:
             except StoreUnavailable:
                 failed[rest[miss]] = True
             except ValueError as exc:  # Redis is back but never had this version: fallback, counted, never a 5xx
-                self.store.failed("checking the version's rows", exc)
+                self._refusal = self.store.refused("checking the version's rows", exc, self._refusal)
                 failed[rest[miss]] = True
             else:
                 got[miss] = fetched
@@ -548,6 +571,10 @@ class LayeredRows:
         self.dtype = RowDtype.of(meta["dtype"], "embedding store dtype")
         self.key = self._key_of(meta)
         self._checked = True
+        if self._refusal is not None:
+            log.warning("embedding store: the rows of version %s are in Redis now; its misses are read from it again",
+                        self.version)
+            self._refusal = None
 
     def _key_of(self, meta: dict[str, Any] | None) -> int | None:
         return tag_key(self.version, self.dtype) if meta and meta.get("row_check") == ROW_CHECK else None
@@ -566,6 +593,6 @@ class LayeredRows:
         except StoreUnavailable:
             return  # counted by open(); the override serves the delta, the next refresh rewrites the row
         except ValueError as exc:  # Redis answers, without this version (or with one that does not fit)
-            self.store.failed("checking the version's rows before writing a delta", exc)
+            self._refusal = self.store.refused("checking the version's rows", exc, self._refusal)
             return
         self.store.write_overlay(self.version, rows[remote], vectors[remote], self.dtype, self.key)

@@ -539,6 +539,41 @@ def test_a_garbage_meta_read_after_load_falls_back_instead_of_failing_the_reques
         store.client.close()
 
 
+def test_a_version_loaded_while_redis_was_down_whose_rows_redis_then_lacks_is_said_once_not_left_as_an_outage(
+        stack: LocalStack, redis_client: redis.Redis, prefix: str, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Redis down as the version loads (its meta unread), then back empty (restarted without persistence): every miss
+    # falls back, and the log must say why (the version's rows are not in Redis), not stay at the outage's
+    # ConnectionError; once, not once per retry-after window; and when the rows are there again, say so.
+    path = publish_version(tmp_path, redis_client, prefix)
+    clock = Clock()
+    metrics = ServingMetrics(lambda: None)
+    store, real = store_down_at_load(stack, prefix, clock, metrics)
+    try:
+        with caplog.at_level("WARNING", logger="streamrec.serve"):
+            layered = ScoringModel.load(path, store=store)
+            store.client.close()
+            store.client = real
+            meta = redis_client.get(f"{prefix}:emb:v1:meta")
+            redis_client.delete(f"{prefix}:emb:v1:meta")  # Redis back, without the version
+            caplog.clear()
+            for window in range(3):
+                clock.now = 5.0 + 2 * window  # each past the last window: the meta is asked again
+                assert bool(torch.isfinite(score(layered, request(ADMITTED_USERS[2], ADMITTED_ITEMS[:30]))).all())
+            said = [r.getMessage() for r in caplog.records if "no rows of version v1" in r.getMessage()]
+            assert len(said) == 1, [r.getMessage() for r in caplog.records]
+            assert _sample(metrics.render().decode(), "streamrec_serving_embedding_store_errors_total") == 4
+            caplog.clear()
+            redis_client.set(f"{prefix}:emb:v1:meta", meta)  # the rows are there again
+            clock.now = 20.0
+            score(layered, request(ADMITTED_USERS[2], ADMITTED_ITEMS[:30]))
+            assert len(layered.layered.cache) > 0  # type: ignore[union-attr]
+            assert [r for r in caplog.records if "v1" in r.getMessage() and "again" in r.getMessage()], \
+                [r.getMessage() for r in caplog.records]
+    finally:
+        store.client.close()
+
+
 def test_a_garbage_meta_at_load_is_an_artifact_error_naming_it(stack: LocalStack, redis_client: redis.Redis,
                                                                prefix: str, tmp_path: Path) -> None:
     path = publish_version(tmp_path, redis_client, prefix)
