@@ -228,14 +228,14 @@ class RedisEmbeddingStore:
         ``retry_after_s``, as a failed read (the meta is asked again once per window); not an outage: it ends one
         :meth:`failed` logged (whose line would otherwise stay the last word: a ConnectionError, while Redis answers),
         and is logged itself unless its reason is ``said`` (the caller's last: it lasts until the rows are written,
-        so once, not a line per window). Returns the reason."""
+        so once, not a line per window) and no outage was logged since. Returns the reason."""
         self._down_until = self._clock() + self.retry_after_s
         reason = self.last_error = f"{what}: {type(exc).__name__}: {exc}"[:300]
         if self.metrics is not None:
             self.metrics.embedding_store_errors.inc()
         with self._outage_lock:
-            self._failures = 0
-        if reason != said:
+            outage, self._failures = self._failures, 0
+        if reason != said or outage:  # said again after an outage logged since
             log.warning("embedding store: Redis answers, but %s; the version's misses use fallback rows until its rows "
                         "are there (a Redis restarted empty: `streamrec refresh --now` writes a new version's), asked "
                         "again every %.1fs (said once; counted in streamrec_serving_embedding_store_errors_total)",

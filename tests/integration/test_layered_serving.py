@@ -477,16 +477,20 @@ class Clock:
         return self.now
 
 
-def store_down_at_load(stack: LocalStack, prefix: str, clock: Clock,
-                       metrics: Any = None) -> tuple[RedisEmbeddingStore, redis.Redis]:
-    """A store whose client refuses (a port nobody listens on) and the real client to put in its place later."""
+def refusing_client() -> redis.Redis:
+    """A client whose every command is refused at once (a port nobody listens on)."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    dead = redis.Redis(host="127.0.0.1", port=free_port(), socket_timeout=0.2, socket_connect_timeout=0.2,
+    return redis.Redis(host="127.0.0.1", port=free_port(), socket_timeout=0.2, socket_connect_timeout=0.2,
                        retry=Retry(NoBackoff(), 0))  # refused at once (redis-py retries with backoff by default)
-    store = RedisEmbeddingStore(dead, prefix, cache_rows=1000, retry_after_s=1.0, metrics=metrics, clock=clock,
-                                write_deltas=True)
+
+
+def store_down_at_load(stack: LocalStack, prefix: str, clock: Clock,
+                       metrics: Any = None) -> tuple[RedisEmbeddingStore, redis.Redis]:
+    """A store whose client refuses (:func:`refusing_client`) and the real client to put in its place later."""
+    store = RedisEmbeddingStore(refusing_client(), prefix, cache_rows=1000, retry_after_s=1.0, metrics=metrics,
+                                clock=clock, write_deltas=True)
     return store, redis.Redis.from_url(stack.redis_url, socket_timeout=1.0)
 
 
@@ -563,6 +567,18 @@ def test_a_version_loaded_while_redis_was_down_whose_rows_redis_then_lacks_is_sa
             said = [r.getMessage() for r in caplog.records if "no rows of version v1" in r.getMessage()]
             assert len(said) == 1, [r.getMessage() for r in caplog.records]
             assert _sample(metrics.render().decode(), "streamrec_serving_embedding_store_errors_total") == 4
+            caplog.clear()
+            up = store.client
+            # down again (its outage logged), then back, still without the version: said again
+            store.client = refusing_client()
+            clock.now = 12.0
+            score(layered, request(ADMITTED_USERS[2], ADMITTED_ITEMS[:30]))
+            store.client.close()
+            store.client = up
+            clock.now = 14.0
+            score(layered, request(ADMITTED_USERS[2], ADMITTED_ITEMS[:30]))
+            lines = [r.getMessage() for r in caplog.records]
+            assert len(lines) == 2 and "ConnectionError" in lines[0] and "no rows of version v1" in lines[1], lines
             caplog.clear()
             redis_client.set(f"{prefix}:emb:v1:meta", meta)  # the rows are there again
             clock.now = 20.0
