@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -246,3 +248,47 @@ def test_a_dictionary_batch_is_refused_before_the_stream_is_read(monkeypatch) ->
     with pytest.raises(BadMessage, match="a dictionary batch") as e:
         SampleBatch.decode(sink.getvalue().to_pybytes())
     assert e.value.kind == "bad_schema"
+
+
+class _CountedName(str):
+    """A column name that counts how often it is compared with another."""
+
+    compared = 0
+
+    def __eq__(self, other: object) -> bool:
+        _CountedName.compared += 1
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def test_a_column_named_twice_among_many_is_refused_after_name_comparisons_linear_in_the_columns(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The duplicate-name check counted each name with list.count: quadratic in the columns, and a 16 MiB message
+    holds ~280k (null-typed) columns, so one with a name twice held the reader about half an hour per decode (20k
+    columns took 10 s, 40k 35 s), past worker_stall_s, at every restart. Its names' comparisons are counted here
+    (the reader's batch sees them as a str that counts its __eq__ calls): about one per column now, not columns**2."""
+    n = 1000
+    fields = [pa.field(f"c{i}", pa.null()) for i in range(n)] + [pa.field("c7", pa.null())]
+    batch = pa.RecordBatch.from_arrays([pa.array([], pa.null())] * len(fields),
+                                       schema=pa.schema(fields, metadata={b"streamrec.schema": b"samples",
+                                                                          b"streamrec.schema_version": b"2"}))
+    real_open = pa.ipc.open_stream
+
+    class Batch:
+        def __init__(self, b: pa.RecordBatch) -> None:
+            self.schema = SimpleNamespace(names=[_CountedName(x) for x in b.schema.names])
+
+    class Reader:
+        def __init__(self, source: pa.Buffer) -> None:
+            self._r = real_open(source)
+            self.schema = self._r.schema
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return (Batch(b) for b in self._r)
+
+    monkeypatch.setattr(pa.ipc, "open_stream", Reader)
+    _CountedName.compared = 0
+    with pytest.raises(BadMessage, match="column 'c7' appears more than once"):
+        SampleBatch.decode(_raw_ipc(batch))
+    assert _CountedName.compared <= 2 * len(fields)
