@@ -39,8 +39,8 @@ Where each part lives (this module holds none of it: it hands their public names
 
 - ``learner/checkpoint_format.py``: :class:`Checkpoint`, ``FORMAT_VERSION``, :func:`upgrade`, the meta's counts, typed
   fields and samples topic identity;
-- ``learner/checkpoint_files.py``: the files' names (:func:`checkpoint_name`), :func:`list_checkpoints`,
-  :func:`set_aside`;
+- ``learner/checkpoint_files.py``: the files' names (:func:`checkpoint_name`) and their order (:func:`newest_last`),
+  :func:`list_checkpoints`, :func:`set_aside`;
 - ``learner/checkpoint_write.py``: :func:`save`, :func:`remove_torn`, :func:`torch_save`, the exit save's error;
 - ``learner/checkpoint_read.py``: :func:`load`, :func:`load_latest`, :func:`restore_latest`, :func:`latest_meta`;
 - ``learner/checkpoint_lineage.py``: ``LINEAGE``, :func:`lineage`, :func:`begin_lineage`, :func:`continue_lineage`;
@@ -52,7 +52,15 @@ from __future__ import annotations
 import logging
 
 from learner.checkpoint_directory import LOCK, check_directory, hold_directory, release_directory
-from learner.checkpoint_files import DAMAGED, REFUSED, checkpoint_name, list_checkpoints, set_aside
+from learner.checkpoint_files import (
+    DAMAGED,
+    REFUSED,
+    checkpoint_name,
+    checkpoint_order,
+    list_checkpoints,
+    newest_last,
+    set_aside,
+)
 from learner.checkpoint_format import (
     FORMAT_VERSION,
     TOPIC_IDENTITY,
@@ -82,7 +90,7 @@ from learner.checkpoint_write import (
 __all__ = [
     "FORMAT_VERSION", "LINEAGE", "LOCK", "DAMAGED", "REFUSED", "TYPED_FIELDS", "TOPIC_IDENTITY", "PRUNE_FAILURES",
     "Checkpoint", "CheckpointError", "ExitCheckpointFailed", "WriteErrors", "begin_lineage", "check_directory",
-    "checkpoint_name",
+    "checkpoint_name", "checkpoint_order", "newest_last",
     "continue_lineage", "count", "exit_save_failed", "hold_directory", "latest_meta", "lineage", "list_checkpoints",
     "load", "load_latest", "mistyped", "partition_counts", "release_directory", "remove_torn", "restore_latest",
     "same_topic", "save", "set_aside", "state_counts", "topic_recorded", "torch_save", "upgrade",

@@ -6,6 +6,7 @@ aside as ``.damaged`` or marked ``.refused`` (:func:`set_aside`).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -64,9 +65,40 @@ def set_aside(paths: list[Path]) -> None:
                         done)
 
 
+_NAME = re.compile(r"([0-9]+)-([0-9]+)")  # what follows the prefix in a name :func:`checkpoint_name` gives
+_passed_over: set[Path] = set()  # names said not to be checkpoints' (once each in a process)
+
+
+def checkpoint_order(path: Path, prefix: str = _PREFIX, suffix: str = "") -> tuple[int, int] | None:
+    """``(samples trained, ms)`` of a checkpoint named by :func:`checkpoint_name` (``<prefix><samples>-<ms>`` and
+    ``suffix``), the order of age; None for any other name under ``prefix`` (``ckpt-backup.pt``: an operator's copy)."""
+    name = path.name
+    if not (name.startswith(prefix) and name.endswith(suffix)):
+        return None
+    m = _NAME.fullmatch(name[len(prefix):len(name) - len(suffix)])
+    return None if m is None else (int(m[1]), int(m[2]))
+
+
+def newest_last(paths: Iterable[Path], prefix: str = _PREFIX, suffix: str = "") -> list[Path]:
+    """``paths`` named as checkpoints are (:func:`checkpoint_order`), oldest first; any other name is passed over with
+    a WARNING (once a process): sorted by name, an operator's copy ``ckpt-backup.pt`` (or ``dcp-old/``) came after
+    every checkpoint, so each restart resumed from it (a state of the past, its samples trained again) and pruning,
+    which keeps the newest, never removed it."""
+    named: list[tuple[tuple[int, int], Path]] = []
+    for p in paths:
+        if (order := checkpoint_order(p, prefix, suffix)) is not None:
+            named.append((order, p))
+        elif p not in _passed_over:
+            _passed_over.add(p)
+            log.warning("%s is not named as a checkpoint (%s<samples trained>-<ms>%s): not loaded nor pruned; move "
+                        "it out of the checkpoint directory", p, prefix, suffix)
+    return [p for _, p in sorted(named)]
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (not those set aside: :func:`set_aside`)."""
+    """Complete checkpoints, oldest first (not those set aside: :func:`set_aside`; not a file named otherwise:
+    :func:`newest_last`)."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.glob(f"{_PREFIX}*.pt")
-                  if not p.name.startswith(".") and not p.with_name(p.name + REFUSED).exists())
+    return newest_last((p for p in directory.glob(f"{_PREFIX}*.pt")
+                        if not p.name.startswith(".") and not p.with_name(p.name + REFUSED).exists()), suffix=".pt")

@@ -161,7 +161,8 @@ def save(directory: Path, state: dict[str, Any], meta: dict[str, Any], keep: int
     if unsure is not None:  # keep the older ones: a power loss may undo this one's rename, not their removal
         raise unsure
     try:  # the checkpoint is saved: a directory that cannot be listed now (EIO) is logged, never a failed save
-        older = [p for p in list_checkpoints(directory) if p.name < path.name]
+        listed = list_checkpoints(directory)  # (oldest first, this one among them)
+        older = listed[:listed.index(path)] if path in listed else []
         short = False
         for old in older[:max(0, len(older) - (keep - 1))]:
             try:  # (EPERM, EROFS: logged; raised, a durable checkpoint counted as failed)

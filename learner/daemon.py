@@ -404,7 +404,8 @@ class Learner:
         if ckpt is None:  # a new model: never of a lineage an earlier training left here (its deltas' artifacts)
             checkpoint.begin_lineage(Path(self.ls.checkpoint_dir))
             return False
-        passed = [p for p in checkpoint.list_checkpoints(self.ls.checkpoint_dir) if p.name > ckpt.path.name]
+        listed = checkpoint.list_checkpoints(self.ls.checkpoint_dir)
+        passed = listed[listed.index(ckpt.path) + 1:] if ckpt.path in listed else []  # (newest last)
         if passed and self.deltas is not None:  # (each was reported with why it did not load)
             self.deltas.resend_all(f"resumed from {ckpt.path.name}, behind "
                                    f"{', '.join(p.name for p in passed)}, which do not load")

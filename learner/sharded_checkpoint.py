@@ -71,7 +71,8 @@ def list_complete(directory: Path) -> list[Path]:
     """Complete sharded checkpoints, oldest first."""
     if not Path(directory).is_dir():
         return []
-    return sorted(p for p in Path(directory).glob(f"{PREFIX}*") if p.is_dir() and (p / META).is_file())
+    found = (p for p in Path(directory).glob(f"{PREFIX}*") if p.is_dir() and (p / META).is_file())
+    return checkpoint.newest_last(found, PREFIX)
 
 
 def describe_newest(directory: Path) -> str | None:
