@@ -71,7 +71,6 @@ import enum
 import json
 import math
 import re
-import reprlib
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -85,7 +84,7 @@ from monitor.http_deadline import check_http_url
 from stream.config import TOPIC_RULE, topic_problem
 from stream.errors import ConfigError, quoted
 from stream.files import MAX_SETTINGS_FILE_BYTES, read_regular
-from stream.secrets import hide_url_path
+from stream.secrets import RedactingRepr, hide_url_path, redact_for_cut
 from stream.setting_values import unknown_key_hint
 
 if sys.version_info >= (3, 11):
@@ -216,7 +215,7 @@ _REMOVED_SINK_KEYS = {
                        "(queue_size bounds how many wait)",
     "webhook_backoff_s": "the backoff is now the same for every sink; rename it retry_backoff_s",
 }
-_SHOW = reprlib.Repr()
+_SHOW = RedactingRepr()  # its strings scrubbed of credentials before they are cut
 _SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 80, 80, 40
 
 
@@ -225,8 +224,8 @@ def _shown(v: Any, limit: int = 120) -> str:
     try:
         if isinstance(v, float):
             text = repr(v)  # inf, nan, 0.5: as TOML writes them
-        elif isinstance(v, str | bool | int) or v is None:
-            text = json.dumps(v)
+        elif isinstance(v, str | bool | int) or v is None:  # a string scrubbed before quoted cuts it
+            text = json.dumps(redact_for_cut(v) if isinstance(v, str) else v)
         else:
             text = _SHOW.repr(v)
     except (TypeError, ValueError, RecursionError):  # an int too long to print, say

@@ -44,11 +44,12 @@ message and dead-letters it, and lets every other exception propagate. Libraries
 from __future__ import annotations
 
 import logging
-import reprlib
 from collections.abc import Callable
 from typing import Any
 
-_SHOW = reprlib.Repr()
+from stream.secrets import RedactingRepr, redact_for_cut
+
+_SHOW = RedactingRepr()  # each string scrubbed of credentials before it is cut (stream.secrets.redact_for_cut)
 _SHOW.maxlevel = 2  # nested containers beyond two levels show as "..."
 _SHOW.maxstring = _SHOW.maxother = 60
 _SHOW.maxlist = _SHOW.maxdict = _SHOW.maxtuple = _SHOW.maxset = 4
@@ -63,8 +64,8 @@ def shown(value: Any, limit: int = 80) -> str:
     quoted by the rule of :func:`quoted` (up to ``limit`` characters, not reprlib's 60) between repr's quotes, the
     count of what was left out after them: ``'abc\\x1b'... (7 more chars)``.
     """
-    if isinstance(value, str):
-        head, left_out = _escaped_head(value, limit - 2)
+    if isinstance(value, str):  # scrubbed before the cut, which may drop the '@' a later redaction needs
+        head, left_out = _escaped_head(redact_for_cut(value), limit - 2)
         quote = '"' if "'" in head and '"' not in head else "'"
         return f"{quote}{head}{quote}{_left_out(left_out)}"
     try:

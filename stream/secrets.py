@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import logging
 import re
+import reprlib
 import stat
 import threading
 import urllib.parse
@@ -144,6 +145,29 @@ def redact(text: str) -> str:
         text = pattern.sub(MASK, text)
     text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", text)
     return _KV_SECRET.sub(lambda m: f"{m['key']}{m['kq']}{m['sep']}{m['q']}{MASK}", text)
+
+
+# The characters of a long text scrubbed at each end before a message cuts it (:func:`redact_for_cut`): more than any
+# message shows of one value, few enough for redact, whose cost grows faster than the text (a URL scheme repeated)
+_CUT_SCRUB = 4096
+
+
+def redact_for_cut(text: str) -> str:
+    """``text`` through :func:`redact` before a message cuts it short (to its head, or to reprlib's head and tail): the
+    cut may drop the ``@`` that ends a URL's user-info, and the redaction after it saw no URL password and let its head
+    through (``'redis://u:Pw0rdABCD...cluster.local:6379/0'``). A text longer than twice :data:`_CUT_SCRUB` is scrubbed
+    at its two ends only (its middle is never shown), so a password crossing into the middle is not masked."""
+    if len(text) <= 2 * _CUT_SCRUB:
+        return redact(text)
+    return redact(text[:_CUT_SCRUB]) + text[_CUT_SCRUB:-_CUT_SCRUB] + redact(text[-_CUT_SCRUB:])
+
+
+class RedactingRepr(reprlib.Repr):
+    """A bounded ``repr`` (:mod:`reprlib`: its depth and width limits) of a value an error quotes, each string in it
+    scrubbed (:func:`redact_for_cut`) before reprlib cuts it to its head and tail."""
+
+    def repr_str(self, x: str, level: int) -> str:
+        return super().repr_str(redact_for_cut(x), level)
 
 
 def redacted_repr(self: Any) -> str:

@@ -1,0 +1,51 @@
+"""A URL's password in a setting of the wrong shape or type is not shown in part where the error cuts the value short.
+
+The errors quote a bad value bounded (``stream.errors.shown``, the monitor rules' ``_shown``: reprlib keeps a long
+string's head and tail, a long text is cut at its limit); the CLI's redaction came after the cut, and a cut that took
+the ``@`` ending the user-info left the password's head unmasked (``'redis://u:Pw0rdABCD...cluster.local:6379/0'``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from streamrec.cli import main
+
+PASSWORD = "Pw0rdHEAD" + "x" * 150  # a long token (a JWT or an API key as the password)
+HOST = "redis-0.redis.streamrec.svc.cluster.local:6379/0"  # a Kubernetes service name: longer than reprlib's tail
+REDIS_URL = f"redis://streamrec:{PASSWORD}@{HOST}"
+SOURCE_URL = f"https://monitor:{PASSWORD}@serving-0.serving.streamrec.svc.cluster.local:9102/metrics"
+
+
+@pytest.mark.parametrize("toml", [
+    f"[redis]\nurl = [{json.dumps(REDIS_URL)}]\n",  # an array where one value belongs: reprlib's head ... tail
+    f"[redis]\nurl = {{ value = {json.dumps(REDIS_URL)} }}\n",  # a table
+    f"[redis]\ncounts_ttl_days = {json.dumps(REDIS_URL)}\n",  # the url in a number's place: cut at its limit
+], ids=["array", "table", "wrong-setting"])
+def test_a_settings_error_quoting_a_url_of_the_wrong_shape_shows_no_part_of_its_password(
+        toml: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "streamrec.toml"
+    config.write_text(toml)
+    assert main(["train", "--status", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "Pw0rd" not in err and "xxxxx" not in err, err
+    assert "[redis]" in err and "***@" in err, err  # still says which setting, and that a user-info was there
+
+
+@pytest.mark.parametrize("rules", [
+    f"[sources]\nserving = [{json.dumps(SOURCE_URL)}]\n",  # an array where one URL belongs
+    f"sources = [\"http://learner:9101/metrics\", {json.dumps(SOURCE_URL)}]\n",  # [sources] not a table
+    f"interval_s = {json.dumps(SOURCE_URL)}\n",  # a URL in a number's place
+], ids=["source-array", "sources-array", "wrong-field"])
+def test_a_rules_error_quoting_a_source_url_of_the_wrong_shape_shows_no_part_of_its_password(
+        rules: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "rules.toml"
+    path.write_text(rules)
+    assert main(["monitor", "--check", "--rules", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Pw0rd" not in err and "xxxxx" not in err, err
+    assert "alert rules file" in err and "***@" in err, err
