@@ -44,11 +44,12 @@ _pattern: re.Pattern[str] | None = None
 _URL_SCHEME = re.compile(r"\b[A-Za-z][A-Za-z0-9+._-]*://")
 _URL_USERINFO = re.compile(rf"(?P<scheme>{_URL_SCHEME.pattern})(?P<userinfo>\S*)@")
 _KV_SECRET = re.compile(r"(?i)(?P<key>\b[\w.-]*(?:password|passwd|passphrase|secret|token|api[_-]?key|signing[_-]?key|"
-                        r"key[._-]?pem|sasl[._]password)[\w.-]*)(?<!_file)(?<!_env)(?P<kq>['\"]?)(?P<sep>\s*[=:]\s*)(?P<q>['\"]?)(?P<val>[^\s'\"&,;}]+)")
+                        r"key[._-]?pem|sasl[._]password|oauthbearer[._-]config)[\w.-]*)(?<!_file)(?<!_env)(?P<kq>['\"]?)(?P<sep>\s*[=:]\s*)(?P<q>['\"]?)(?P<val>[^\s'\"&,;}]+)")
 # librdkafka's sensitive properties include a private key given inline (``ssl.key.pem``,
-# ``sasl.oauthbearer.assertion.private.key.pem``) and its ``...passphrase``, which no other word here names.
+# ``sasl.oauthbearer.assertion.private.key.pem``) and its ``...passphrase``, which no other word here names, and
+# ``sasl.oauthbearer.config`` (its extensions, an OAuth callback's settings), which librdkafka quotes in its errors.
 _SECRET_KEY = re.compile(r"(?i)password|passwd|passphrase|secret|token|api[_-]?key|signing[_-]?key|key[._-]?pem|"
-                         r"credential")
+                         r"credential|oauthbearer[._-]config")
 
 
 class Secret(str):
@@ -183,7 +184,8 @@ def redacted_repr(self: Any) -> str:
 
 def names_credential(key: str) -> bool:
     """Whether a setting or summary key names a credential whose value is never shown (``password``,
-    ``sasl.oauthbearer.client.secret``, ``api_key``, ``ssl.key.pem``, ``...private.key.passphrase``);
+    ``sasl.oauthbearer.client.secret``, ``api_key``, ``ssl.key.pem``, ``...private.key.passphrase``,
+    ``sasl.oauthbearer.config``);
     ``password_file`` / ``password_env`` name where one is."""
     return bool(_SECRET_KEY.search(key)) and not key.endswith(("_file", "_env"))
 

@@ -222,6 +222,19 @@ def test_an_inline_private_key_or_its_passphrase_in_kafka_extra_is_never_shown(k
     assert "hunter33" not in redact(f"librdkafka: cannot use {value!r}") and "hunter44" not in redact(f"{key}=hunter44")
 
 
+def test_sasl_oauthbearer_config_in_kafka_extra_is_a_credential_never_shown() -> None:
+    # librdkafka's sensitive property (_RK_SENSITIVE): its extensions and an OAuth callback's settings (a client
+    # secret, an AWS-style grammar) go there, and librdkafka quotes it ("Unrecognized sasl.oauthbearer.config beginning
+    # at: ..."); named by no credential word, it was printed in settings' repr, summaries and a malformed pair's error
+    key, value = "sasl.oauthbearer.config", "principal=admin extension_logicalCluster=lkc-hunter55"
+    with pytest.raises(SettingsError) as err:
+        build(KafkaSettings, "kafka", environ={"STREAMREC_KAFKA_EXTRA": f"{key}={value},broken"})
+    assert "hunter55" not in str(err.value) and "(a credential, its value not shown)" in str(err.value)
+    settings = KafkaSettings(extra={key: value})
+    assert "hunter55" not in repr(settings) and "hunter55" not in json.dumps(redact_obj({"extra": settings.extra}))
+    assert "hunter55" not in redact(f"librdkafka: cannot use {value}")  # registered: scrubbed from free text
+
+
 @pytest.mark.parametrize("section, name", [("redis", "password"), ("kafka", "sasl_password"),
                                            ("kafka", "ssl_key_password")])
 @pytest.mark.parametrize("content", ["", "\n", "\r\n"])
