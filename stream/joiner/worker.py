@@ -354,8 +354,10 @@ class FaustJoinWorker:
         try:  # partitions added to the inputs: the topics must still agree (stream/joiner/partitions.py)
             self.pipeline.layout.assigned(tp.partition for tp in assigned)
         except ConfigError:  # (said by _die in its one line)
+            self._close_pipeline()  # the day counts of the batches already durable, as in a batch's crash exit
             self._die("the topics' partitions no longer agree", 2)  # exits 2 as the CLI's ConfigError
         except Exception as exc:  # the broker could not say (its metadata request timed out), or a bug: no retry here
+            self._close_pipeline()
             self._die(f"the partition layout of assigned partitions could not be checked ({type(exc).__name__}: "
                       f"{quoted(str(exc))}); restart to check it again", 1)  # (module docstring)
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))  # as the kafka driver says it

@@ -182,6 +182,32 @@ def test_a_rebalance_whose_layout_check_the_broker_cannot_answer_stops_the_worke
     assert died.value.args == (1,) and w._assigned == {0, 1}  # (the fixture's): nothing of the assignment taken
 
 
+@pytest.mark.parametrize("status", [2, 1], ids=["topics_disagree", "broker_cannot_say"])
+def test_a_rebalance_that_stops_the_worker_writes_the_day_counts_of_the_durable_batches_first(
+        monkeypatch: pytest.MonkeyPatch, status: int) -> None:
+    # os._exit skips every finally: the day counts buffered for batches already durable and committed were lost
+    # (never counted again: their offsets are committed), where the kafka driver's layout failure raises through the
+    # CLI, whose close writes them, and the faust driver's crash exit in a batch writes them too (_close_pipeline)
+    import asyncio
+
+    from confluent_kafka import KafkaError, KafkaException
+    from faust.types import TP
+
+    from stream.errors import ConfigError
+
+    w, calls = _worker(monkeypatch, [])
+    error = (ConfigError("topic impressions has 8 partitions and topic clicks has 4") if status == 2
+             else KafkaException(KafkaError(KafkaError._TIMED_OUT, "list_topics(): timed out")))
+
+    def assigned(partitions: object) -> None:
+        raise error
+
+    w.pipeline.layout = SimpleNamespace(assigned=assigned)  # type: ignore[attr-defined]
+    with pytest.raises(_Died) as died:
+        asyncio.run(w._on_assigned(None, {TP("impressions", 7)}))
+    assert died.value.args == (status,) and calls.close == [True]
+
+
 def test_a_faust_run_that_crashed_is_not_summarised_as_stopped_by_a_signal(monkeypatch: pytest.MonkeyPatch) -> None:
     """A service of faust's worker that crashes (outside a batch: ``_die`` covers those) ends
     ``execute_from_commandline`` as mode's ``exiting`` does, SystemExit(1), not by raising: the run returns 1 and
