@@ -223,8 +223,13 @@ class FaustJoinWorker:
             broker_max_poll_records=self.js.batch_max,
             consumer_max_fetch_size=_fetch_bytes(k),
             web_enabled=False,
-            topic_allow_declare=False,  # the pipeline creates the topics it needs
         )
+        # Set after the App, as faust's environment names (TOPIC_ALLOW_DECLARE, TOPIC_DISABLE_LEADER) win over its
+        # arguments: the pipeline creates the topics it needs, and there is no leader election (no on_leader timer or
+        # agent here): faust's assignor subscribed to "<app_id>-__assignor-__leader", which the broker auto-created
+        # with its own defaults, a topic the kafka driver never makes
+        app.conf.topic_allow_declare = False
+        app.conf.topic_disable_leader = True
         install(app, BatchDelivery(process=self._process, max_records=self.js.batch_max,
                                    within_s=self.js.batch_within_s, short_polls=lambda: bool(self.pauses.paused),
                                    in_hand=self._in_hand, held=lambda: self.pipeline.held_counts,

@@ -21,7 +21,7 @@ from stream.replay.publisher import publish
 from stream.replay.synthetic import build_synthetic
 from stream.samples import SampleBatch, watermark_of
 from tests.bounded_teardown import Reaper
-from tests.integration.test_joiner import WINDOW_S, join_cmd, join_env
+from tests.integration.test_joiner import WINDOW_S, join_cmd, join_env, run_join
 from tests.kafka_io import read_topic
 
 SYN = SyntheticSettings(impressions=300, users=100, items=40, impressions_per_s=20.0, base_ctr=0.3,
@@ -104,3 +104,27 @@ def test_both_drivers_give_the_same_samples_late_clicks_watermarks_and_dead_lett
     for kind, key in (("impressions", b"bad-imp"), ("clicks", b"bad-click"), ("clicks", b"no-headers")):
         [letter] = [d for d in ours["dead"][kind] if d[1] == key]
         assert list(letter[3]) == (HEADERS if key != b"no-headers" else [])
+
+
+def test_the_faust_driver_makes_no_topic_the_kafka_driver_does_not(kafka: KafkaSettings, stack, group_id: str) -> None:
+    """faust's leader assignor subscribed to ``<app_id>-__assignor-__leader``, which the broker then auto-created with
+    its own defaults (4 partitions on the local broker; ``topic_allow_declare = False`` does not stop a subscription's
+    metadata request), a topic no setting names and the kafka driver never makes; nothing of the joiner uses it."""
+    from confluent_kafka.admin import AdminClient
+
+    table = build_synthetic(dataclasses.replace(SYN, impressions=40, malformed_share=0.0), ClickDelay(median_s=5.0),
+                            seed=3)
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
+    made = {}
+    for driver in ("kafka", "faust"):
+        k = dataclasses.replace(kafka, impressions_topic=f"{kafka.impressions_topic}-{driver}",
+                                clicks_topic=f"{kafka.clicks_topic}-{driver}",
+                                samples_topic=f"{kafka.samples_topic}-{driver}")
+        publish(table, k, "synthetic")
+        before = set(admin.list_topics(timeout=10).topics)
+        app_id = f"{group_id}-{driver}"
+        run_join(join_env(k, stack.redis_url, app_id), app_id, driver)
+        made[driver] = {t.replace(app_id, "<app_id>").replace(k.samples_topic, "<samples>")
+                        for t in set(admin.list_topics(timeout=10).topics) - before}
+    assert "<app_id>-join-state" in made["kafka"]
+    assert made["faust"] == made["kafka"]
