@@ -172,6 +172,25 @@ def broker_credentials(kafka: KafkaSettings) -> faust.SASLCredentials | faust.SS
     return faust.SSLCredentials(ctx)
 
 
+def _faust_env(settings: dict[str, Any]) -> dict[str, str]:
+    """The environment faust's App reads its settings from: the process's, less faust's environment names of
+    ``settings`` (under ``APP_ENV_PREFIX`` too), which the worker gives from streamrec's own settings, each said in a
+    WARNING. faust's environment names win over its App's arguments: ``BROKER_URL`` (a name other tools use) took the
+    faust driver to another broker than ``[kafka] bootstrap_servers``, ``CONSUMER_AUTO_OFFSET_RESET=latest`` had a new
+    group pass over its backlog, ``APP_WEB_ENABLED`` opened faust's web server, where the kafka driver reads streamrec's
+    settings only. faust's names for settings the worker leaves to faust (``BROKER_COMMIT_INTERVAL``) still apply."""
+    env = dict(os.environ)
+    prefix = env.get(faust.Settings.SETTINGS["env_prefix"].env_name or "", "").rstrip("_")
+    names = {n for name in settings if (n := faust.Settings.SETTINGS[name].env_name)}
+    ignored = sorted(k for k in env if k in names or (prefix and k.startswith(prefix + "_")
+                                                         and k[len(prefix) + 1:] in names))
+    if ignored:
+        log.warning("faust's environment name(s) %s ignored: the faust join driver sets them from streamrec's own "
+                    "settings (the [kafka] and [joiner] sections, STREAMREC_* variables), as the kafka driver does; "
+                    "unset them or set the streamrec setting", ", ".join(ignored))
+    return {k: v for k, v in env.items() if k not in ignored}
+
+
 class FaustJoinWorker:
     def __init__(self, pipeline: JoinPipeline, kafka: KafkaSettings, js: JoinerSettings) -> None:
         self.pipeline, self.kafka, self.js = pipeline, kafka, js
@@ -205,8 +224,7 @@ class FaustJoinWorker:
 
     def _build_app(self) -> faust.App:
         k = self.kafka
-        app = faust.App(
-            self.js.app_id,
+        settings: dict[str, Any] = dict(
             broker=[f"kafka://{b.strip()}" for b in k.bootstrap_servers.split(",")],
             broker_credentials=broker_credentials(k),
             store="memory://",
@@ -223,13 +241,12 @@ class FaustJoinWorker:
             broker_max_poll_records=self.js.batch_max,
             consumer_max_fetch_size=_fetch_bytes(k),
             web_enabled=False,
+            topic_allow_declare=False,  # the pipeline creates the topics it needs
+            # no leader election (no on_leader timer or agent here): faust's assignor subscribed to
+            # "<app_id>-__assignor-__leader", which the broker auto-created with its own defaults
+            topic_disable_leader=True,
         )
-        # Set after the App, as faust's environment names (TOPIC_ALLOW_DECLARE, TOPIC_DISABLE_LEADER) win over its
-        # arguments: the pipeline creates the topics it needs, and there is no leader election (no on_leader timer or
-        # agent here): faust's assignor subscribed to "<app_id>-__assignor-__leader", which the broker auto-created
-        # with its own defaults, a topic the kafka driver never makes
-        app.conf.topic_allow_declare = False
-        app.conf.topic_disable_leader = True
+        app = faust.App(self.js.app_id, env=_faust_env(settings), **settings)
         install(app, BatchDelivery(process=self._process, max_records=self.js.batch_max,
                                    within_s=self.js.batch_within_s, short_polls=lambda: bool(self.pauses.paused),
                                    in_hand=self._in_hand, held=lambda: self.pipeline.held_counts,

@@ -172,8 +172,8 @@ def test_faust_drain_at_exit_expires_the_impressions_of_an_assigned_partition_th
 
 def test_faust_rejoins_after_a_slow_batch_got_it_dropped_from_the_group_and_joins_every_impression(
         kafka: KafkaSettings, stack, group_id: str, tmp_path: Path) -> None:
-    """A batch past faust's ``broker_max_poll_interval`` (``max.poll.interval.ms``, 300 s unless set; faust's env
-    name, which wins over it, shrinks it here) gets the member dropped from the group. Its commit after the batch
+    """A batch past faust's ``broker_max_poll_interval`` (``[kafka.extra] max.poll.interval.ms``, 300 s unless set;
+    shrunk here to the session) gets the member dropped from the group. Its commit after the batch
     goes out as a member of no generation and the broker refuses it; the revocation drops what it holds. aiokafka
     rejoins only once its fetcher polls again, and faust polls only once a rejoin resumed its flow: the worker sat
     with no partitions and exited idle with status 0, not one of the 2500 impressions out as a sample. faust's answer
@@ -183,7 +183,8 @@ def test_faust_rejoins_after_a_slow_batch_got_it_dropped_from_the_group_and_join
     log = tmp_path / "delivery.jsonl"
     poll_s = kafka.session_timeout_ms / 1000
     out = _run(kafka, stack.redis_url, group_id, log, faust_env={
-        "BROKER_MAX_POLL_INTERVAL": str(poll_s), "BROKER_COMMIT_EVERY": "1",  # faust's settings, by their env names
+        "STREAMREC_KAFKA_EXTRA": f"max.poll.interval.ms={kafka.session_timeout_ms}",
+        "BROKER_COMMIT_EVERY": "1",  # faust's setting by its env name (one the worker leaves to faust)
         "STREAMREC_TEST_SLOW_BATCH": "2", "STREAMREC_TEST_SLOW_S": str(poll_s + 3)})  # the slow batch itself
     assert out.returncode == 0, out.stderr[-3000:]
     entries = _entries(log)
