@@ -245,6 +245,8 @@ class FaustJoinWorker:
             # no leader election (no on_leader timer or agent here): faust's assignor subscribed to
             # "<app_id>-__assignor-__leader", which the broker auto-created with its own defaults
             topic_disable_leader=True,
+            # faust's commit as it is read here (exactly_once commits through per-partition transactional producers)
+            processing_guarantee="at_least_once",
         )
         app = faust.App(self.js.app_id, env=_faust_env(settings), **settings)
         install(app, BatchDelivery(process=self._process, max_records=self.js.batch_max,

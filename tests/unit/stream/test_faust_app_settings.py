@@ -33,12 +33,14 @@ def test_faust_environment_names_do_not_override_the_settings_the_worker_gives_a
     if prefix:
         monkeypatch.setenv("APP_ENV_PREFIX", prefix)
     for name, value in {"BROKER_URL": "kafka://elsewhere:1", "CONSUMER_AUTO_OFFSET_RESET": "latest",
-                        "APP_WEB_ENABLED": "true", "BROKER_COMMIT_INTERVAL": "0.5"}.items():
+                        "APP_WEB_ENABLED": "true", "PROCESSING_GUARANTEE": "exactly_once",
+                        "BROKER_COMMIT_INTERVAL": "0.5"}.items():
         monkeypatch.setenv(prefix + name, value)
     with caplog.at_level(logging.WARNING, "streamrec.join"):
         conf = _app_conf(KafkaSettings(bootstrap_servers="127.0.0.1:9"))
     assert [str(u) for u in conf.broker] == ["kafka://127.0.0.1:9"]  # type: ignore[attr-defined]
     assert (conf.consumer_auto_offset_reset, conf.web_enabled) == ("earliest", False)  # type: ignore[attr-defined]
+    assert str(conf.processing_guarantee.value) == "at_least_once"  # type: ignore[attr-defined]
     assert conf.broker_commit_interval == 0.5  # type: ignore[attr-defined]  # (one the worker leaves to faust)
     said = " ".join(r.getMessage() for r in caplog.records)
     assert all(prefix + n in said for n in ("BROKER_URL", "CONSUMER_AUTO_OFFSET_RESET", "APP_WEB_ENABLED"))
