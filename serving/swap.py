@@ -71,6 +71,7 @@ from serving.embedding_store import VersionNotStored
 from serving.features import FeatureEncoder
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
+from stream.files import describe_os_error
 
 log = logging.getLogger("streamrec.serve")
 
@@ -339,7 +340,14 @@ class ModelUpdater:
         if key in self._rejected and not self._store_retry_due(key):
             self.holder.problem = self._rejected[key]  # still what /readyz says after CURRENT named another version
             return
-        if not path.is_dir():
+        try:
+            is_dir = path.is_dir()  # (False for a path that is not there; an error for one serving may not stat)
+        except OSError as exc:  # EACCES (versions/ without its search bit), EIO or ESTALE (NFS): out of check_now,
+            # it was a traceback at every poll, nothing counted, no delta applied to the live model
+            self._reject(key, f"{self.root / CURRENT} names {name}, whose directory {path} cannot be read "
+                         f"({describe_os_error(exc)}); check the publish root's permissions and file system")
+            return
+        if not is_dir:
             self._reject(key, f"{self.root / CURRENT} names {name}, which is not in {self.root / VERSIONS}: "
                          "publish again with `streamrec refresh --now`")
             return

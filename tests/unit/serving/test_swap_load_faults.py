@@ -92,3 +92,34 @@ def test_an_artifact_file_serving_could_not_read_is_loaded_once_its_mode_is_repa
     u.check_now()
     assert holder.live is not None and holder.live.model.version == v1.name
 
+
+
+def test_a_version_directory_serving_cannot_stat_is_a_rejection_not_an_error_every_poll(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # CURRENT names a version whose directory serving's user cannot stat (versions/ without its search bit for that
+    # user, EACCES; EIO or ESTALE on an NFS root): the updater's is_dir check raised out of check_now, so every poll
+    # (0.5 s) logged a traceback, nothing was counted or said in /readyz, and the live model got no delta since the
+    # round ended before them. Now a rejection like any other, tried again once the directory can be read.
+    root = tmp_path / "serving"
+    _published(root, 0)
+    u, holder = _updater(root)
+    u.check_now()
+    old = holder.live
+    v2 = _published(root, 1)
+    real_stat, denied = Path.stat, [True]
+
+    def stat(self: Path, *args: object, **kwargs: object) -> os.stat_result:
+        if denied[0] and self == v2:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_stat(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "stat", stat)
+    u.check_now()
+    u.check_now()
+    assert holder.live is old  # the model serving keeps answering
+    assert u.metrics.swap_rejected._value.get() == 1  # counted once, not at every poll
+    assert holder.problem is not None and str(v2) in holder.problem and "permission denied" in holder.problem
+    denied[0] = False
+    u.check_now()
+    assert holder.live is not None and holder.live.model.version == v2.name
+    assert holder.problem is None
