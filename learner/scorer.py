@@ -256,3 +256,21 @@ def hot_buffers(table: torch.Tensor, hot_rows: np.ndarray) -> tuple[torch.Tensor
     ids = torch.from_numpy(np.append(rows, _SENTINEL))  # (H + 1,)
     vectors = torch.cat([table[torch.from_numpy(rows)], torch.zeros(1, table.shape[1])])  # (H + 1, D + 1)
     return ids, vectors.contiguous()
+
+
+def hot_problem(hot_ids: np.ndarray, hot_vectors: tuple[int, ...] | None, num_rows: int, dim: int) -> str | None:
+    """Why a loaded scorer's hot buffers are not what :func:`hot_buffers` makes for a table of ``num_rows`` rows of
+    ``dim + 1`` values, or None: ``hot_ids`` (H + 1,) int64, distinct rows of the table in increasing order, then the
+    sentinel; ``hot_vectors`` (its shape; None: a program that does not expose it) (H + 1, D + 1). Every lookup
+    searches them: without the sentinel last, or a vector short, a row past the last hot one indexed past their end
+    (an IndexError for each request holding one), and unsorted ids missed rows they hold."""
+    if hot_ids.ndim != 1 or len(hot_ids) < 1 or hot_ids.dtype != np.int64:
+        return f"hot_ids is {hot_ids.dtype} {tuple(hot_ids.shape)}, expected int64 (H + 1,)"
+    if int(hot_ids[-1]) != _SENTINEL:
+        return f"hot_ids ends in {int(hot_ids[-1])}, not the sentinel {_SENTINEL}"
+    rows = hot_ids[:-1]
+    if len(rows) and not (bool(np.all(rows[1:] > rows[:-1])) and rows[0] >= 0 and rows[-1] < num_rows):
+        return f"hot_ids are not distinct rows of [0, {num_rows}) in increasing order"
+    if hot_vectors is not None and tuple(hot_vectors) != (len(hot_ids), dim + 1):
+        return f"hot_vectors is {tuple(hot_vectors)}, expected ({len(hot_ids)}, {dim + 1}): one row per hot id"
+    return None

@@ -42,6 +42,7 @@ from learner.scorer import (
     CANDIDATE_ROWS_LAYOUT,
     USER_ROW_LAYOUT,
     ScorerSpec,
+    hot_problem,
     to_candidate_rows,
     with_empty_user_row,
 )
@@ -161,6 +162,11 @@ class ScoringModel:
         if hot_ids is None:
             hot_ids = _export_hot_ids(scorer)
         self._hot_ids = hot_ids.cpu().numpy()  # (H + 1,) sorted, last = sentinel
+        vectors = next((b for name, b in scorer.named_buffers() if name.endswith("hot_vectors")), None)
+        problem = hot_problem(self._hot_ids, tuple(vectors.shape) if vectors is not None else None,
+                              self.feature_config.num_rows, self.spec.dim)
+        if problem is not None:  # (the probe scores each field's first row only: past it, every request held one)
+            raise ArtifactError(f"{self.version_dir}: the scorer's {problem}; republish with `streamrec refresh --now`")
         self._blocks = self.feature_config.blocks
         try:
             mapper = RowMapper.from_state(self.feature_config, id_maps, lookups_only=True)
