@@ -55,6 +55,22 @@ WALL_CLOCK_LOOK_S = 60.0
 
 _CRON_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")  # crontab's 0..6 (and 7: Sunday again)
 _NUMERIC_DAYS = re.compile(r"(\*|(\d+)(?:-(\d+))?)(?:/(\d+))?")
+# What APScheduler 3 reads of an item holding letters: a name or a range of names (month, weekday) and the day field's
+# ``last``. Its patterns for them are not anchored at the end: it read ``mon-fri/2`` as ``mon-fri`` (every weekday,
+# crontab: Mon, Wed, Fri), ``jan-jun/2`` as ``jan-jun``, ``mon#2`` as ``mon``, ``lastx`` as ``last``, in silence.
+_NAME_RANGE = re.compile(r"[a-z]+(?:-[a-z]+)?", re.IGNORECASE)
+_NAMED_ITEMS = {2: ("day of the month", re.compile(r"last", re.IGNORECASE), "write 'last' alone or numbers"),
+                3: ("month", _NAME_RANGE, "write a step over numbers ('1-6/2' for jan,mar,may) or list the names"),
+                4: ("weekday", _NAME_RANGE, "write a step over numbers ('1-5/2' for mon,wed,fri) or list the names")}
+
+
+def _check_named_items(fields: list[str]) -> None:
+    """ValueError for an item with letters that APScheduler 3 would read only the start of (:data:`_NAMED_ITEMS`)."""
+    for i, (what, whole, fix) in _NAMED_ITEMS.items():
+        for item in fields[i].split(",") if i < len(fields) else ():
+            if re.search(r"[a-z]", item, re.IGNORECASE) and whole.fullmatch(item) is None:
+                raise ValueError(f"{what} {item!r} has more after its name (a step, '#', other text), which this "
+                                 f"scheduler would not read, running on other days than it says: {fix}")
 
 
 def crontab_weekdays(field: str) -> str:
@@ -161,6 +177,7 @@ def make_trigger(schedule: str, timezone: str) -> CronTrigger:
     fields = schedule.split()  # APScheduler refuses any other count than 5 below
     day, weekday = (fields[2], fields[4]) if len(fields) == 5 else ("*", "*")
     try:
+        _check_named_items(fields)
         crontab = " ".join([*fields[:4], crontab_weekdays(weekday)]) if len(fields) == 5 else schedule
         trigger = CrontabTrigger.from_crontab(crontab, timezone=tz)
     except ValueError as exc:
