@@ -369,19 +369,24 @@ def scheduled_run(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings,
     """One run of the schedule: respects a rollback pin; failures are logged and alerted (through ``alerts``, the
     scheduler's, which keeps retrying what Kafka did not take), never raised (the schedule goes on, the live
     artifact keeps serving). Returns the summary, None after a failure. ``progress``: the scheduler's view of the run.
-    A run that failed or was held by the pin is recorded as ``last_ran`` (when it began) in ``last_run.json``: the
-    catch-up at start counts it as ran for its fire time (:func:`restore_last_success`), so a restart within the grace
-    does not run it again and repeat its alert.
+    A run that failed or was held by the pin is recorded as ``last_ran`` (when it began) in ``last_run.json``, with
+    ``last_ran_failed`` (its error; ``--status`` shows both as ``last_run_failed``): the catch-up at start counts it as
+    ran for its fire time (:func:`restore_last_success`), so a restart within the grace does not run it again and
+    repeat its alert.
     """
-    began, summary = time.time(), None
+    began, summary, failed = time.time(), None, None
     try:
         summary = run_once(rs, kafka, rds, respect_pin=True, alerts=alerts, progress=progress)
         return summary
-    except RefreshError:
+    except RefreshError as exc:
+        failed = str(exc)
         return None  # logged and alerted by run_once
+    except BaseException as exc:  # not the run's own failure (a bug): APScheduler logs it; recorded all the same
+        failed = f"{type(exc).__name__}: {exc}"
+        raise
     finally:
         if summary is None or summary.get("pin_held"):  # it ran: failed or held (a skipped run did not)
-            _record_ran(Path(rs.publish_root), began)
+            _record_ran(Path(rs.publish_root), began, redact(failed) if failed else None)
         if progress is not None:
             progress.stage = progress.error = None
 

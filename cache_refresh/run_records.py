@@ -173,10 +173,12 @@ def write_pin_held(root: Path, when: float, built: str, pin: artifact_versions.P
     write_atomic(Path(root) / LAST_RUN, json.dumps(finite_json(data), allow_nan=False).encode())  # a NaN read back
 
 
-def _record_ran(root: Path, began: float) -> None:
-    """``last_ran``: when a scheduled run that did not publish (failed, or held by the pin) began; best effort."""
+def _record_ran(root: Path, began: float, failed: str | None = None) -> None:
+    """``last_ran``: when a scheduled run that did not publish (failed, or held by the pin) began; best effort.
+    ``last_ran_failed``: why it failed (its error, redacted by the caller), null for a run the pin held."""
     data = read_last_run(root)
     data["last_ran"], data["last_ran_utc"] = began, _utc(began)
+    data["last_ran_failed"] = failed[:1000] if failed else None
     try:
         write_atomic(Path(root) / LAST_RUN, json.dumps(finite_json(data), allow_nan=False).encode())
     except OSError as exc:

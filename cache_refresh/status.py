@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_refresh.publish import TRASH, unfinished
-from cache_refresh.run_records import read_last_run, read_last_success
+from cache_refresh.run_records import read_last_ran, read_last_run, read_last_success
 from learner import artifact_manifest, artifact_versions
 from stream.files import describe_os_error
 
@@ -26,7 +26,8 @@ def status(root: Path) -> dict[str, Any]:
     into place and writing ``CURRENT``; a rollback skips them), the one a publish running now has moved into place
     and not yet made current (``publishing``; ``publish.unfinished``); ``error`` says why there is no live version where
     something is wrong (a missing publish root, a CURRENT naming a version that is gone, a broken artifact), None for
-    a root where nothing is published yet, or one it may not read (the reason: a traceback, before)."""
+    a root where nothing is published yet, or one it may not read (the reason: a traceback, before);
+    ``last_run_failed``: when the last scheduled run failed since the last publish, and why."""
     def failed(error: str) -> dict[str, Any]:
         return {"publish_root": str(root), "current": None, "versions": [], "last_success": None, "pinned": None,
                 "last_pin_held": None, "error": error}
@@ -51,6 +52,10 @@ def _status(root: Path) -> dict[str, Any]:
                            "versions": versions,
                            "last_success": last.isoformat() if last else None, "pinned": None,
                            "last_pin_held": held if isinstance(held, dict) else None, "error": None}
+    if (ran := read_last_ran(root)) is not None and isinstance(failed := last_run.get("last_ran_failed"), str):
+        # a scheduled run that failed after the last publish (a publish's record replaces it): said, not left to
+        # last_success alone, which read as if nothing had run since
+        out["last_run_failed"] = {"at": ran.isoformat(), "error": failed}
     if (warned := last_run.get("warnings")) and isinstance(warned, list):  # the last publish's: published with them
         out["last_run_warnings"] = warned
     if leftovers := _leftovers(root, versions):  # said, never hidden: they hold disk and were once mistaken

@@ -145,7 +145,7 @@ def add_parser(sub: Any) -> None:
                       "again (after verifying it) and pin it: serving applies no learner deltas to it and scheduled "
                       "runs do not publish over it until the next --now; notify serving")
     mode.add_argument("--status", action="store_true", help="print the current version and its manifest summary, "
-                      "the rollback pin and the last scheduled run it held back")
+                      "the rollback pin and the last scheduled run it held back or that failed since the last publish")
     p.add_argument("--allow-older", action="store_true", help="with --now: publish even an older checkpoint")
     d = functools.partial(default_help, RefreshSettings, "refresh")  # d(key): "default: [refresh] key, else <built-in>"
     p.add_argument("--checkpoint-dir", help=f"the learner's checkpoints ({d('checkpoint_dir')})")
