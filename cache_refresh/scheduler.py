@@ -68,7 +68,7 @@ def _check_named_items(fields: list[str]) -> None:
     """ValueError for an item with letters that APScheduler 3 would read only the start of (:data:`_NAMED_ITEMS`)."""
     for i, (what, whole, fix) in _NAMED_ITEMS.items():
         for item in fields[i].split(",") if i < len(fields) else ():
-            if re.search(r"[a-z]", item, re.IGNORECASE) and whole.fullmatch(item) is None:
+            if whole.match(item) is not None and whole.fullmatch(item) is None:  # read as its start alone
                 raise ValueError(f"{what} {item!r} has more after its name (a step, '#', other text), which this "
                                  f"scheduler would not read, running on other days than it says: {fix}")
 
