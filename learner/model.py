@@ -108,6 +108,27 @@ class DenseArch(nn.Module):
         return self.mlp(x).squeeze(-1)
 
 
+def held_out_logits(model: nn.Module, *inputs: torch.Tensor) -> torch.Tensor | None:
+    """The raw logits (B,) ``model`` (in train mode) gives ``inputs`` with its dropout off and no gradient, as
+    serving's eval mode computes them; None when no dropout of it is active (the training forward's logits are
+    those). Test-then-train records these, not the training forward's: with ``[learner] dropout`` at 0.5 those
+    differed from what serving scores by up to 0.05 on a fresh model, and the progressive and served metrics and
+    the calibration's fit read the noise of one dropout draw as the model's prediction."""
+    drops = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0 and m.training]
+    if not drops:
+        return None
+    try:
+        for m in drops:
+            m.eval()
+        with torch.no_grad():
+            out = model(*inputs)
+    finally:
+        for m in drops:
+            m.train()
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
 def native_cpu_bf16() -> bool:
     """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX, as oneDNN reports it)."""
     try:

@@ -55,6 +55,7 @@ from learner.calibration import calibrated
 from learner.delayed import DelayedFeedbackWeights
 from learner.grad_clip import AdaptiveClip
 from learner.health import GradNorms, UpdateNorms
+from learner.model import held_out_logits
 from learner.progressive import ProgressiveMetrics
 from learner.sharded_boost import ShardedBoost
 from learner.sharded_model import TouchedRows, fused_state, local_pieces, padded_inputs, table_weight, touched_rows
@@ -88,11 +89,13 @@ class ShardedTrainer:
         b = len(batch)
         self.model.train()
         kjt, dense, labels, mask = padded_inputs(batch, rows, self.keys, self.device)
+        held = held_out_logits(self.model, kjt, dense)  # with dropout: what serving would score (learner/trainer.py)
         logits = self.model(kjt, dense)  # (rows,) raw
         p_t = torch.sigmoid(logits.detach()).float()  # (rows,)
-        self.last_logits = logits.detach()[:b].float().cpu().numpy()
-        served = p_t if self.calibration is None else torch.sigmoid(
-            calibrated(logits.detach().float(), self.calibration.to(logits.device)))  # (rows,)
+        raw = (logits.detach() if held is None else held).float()  # (rows,) the served model's raw logits
+        self.last_logits = raw[:b].cpu().numpy()
+        served = torch.sigmoid(raw) if self.calibration is None else torch.sigmoid(
+            calibrated(raw, self.calibration.to(logits.device)))  # (rows,)
         probs = served[:b].cpu().numpy()
         weight = mask
         if batch.kinds is not None and b:

@@ -2,9 +2,11 @@
 
 One forward pass serves both halves of test-then-train: its outputs are the model's predictions
 *before* it learns from the batch (the update comes after), so they are recorded as progressive
-validation, then the same graph is back-propagated. Gradients accumulate over ``accumulation``
-micro-batches with the loss divided by that number, and both optimizers step and zero on the same
-cadence, so N accumulated micro-batches make the same update as one batch N times as large.
+validation, then the same graph is back-propagated. With ``dropout`` the predictions come from a second forward
+without it and without a gradient (``learner.model.held_out_logits``): what serving's eval mode scores, not one
+dropout draw. Gradients accumulate over ``accumulation`` micro-batches with the loss divided by that number, and
+both optimizers step and zero on the same cadence, so N accumulated micro-batches make the same update as one
+batch N times as large.
 
 Rows that are not ``FINAL`` (the joiner's ``fake_negative`` and ``es_dfm`` policies) are weighted by
 ``learner/delayed.py``'s importance weights; a batch of ``FINAL`` rows keeps the plain mean loss.
@@ -46,7 +48,7 @@ from learner.delayed import DelayedFeedbackWeights
 from learner.fused_update import fused_applies, fused_lookups
 from learner.grad_clip import AdaptiveClip
 from learner.health import GradNorms, UpdateNorms
-from learner.model import SparseArch
+from learner.model import SparseArch, held_out_logits
 from learner.optim import RowWiseAdagrad
 from learner.progressive import ProgressiveMetrics
 from stream.errors import ConfigError
@@ -112,6 +114,7 @@ class Trainer:
         self.model.train()
         b = batch.to(self.device)
         fused = self._not_fused() is None
+        held = held_out_logits(self.model, b.values, b.offsets, b.dense)  # with dropout: what serving would score
         if fused:
             assert isinstance(self.sparse_opt, RowWiseAdagrad)
             with fused_lookups(self.model, self.sparse_opt, self._observe_rows):  # the backward updates the table
@@ -121,8 +124,9 @@ class Trainer:
             logits = self.model(b.values, b.offsets, b.dense)  # (B,) raw
             self.sparse_update = "unfused"
         p_t = torch.sigmoid(logits.detach()).float()
-        served = (p_t if self.calibration is None else
-                  torch.sigmoid(calibrated(logits.detach(), self.model.get_buffer("calibration"))).float())
+        raw = logits.detach() if held is None else held  # (B,) the served model's raw logits
+        served = (torch.sigmoid(raw).float() if self.calibration is None else
+                  torch.sigmoid(calibrated(raw, self.model.get_buffer("calibration"))).float())
         probs = served.cpu().numpy()
         weight = None
         if batch.kinds is not None:
@@ -141,7 +145,7 @@ class Trainer:
         self.metrics.update(probs, batch.labels.numpy())
         if self.calibration is not None:  # fitted on held-out predictions as their labels become final
             self.calibration.observe(batch.impression_ids, batch.kinds, batch.labels.numpy(),
-                                     logits.detach().float().cpu().numpy(), batch.ts, batch.label_delay_ms)
+                                     raw.float().cpu().numpy(), batch.ts, batch.label_delay_ms)
             cal = self.model.get_buffer("calibration")
             cal.copy_(self.calibration.params.to(cal.device))
         sampled = self._micro == 0 and self.update_norms.start()  # this step's changes are measured
