@@ -69,6 +69,7 @@ class ServedQuality:
         self._clock: dict[int, int] = {}  # partition -> windows closed where ts + window < this (ms)
         self.forced = 0
         self.unmatched = 0
+        self.unscored = 0  # resolved impressions whose served prediction was not finite (left out of the metrics)
 
     def record(self, impression_ids: np.ndarray, ts: np.ndarray, kinds: np.ndarray | None, labels: np.ndarray,
                probs: np.ndarray, cold: np.ndarray | None, partitions: np.ndarray | None = None,
@@ -160,8 +161,10 @@ class ServedQuality:
 
     def _resolve(self, probs: np.ndarray, labels: np.ndarray, cold: np.ndarray, known_ms: np.ndarray) -> None:
         """Served predictions with their final labels, ``known_ms`` the event time each label became known. A
-        non-finite prediction (NaN, inf) is left out: it ranks nothing and has no logloss."""
+        non-finite prediction (NaN, inf) is left out: it ranks nothing and has no logloss; counted in ``unscored``
+        (the metrics left them out without a word: a model serving NaN to a third of its impressions read as sound)."""
         ok = np.isfinite(probs)
+        self.unscored += int(len(ok) - ok.sum())
         probs, labels, cold, known_ms = probs[ok], labels[ok], cold[ok], known_ms[ok]
         if len(probs):
             self.all.update(probs, labels, known_ms)
@@ -178,7 +181,7 @@ class ServedQuality:
             w_auc, w_loss = m.window_metrics()
             out[name] = {"impressions": m.count, "auc": m.auc, "logloss": m.logloss, "ne": m.ne,
                          "window_auc": w_auc, "window_logloss": w_loss}
-        out.update(pending=self.pending, forced=self.forced, unmatched=self.unmatched)
+        out.update(pending=self.pending, forced=self.forced, unmatched=self.unmatched, unscored=self.unscored)
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -192,20 +195,23 @@ class ServedQuality:
             pending.update(ids=[r[0] for r in rows], ts=np.array([r[1] for r in rows], np.int64),
                            probs=np.array([r[2] for r in rows], np.float64), cold=np.array([r[3] for r in rows], bool))
         return {"all": self.all.state_dict(), "cold": self.cold.state_dict(), "forced": self.forced,
-                "unmatched": self.unmatched, "pending": pending, "clock": [[p, t] for p, t in self._clock.items()]}
+                "unmatched": self.unmatched, "unscored": self.unscored, "pending": pending,
+                "clock": [[p, t] for p, t in self._clock.items()]}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        """A state of :meth:`state_dict`; one saved before ``pending`` and ``clock`` starts with none. A state that
+        """A state of :meth:`state_dict`; one saved before ``pending`` and ``clock`` starts with none (before
+        ``unscored``: 0). A state that
         does not add up (counts against ids, an id twice) is a ValueError: a damaged checkpoint."""
         self.all.load_state_dict(d["all"])
         self.cold.load_state_dict(d["cold"])
         p = d.get("pending", {"partitions": [], "sizes": []})
         state_counts("served quality state", {"forced": d.get("forced", 0), "unmatched": d.get("unmatched", 0),
+                                              "unscored": d.get("unscored", 0),
                                               **{f"pending partitions[{i}]": x for i, x in enumerate(p["partitions"])},
                                               **{f"pending sizes[{i}]": n for i, n in enumerate(p["sizes"])},
                                               **{f"clock[{i}][{j}]": x for i, pair in enumerate(d.get("clock", []))
                                                  for j, x in enumerate(pair)}})
-        self.forced, self.unmatched = d.get("forced", 0), d.get("unmatched", 0)
+        self.forced, self.unmatched, self.unscored = d.get("forced", 0), d.get("unmatched", 0), d.get("unscored", 0)
         parts, sizes = [int(x) for x in p["partitions"]], [int(n) for n in p["sizes"]]
         ids = [str(i) for i in p.get("ids", [])]
         cols = [np.asarray(p[k]).reshape(-1).tolist() for k in ("ts", "probs", "cold")] if ids else [[], [], []]

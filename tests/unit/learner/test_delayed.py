@@ -678,3 +678,23 @@ def test_a_sound_bias_rule_state_of_a_corrected_stream_still_loads() -> None:
     again = BaseRateBias(min_positives=1000)
     again.load_state_dict(bias.state_dict())
     assert again.state_dict() == bias.state_dict()
+
+
+def test_served_impressions_whose_prediction_is_not_finite_are_counted_unscored_not_dropped_without_a_word() -> None:
+    """A NaN or inf served prediction has no rank and no logloss: it is left out of the served metrics, and was
+    left out of every count too, so a model serving NaN to most impressions read as one measured on the rest."""
+    s = ServedQuality(window_ms=1000)
+    s.record(np.array(["a", "b", "c", "d"], object), np.zeros(4, np.int64),
+             np.array([FINAL, OBSERVED, OBSERVED, OBSERVED], np.int8), np.array([1, 1, 0, 0], np.float32),
+             np.array([np.nan, np.inf, 0.3, np.nan]), None)
+    s.record(np.array(["d"], object), np.array([0]), np.array([DELAYED_POSITIVE], np.int8), np.ones(1, np.float32),
+             np.array([0.5]), None, label_delay_ms=np.array([200]))  # d's click: its served NaN resolved
+    s.advance(5000)  # c's window closes
+    assert s.all.count == 1 and s.unscored == 3 and s.summary()["unscored"] == 3
+    r = ServedQuality(window_ms=1000)
+    r.load_state_dict(s.state_dict())  # kept across a restart
+    assert r.unscored == 3
+    old = s.state_dict()
+    del old["unscored"]
+    r.load_state_dict(old)  # a state saved before the count: none
+    assert r.unscored == 0

@@ -72,6 +72,7 @@ def test_a_served_state_whose_pending_impressions_do_not_add_up_is_refused() -> 
 
 @pytest.mark.parametrize("field, value, named", [
     ("forced", True, '"forced"'), ("unmatched", 1.5, '"unmatched"'), ("unmatched", "7", '"unmatched"'),
+    ("unscored", -1, '"unscored"'),
     ("clock", [[0, True]], '"clock[0][1]"'), ("pending", {"partitions": [False], "sizes": [0]}, "partitions[0]")])
 def test_a_served_state_count_that_is_no_integer_is_refused_naming_it(field: str, value: object, named: str) -> None:
     """``int()`` read a damaged checkpoint's ``true`` as 1, ``1.5`` as 1 and ``"7"`` as 7 (``false``: 0)."""
