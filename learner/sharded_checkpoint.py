@@ -359,19 +359,22 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
     :class:`NotDurable` on every rank once the checkpoint is in place (:func:`_say_unsure`): written, and read at
     restart, but not known to survive a power loss; nothing is pruned (as one process's ``checkpoint.save``)."""
     directory = Path(directory)
-    name = broadcast_object(checkpoint.checkpoint_name(PREFIX, int(meta["samples_trained"]),
-                                                       [p.name for p in list_complete(directory)])
-                            if rank == 0 else None)
-    tmp, final = directory / f".tmp-{name}", directory / name
     error: BaseException | None = None
     unsure: NotDurable | None = None  # this rank's write in place whose directory's fsync failed
+    # (a listing that fails on rank 0, EIO or ESTALE on its mount, raised there alone, before the broadcast: the
+    # daemon took it for a failed checkpoint and went on to its next round while the others waited in the broadcast)
+    name = f"{PREFIX}{int(meta['samples_trained']):015d}-unnamed"  # rank 0's listing failed: its .tmp- never made
     if rank == 0:
-        for stale in directory.glob(f".tmp-{PREFIX}*"):  # left by a group that died mid-save: never complete
-            shutil.rmtree(stale, ignore_errors=True)
         try:
-            tmp.mkdir(parents=True, exist_ok=True)
+            name = checkpoint.checkpoint_name(PREFIX, int(meta["samples_trained"]),
+                                              [p.name for p in list_complete(directory)])
+            for stale in directory.glob(f".tmp-{PREFIX}*"):  # left by a group that died mid-save: never complete
+                shutil.rmtree(stale, ignore_errors=True)
+            (directory / f".tmp-{name}").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             error = exc
+    name = broadcast_object(name)
+    tmp, final = directory / f".tmp-{name}", directory / name
     _agree(error, rank, tmp)
     fs = _RecordedWrites()
     writer = dcp.FileSystemWriter(str(tmp))

@@ -1,0 +1,68 @@
+"""A sharded checkpoint whose name rank 0 cannot make (its listing of the checkpoint directory fails: EIO, ESTALE on a
+shared mount, EACCES on a directory it cannot enter) fails on every rank alike, as a full disk does, so the ranks go
+on in step (the daemon's ``_try_save``: every rank trains on and tries again)."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.unit.learner.gloo_ranks import run_gloo_ranks
+
+
+def _rank_0_cannot_list(rank: int, world: int, directory: str, out: str) -> None:
+    """One of 2 gloo ranks: a checkpoint, then one whose listing fails on rank 0 (EIO), then one more; what each
+    rank's second save raised, and the checkpoints after each, in ``out``-<rank>.json."""
+    from learner import sharded_checkpoint
+
+    def save(samples: int) -> Path:
+        return sharded_checkpoint.save(Path(directory), {"model": {f"w{rank}": torch.full((8,), float(samples))}},
+                                       {}, {"samples_trained": samples, "world_size": world}, rank)
+
+    first = save(100)
+    real = sharded_checkpoint.list_complete
+
+    def unlistable(path: Path) -> list[Path]:
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    if rank == 0:
+        sharded_checkpoint.list_complete = unlistable  # type: ignore[assignment]
+    try:
+        save(200)
+        raised = ""
+    except OSError as exc:
+        raised = f"{exc.errno} {exc}"
+    finally:
+        sharded_checkpoint.list_complete = real  # type: ignore[assignment]
+    # the daemon's next round: a collective of every rank (LockStep.agree's all-gather)
+    seen = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(seen, torch.tensor([rank + 7], dtype=torch.int64))
+    after_failure = [p.name for p in sharded_checkpoint.list_complete(Path(directory))]
+    third = save(300)
+    Path(f"{out}-{rank}.json").write_text(json.dumps({
+        "first": first.name, "raised": raised, "round": [int(t) for t in seen], "after_failure": after_failure,
+        "third": third.name}))
+
+
+def test_a_checkpoint_whose_directory_rank_0_cannot_list_fails_on_every_rank_and_the_ranks_stay_in_step(
+        tmp_path: Path) -> None:
+    """Rank 0 listed the directory (the new checkpoint's name) before the name's broadcast: its OSError was raised on
+    rank 0 alone, which the daemon took for a failed checkpoint and went on to the next round's all-gather while the
+    other ranks waited in the broadcast: the ranks' collectives out of step (a hang until collective_timeout_s, or
+    one collective's bytes read as another's). Now every rank raises the same OSError, naming rank 0's error, and the
+    next round and checkpoint go on together."""
+    exits = run_gloo_ranks(2, str(tmp_path / "store"), _rank_0_cannot_list,
+                           lambda r: (str(tmp_path / "ckpt"), str(tmp_path / "out")))
+    assert exits == [0, 0]
+    got = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in (0, 1)]
+    for g in got:
+        assert g["raised"].startswith(f"{errno.EIO} ") and "rank 0: OSError" in g["raised"]
+        assert "Input/output error" in g["raised"]
+        assert g["round"] == [7, 8]
+        assert g["after_failure"] == [g["first"]]
+        assert g["third"].startswith("dcp-000000000000300-")
+    assert got[0]["third"] == got[1]["third"]
