@@ -416,8 +416,17 @@ def _prune(directory: Path, keep: int) -> None:
     listed), then deleted, so a process killed while deleting one leaves a ``.tmp-`` directory, which the next save
     removes. Deleted in place, a kill after its ``meta.json`` went (rmtree's order is the directory's) left a
     ``dcp-`` directory that is no checkpoint and was never pruned: every such kill leaked a whole table on disk. One
-    that cannot be renamed (EPERM, EROFS) is logged and counted, and kept."""
-    for old in list_complete(directory)[:-keep]:
+    that cannot be renamed (EPERM, EROFS) is logged and counted, and kept. A directory that cannot be listed now (EIO)
+    is logged and counted too, as one process's prune: raised, it left the save on rank 0 alone with the checkpoint in
+    place (a failed checkpoint counted there only, no offsets committed, rank 0's exit failed beside ranks that had
+    finished)."""
+    try:
+        listed = list_complete(directory)
+    except OSError as exc:
+        checkpoint.PRUNE_FAILURES.labels("checkpoints").inc()
+        log.warning("cannot list %s to prune it (%s); the next checkpoint prunes it", directory, exc)
+        return
+    for old in listed[:-keep]:
         doomed = directory / f".tmp-{old.name}"
         try:
             old.rename(doomed)

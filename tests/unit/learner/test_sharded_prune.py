@@ -40,3 +40,35 @@ def test_a_prune_killed_after_the_old_checkpoints_meta_went_leaves_nothing_the_n
     left = sorted(p.name for p in tmp_path.iterdir() if p.name != "LINEAGE")
     assert left == [newest.name]  # the killed prune's half-deleted checkpoint (its data) did not stay for good
     assert sharded_checkpoint.list_complete(tmp_path) == [newest]
+
+
+def test_a_prune_whose_listing_fails_leaves_the_checkpoint_written_and_counts_the_prune_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The retention lists the directory once the checkpoint is in place, on rank 0 alone: a listing that failed there
+    (EIO) raised out of the save on rank 0 only, the checkpoint in place: the daemon counted a failed checkpoint that
+    was written and committed no offsets for it (the other ranks did), and at exit rank 0 ended in exit_save_failed
+    beside ranks that had finished. Now the save returns, and the prune failure is logged and counted."""
+    import errno
+
+    from prometheus_client import REGISTRY
+
+    _save(tmp_path, 1)
+    calls = {"n": 0}
+    real = sharded_checkpoint.list_complete
+
+    def eio_at_prune(directory: Path) -> list[Path]:  # the save's own listing (its name) first, then the prune's
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise OSError(errno.EIO, "Input/output error", str(directory))
+        return real(directory)
+
+    failures = "streamrec_learner_prune_failures_total"
+    before = REGISTRY.get_sample_value(failures, {"directory": "checkpoints"}) or 0.0
+    monkeypatch.setattr(sharded_checkpoint, "list_complete", eio_at_prune)
+    newest = _save(tmp_path, 2)
+    monkeypatch.setattr(sharded_checkpoint, "list_complete", real)
+
+    assert calls["n"] == 2 and sharded_checkpoint.list_complete(tmp_path)[-1] == newest
+    assert REGISTRY.get_sample_value(failures, {"directory": "checkpoints"}) == before + 1
+    assert _save(tmp_path, 3) == sharded_checkpoint.list_complete(tmp_path)[-1]  # the next prune keeps one
+    assert len(sharded_checkpoint.list_complete(tmp_path)) == 1
