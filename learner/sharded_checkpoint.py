@@ -94,6 +94,7 @@ def latest(directory: Path, verify: bool = True, restore: bool = False) -> tuple
     presence and size checked, no data file read (its sha256 costs about 1 s per 800 MiB). ``restore`` (the ranks'
     restore, :func:`unshard`): every field they read present too (:func:`_bad_field`)."""
     done = list_complete(directory)
+    _same_newest(done, directory)
     if not done:
         return None
     meta = _read_meta(done[-1], directory)
@@ -109,6 +110,23 @@ def latest(directory: Path, verify: bool = True, restore: bool = False) -> tuple
     if restore and (missing := [n for n in RESTORED if n not in meta]):
         raise _damaged(done[-1], directory, f'\'s "{missing[0]}" is missing')
     return done[-1], meta
+
+
+def _same_newest(done: list[Path], directory: Path) -> None:
+    """Collective under a process group: the same CheckpointError on every rank unless every rank lists the same
+    newest complete checkpoint (``done``: this rank's listing). Each rank took its own newest: a rank on a host whose
+    shared mount did not list the newest one yet (NFS caches a directory's listing for up to a minute, and torchrun
+    restarts the group within seconds of the save) resumed another checkpoint's shards and offsets than the others
+    (its partitions trained twice), or, listing none, started a fresh model in collectives the others never entered;
+    the others' checksum check mixed two checkpoints' files and called the newest one damaged."""
+    seen = all_gather_objects(done[-1].name if done else None)
+    if any(s != seen[0] for s in seen[1:]):
+        raise checkpoint.CheckpointError(
+            f"the ranks do not list the same newest sharded checkpoint in {directory}: " + ", ".join(
+                f"rank {r} {s or 'none'}" for r, s in enumerate(seen)) + ". checkpoint_dir must be one directory "
+            "every rank sees as it is: a shared mount whose listing lags on some host (NFS's attribute cache) shows "
+            "it late; restart once every host lists the same (torchrun --max-restarts does), or mount it with a "
+            "shorter attribute cache (actimeo)")
 
 
 def _read_meta(path: Path, directory: Path) -> dict[str, Any]:

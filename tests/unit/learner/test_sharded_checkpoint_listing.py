@@ -66,3 +66,44 @@ def test_a_checkpoint_whose_directory_rank_0_cannot_list_fails_on_every_rank_and
         assert g["after_failure"] == [g["first"]]
         assert g["third"].startswith("dcp-000000000000300-")
     assert got[0]["third"] == got[1]["third"]
+
+
+def _one_rank_lists_late(rank: int, world: int, directory: str, out: str) -> None:
+    """One of 2 gloo ranks: two checkpoints, then each rank's ``latest`` while rank 1's listing lacks the newest (its
+    host's mount lags), then while it lists none; what each raised in ``out``-<rank>.json."""
+    from learner import sharded_checkpoint
+
+    def save(samples: int) -> Path:
+        return sharded_checkpoint.save(Path(directory), {"model": {f"w{rank}": torch.full((8,), float(samples))}},
+                                       {}, {"samples_trained": samples, "world_size": world}, rank)
+
+    older, newest = save(100), save(200)
+    real = sharded_checkpoint.list_complete
+    got = {"older_name": older.name, "newest_name": newest.name}
+    for case, lagging in (("older", lambda d: [older]), ("none", lambda d: [])):
+        if rank == 1:
+            sharded_checkpoint.list_complete = lagging  # type: ignore[assignment]
+        try:
+            found = sharded_checkpoint.latest(Path(directory))
+            got[case] = f"resumed {found[0].name}" if found is not None else "resumed none"
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            got[case] = f"{type(exc).__name__}: {exc}"
+        finally:
+            sharded_checkpoint.list_complete = real  # type: ignore[assignment]
+    Path(f"{out}-{rank}.json").write_text(json.dumps(got))
+
+
+def test_ranks_that_do_not_list_the_same_newest_checkpoint_all_refuse_to_resume_naming_each_ranks(
+        tmp_path: Path) -> None:
+    """A rank whose host's shared mount lagged (the newest checkpoint not listed yet) took its own newest: it resumed
+    another checkpoint than the others, or none (a fresh model, in collectives the others never entered). Now every
+    rank raises the same CheckpointError naming each rank's newest and the fix."""
+    exits = run_gloo_ranks(2, str(tmp_path / "store"), _one_rank_lists_late,
+                           lambda r: (str(tmp_path / "ckpt"), str(tmp_path / "out")))
+    assert exits == [0, 0]
+    got = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in (0, 1)]
+    for g in got:
+        for case, rank_1 in (("older", g["older_name"]), ("none", "none")):
+            assert g[case].startswith("CheckpointError: the ranks do not list the same newest sharded checkpoint")
+            assert f"rank 0 {g['newest_name']}, rank 1 {rank_1}." in g[case] and "actimeo" in g[case]
+    assert got[0] == got[1]
