@@ -1,6 +1,7 @@
-"""A sharded checkpoint whose name rank 0 cannot make (its listing of the checkpoint directory fails: EIO, ESTALE on a
-shared mount, EACCES on a directory it cannot enter) fails on every rank alike, as a full disk does, so the ranks go
-on in step (the daemon's ``_try_save``: every rank trains on and tries again)."""
+"""The ranks' listings of the checkpoint directory, which may differ (a shared mount across hosts): a sharded
+checkpoint whose name rank 0 cannot make (its listing fails: EIO, ESTALE, EACCES on a directory it cannot enter)
+fails on every rank alike, as a full disk does, so the ranks go on in step (the daemon's ``_try_save``: every rank
+trains on and tries again); ranks that do not list the same newest checkpoint all refuse to resume."""
 
 from __future__ import annotations
 
