@@ -386,13 +386,17 @@ def save(directory: Path, app_state: dict[str, Any], rank_state: dict[str, Any],
         try:
             name = checkpoint.checkpoint_name(PREFIX, int(meta["samples_trained"]),
                                               [p.name for p in list_complete(directory)])
-            for stale in directory.glob(f".tmp-{PREFIX}*"):  # left by a group that died mid-save: never complete
-                shutil.rmtree(stale, ignore_errors=True)
-            (directory / f".tmp-{name}").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             error = exc
     name = broadcast_object(name)
     tmp, final = directory / f".tmp-{name}", directory / name
+    if rank == 0 and error is None:
+        for stale in directory.glob(f".tmp-{PREFIX}*"):  # left by a group that died mid-save: never complete
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            error = exc
     _agree(error, rank, tmp)
     fs = _RecordedWrites()
     writer = dcp.FileSystemWriter(str(tmp))
