@@ -126,6 +126,7 @@ from learner.scorer import CALIBRATED_FORMATS
 from learner.tensorpack import SigningKey, load_signing_key
 from serving import stored_versions
 from serving.model import ScoringModel
+from serving.served_versions import served_versions
 from serving.settings import EmbeddingStore
 from stream.config import KafkaSettings, RedisSettings
 from stream.errors import ConfigError, StreamrecError
@@ -185,6 +186,22 @@ def notify(rs: RefreshSettings, rds: RedisSettings, version: str, path: Path, sl
                     "prefix / notify_channel?); serving will find it by polling CURRENT", version,
                     notify_channel(rs, rds))
     return receivers
+
+
+def _served(rs: RefreshSettings, rds: RedisSettings) -> dict[str, list[str]]:
+    """The versions live scoring processes serve (``serving/served_versions.py``: version -> ``host:pid``s), which
+    the prune and the embedding store's cleanup keep. Redis unreachable or refusing: ``{}`` and a WARNING, and they
+    prune as before (the last keep_versions, the current one and the pinned one)."""
+    try:
+        client = _redis(rds, rs)
+        try:
+            return served_versions(client, rds.prefix)
+        finally:
+            client.close()
+    except Exception as exc:  # noqa: BLE001 - best effort: never worse than before
+        log.warning("refresh: could not read which versions serving serves (%s); pruning keeps only the last "
+                    "keep_versions, the current and the pinned version", exc)
+        return {}
 
 
 class RefreshTerminated(BaseException):  # noqa: N818 - a stop, not an error of the run's own
@@ -474,6 +491,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
     root = Path(rs.publish_root)
     unpinned: artifact_versions.Pin | None = None
     after_switch: list[str] = []  # what went wrong in publish() after CURRENT named the version (publish's warnings)
+    kept_served: list[str] = []  # "kept v3: served by host:pid": the prune kept it, a scoring process serves it
 
     def timed(name: str, t0: float) -> None:
         timings[name] = round(time.monotonic() - t0, 3)
@@ -599,11 +617,12 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         t0 = time.monotonic()
         pin = artifact_versions.pin_holding(root)
         previous = _current_name(root)  # live until rankers swap to the new version: its stored rows stay
+        served = _served(rs, rds)  # versions scoring processes still serve: neither their files nor rows pruned
         stop.check()
         stop.hold("during the refresh's publish: the run finishes")
         try:
             path = publish(root, staged, rs.keep_versions, over_pin=not respect_pin, signing_key=key,
-                           warnings=after_switch)
+                           warnings=after_switch, served=served, kept=kept_served)
         except PinHeld as held:
             shutil.rmtree(staged, ignore_errors=True)
             staged = None
@@ -653,7 +672,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
                 if switch is not None else None)
     recorded = after.step("record", lambda: _record_success(root, path.name, switched), False)
     if rs.embedding_store is EmbeddingStore.LAYERED:
-        after.step("embedding_store", lambda: _prune_stored(rs, rds, root, previous, progress.saw), None)
+        after.step("embedding_store", lambda: _prune_stored(rs, rds, root, previous, progress.saw, served), None)
     no_warnings: list[tuple[str, str]] = []
     found = after.step("warnings", lambda: _published_warnings(
         rs, path.name, ckpt, problems, quality, hs.stats), no_warnings)
@@ -674,7 +693,7 @@ def _run_locked(rs: RefreshSettings, kafka: KafkaSettings, rds: RedisSettings, s
         "bytes": after.step("summary", lambda: {name: f["bytes"] for name, f in manifest["files"].items()}, {}),
         "unpinned": ({"version": unpinned.version, "rolled_back_from": unpinned.rolled_back_from}
                      if unpinned is not None else None),
-        "last_run_recorded": recorded, "cleaned": cleaned, "lineage_switched": switched,
+        "last_run_recorded": recorded, "cleaned": cleaned, "lineage_switched": switched, "kept_served": kept_served,
     }
     found = [*found, *(("publish", w) for w in after_switch), *after.problems]
     summary["warnings"] = _warn_degraded(alerts, found)

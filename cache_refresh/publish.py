@@ -11,7 +11,8 @@ version (tested with SIGKILLs at every step, ``tests/integration/test_faults_ser
 the version is added to ``<root>/CURRENT_HISTORY`` (:data:`HISTORY`, best effort; after the ``CURRENT`` write, never
 before, so the history never names a version that was not current). A ``CURRENT`` that cannot
 be written (full or read-only file system) takes the new version back out of ``versions/``: nothing
-half-published stays. The last ``keep`` versions (and always the current one) are kept; a pruned version
+half-published stays. The last ``keep`` versions (and always the current one, and those a live scoring process
+serves: ``served``, read from Redis by the run, ``serving/served_versions.py``) are kept; a pruned version
 is renamed to a hidden ``versions/.trash-*`` before it is deleted, so a killed prune never leaves a
 half-deleted version behind. A refresh holds :func:`refresh_lock` for its run (one refresh per root at a
 time) and first removes what killed runs left (:func:`clean_leftovers`: staged directories of dead
@@ -49,7 +50,7 @@ import shutil
 import stat
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from learner.artifact import verify
@@ -459,9 +460,11 @@ def _clear_pin(root: Path) -> None:
         fsync_dir(Path(root))
 
 
-def _prune(root: Path, keep: int) -> list[str]:
+def _prune(root: Path, keep: int, served: Mapping[str, Sequence[str]] | None = None,
+           kept: list[str] | None = None) -> list[str]:
     """Remove all but the last ``keep`` versions (never the one ``CURRENT`` names, never one a rollback pin
-    names; a version that never was current is not counted, and removed once not among the last ``keep`` of all).
+    names, never one a live scoring process serves: ``served``, version -> its ``host:pid``s, each kept said in ``kept``
+    and logged; a version that never was current is not counted, and removed once not among the last ``keep`` of all).
     Each is first renamed to a hidden ``versions/.trash-*`` name (atomic), then deleted: a prune killed
     half-way leaves a hidden directory that :func:`clean_leftovers` removes, never a half-deleted version that
     :func:`rollback` could pick. ``CURRENT`` is read again here, not taken from the caller, so the version it
@@ -494,7 +497,13 @@ def _prune(root: Path, keep: int) -> list[str]:
     orphans = set(never or ()) | (history.rolled_back_from if history is not None else set())
     targets = [v for v in complete if v not in orphans and v != running]
     for name in sorted(set(targets[:-keep]) | {v for v in complete[:-keep] if v in orphans}):
-        if name not in protected:
+        if name in (served or {}) and name not in protected:
+            said = f"kept {name}: served by {', '.join((served or {})[name])}"
+            log.info("%s (a scoring process still serves it: its publishes since were rejected, or it has not "
+                     "swapped yet)", said)
+            if kept is not None:
+                kept.append(said)
+        elif name not in protected:
             trash = versions_dir(root) / f"{TRASH}{name}-{os.getpid()}"
             try:
                 os.rename(versions_dir(root) / name, trash)
@@ -507,9 +516,11 @@ def _prune(root: Path, keep: int) -> list[str]:
 
 
 def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
-            signing_key: SigningKey | None = None, warnings: list[str] | None = None) -> Path:
+            signing_key: SigningKey | None = None, warnings: list[str] | None = None,
+            served: Mapping[str, Sequence[str]] | None = None, kept: list[str] | None = None) -> Path:
     """Verify a staged artifact, move it into ``versions/`` and make it current (clearing a rollback pin);
-    keep the last ``keep`` versions.
+    keep the last ``keep`` versions, and those in ``served`` (what live scoring processes serve; each kept for it
+    said in ``kept``).
 
     ArtifactError, with nothing changed, when the staged files do not verify, or when ``CURRENT`` cannot be
     written (a full or read-only file system: the version moved into ``versions/`` is removed again, so
@@ -539,7 +550,7 @@ def publish(root: Path, staged_dir: Path, keep: int, over_pin: bool = True,
     said: list[str] = [] if warnings is None else warnings
     with _publishing(root, version, said):
         _move_and_switch(root, staged_dir, version, said)
-    _after_switch(root, version, keep, said)
+    _after_switch(root, version, keep, said, served, kept)
     return versions_dir(root) / version
 
 
@@ -617,7 +628,8 @@ def _switched(root: Path, version: str) -> bool | None:
         return None
 
 
-def _after_switch(root: Path, version: str, keep: int, said: list[str]) -> None:
+def _after_switch(root: Path, version: str, keep: int, said: list[str],
+                  served: Mapping[str, Sequence[str]] | None = None, kept: list[str] | None = None) -> None:
     """:func:`publish` after ``CURRENT`` names ``version``: clear the pin, prune. The publish has happened: an error
     here, any (an OSError, an ArtifactError of a ``CURRENT`` or history that cannot be read again), is logged, never
     raised. Before, only an OSError was contained: another escaped publish(), and ``job.run_once`` reported a failed
@@ -628,7 +640,7 @@ def _after_switch(root: Path, version: str, keep: int, said: list[str]) -> None:
         _warn(said, "%s is current; removing the stale rollback pin failed (%s): it names an older version and "
               "is ignored", version, _describe(exc))
     try:
-        _prune(root, keep)
+        _prune(root, keep, served, kept)
     except Exception as exc:  # noqa: BLE001 - published already
         _warn(said, "%s is current; pruning old versions failed (%s): they are pruned next time", version,
               _describe(exc))

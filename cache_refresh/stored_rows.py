@@ -6,7 +6,7 @@ run's ``embedding_store`` stage (``cache_refresh/job.py`` ``_store_rows``)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -114,18 +114,19 @@ def _discard_stored(rs: RefreshSettings, rds: RedisSettings, version: str, why: 
 
 
 def _prune_stored(rs: RefreshSettings, rds: RedisSettings, root: Path, previous: str | None,
-                  on_error: Callable[[str], None] | None = None) -> None:
+                  on_error: Callable[[str], None] | None = None, served: Collection[str] = ()) -> None:
     """Delete the embedding store's rows of this publish root's versions that it no longer holds (pruned; best
     effort: logged). Versions another publish root wrote under the same prefix are left alone.
 
     ``previous`` (the version CURRENT named before this publish) keeps its rows even when ``keep_versions``
     pruned its files: rankers serve it until they have loaded the new version, and a ranker whose rows were
     deleted under it would serve hash-bucket fallbacks (and fire ``embedding_store_errors``) meanwhile. The
-    next refresh deletes them. ``on_error``: its error (:func:`_cleanup_failed`)."""
+    next refresh deletes them. ``served`` (the versions live scoring processes serve, ``job._served``) keep their
+    rows too. ``on_error``: its error (:func:`_cleanup_failed`)."""
     try:
         client = _redis(rds, rs)
         try:
-            keep = set(artifact_versions.list_versions(root)) | ({previous} if previous else set())
+            keep = set(artifact_versions.list_versions(root)) | ({previous} if previous else set()) | set(served)
             for version in sorted(stored_versions.version_names(client, rds.prefix, owner=_owner(rs)) - keep):
                 n = stored_versions.delete_version(client, rds.prefix, version)
                 log.info("refresh: deleted %d embedding store keys of pruned version %s", n, version)

@@ -328,6 +328,10 @@ class ServingMetrics:
                                              registry=r)
         for reason in ("full", "redis", "refused", "stopped", "invalid", "error"):
             self.lookup_counts_dropped.labels(reason)
+        self.served_version_errors = Counter("streamrec_serving_served_version_errors", "Writes (or the stop's "
+                                             "delete) of this process's <prefix>:serving:<host>:<pid> key that Redis "
+                                             "failed or refused: a refresh may prune the version it serves.",
+                                             registry=r)
         self.lookups = _LookupCollector(live_model)
         r.register(self.lookups)  # type: ignore[arg-type]
 

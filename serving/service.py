@@ -25,6 +25,7 @@ from serving.http_server import Server, make_server
 from serving.lookup_counts import LookupCounts
 from serving.metrics import ServingMetrics
 from serving.model import ScoringModel
+from serving.served_versions import ServedVersionBeacon
 from serving.settings import EmbeddingStore, ServeSettings
 from serving.swap import ModelHolder, ModelUpdater
 from stream.config import RedisSettings
@@ -103,9 +104,14 @@ class ScoringService:
         if self.embedding_store is not None:  # the layered mode: cold rows from Redis (serving/embedding_store.py)
             store = self.embedding_store
             load = lambda p, d: ScoringModel.load(p, device=d, signing_key=signing_key, store=store)  # noqa: E731
+        # The version this process serves, told to the refresh (its prune keeps it): on the update channels' client
+        self.served: ServedVersionBeacon | None = None
+        if self.pubsub_redis is not None:
+            self.served = ServedVersionBeacon(self.pubsub_redis, prefix, self._live_version, self.metrics)
         self.updater = ModelUpdater(self.holder, self.metrics, settings.publish_root, settings.deltas_dir,
                                     device=self.device, poll_s=settings.poll_s, redis_client=self.pubsub_redis,
-                                    prefix=prefix, signing_key=signing_key, load=load)
+                                    prefix=prefix, signing_key=signing_key, load=load,
+                                    on_swap=self.served.wake if self.served is not None else lambda: None)
         self.lookups: LookupCounts | None = None
         if redis_settings is not None and settings.lookup_counts:
             # Its own client: a flush of many ids may take longer than the request path's timeout; no retries
@@ -121,6 +127,10 @@ class ScoringService:
                               history_len=redis_settings.history_len if redis_settings else 50, version=version,
                               lookups=self.lookups, limits=limits, history_cache=self.history_cache)
         self.server: Server | None = None
+
+    def _live_version(self) -> str | None:
+        model = self.holder.model()
+        return model.version if model is not None else None
 
     @property
     def port(self) -> int:
@@ -142,6 +152,8 @@ class ScoringService:
             if self.history_cache is not None:
                 self.history_cache.start()
             self.updater.start()
+            if self.served is not None:
+                self.served.start()
             if self.lookups is not None:
                 self.lookups.start()
             self.server = make_server(self.s.server, self.app, self.s.host, self.s.port)
@@ -184,6 +196,8 @@ class ScoringService:
             server = self.server
             steps.append(lambda: server.stop(grace_s))
         steps.append(self.updater.stop)
+        if self.served is not None:
+            steps.append(self.served.stop)  # (before the clients close: its key is deleted)
         if self.emptied is not None:
             steps.append(self.emptied.stop)
         if self.history_cache is not None:

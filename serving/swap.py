@@ -155,8 +155,10 @@ class ModelUpdater:
     def __init__(self, holder: ModelHolder, metrics: ServingMetrics, publish_root: Path, deltas_dir: Path | None,
                  device: str = "cpu", poll_s: float = 0.5, redis_client: redis.Redis | None = None,
                  prefix: str = "streamrec", load: Callable[[Path, str], ScoringModel] | None = None,
-                 signing_key: SigningKey | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 signing_key: SigningKey | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_swap: Callable[[], None] = lambda: None) -> None:
         self.holder, self.metrics = holder, metrics
+        self.on_swap = on_swap  # after each swap (serving/served_versions.py: the served version told to Redis)
         self.root = Path(publish_root)
         self.signing_key = signing_key
         self.deltas = (DeltaReader(deltas_dir, on_reject=self._delta_rejected, on_skip=self._delta_skipped,
@@ -383,6 +385,7 @@ class ModelUpdater:
         self.holder.live = new
         self.holder.problem = None
         self.metrics.swaps.inc()
+        self.on_swap()
         log.info("serving artifact %s (%s, delta %d) after %.2fs; was %s", model.version, model.format,
                  model.delta_seq, time.monotonic() - t0, live.model.version if live else "nothing")
 

@@ -386,6 +386,56 @@ def test_rows_a_failed_run_kept_because_current_could_not_be_read_are_deleted_by
     assert read_meta(redis_client, rds.prefix, first["version"]) is not None  # live until rankers swap
 
 
+def serving_process_serves(client: redis.Redis, prefix: str, version: str, host: str = "host-a",
+                           pid: int = 4242) -> None:
+    """What a scoring process writes (serving/served_versions.py): the version it serves, under its instance's key."""
+    client.set(f"{prefix}:serving:{host}:{pid}", json.dumps({"version": version, "host": host, "pid": pid,
+                                                             "since": 0.0}), ex=30)
+
+
+def test_a_version_a_scoring_process_still_serves_is_kept_past_keep_versions_with_its_rows(
+        env, redis_client: redis.Redis) -> None:
+    """Serving rejected every publish after its version (a signing key mismatch, an artifact failing its probe) and
+    still scores with it. Before, the prune knew nothing of it: two publishes later (keep_versions 1) its directory
+    was deleted and then its embedding-store rows (every layered miss fell back to bucket rows, and a restarted
+    serving found no model it accepts). Now it is kept, files and rows, and the summary says why."""
+    rs, kafka, rds = env
+    rs = dataclasses.replace(rs, embedding_store=EmbeddingStore.LAYERED, keep_versions=1)
+    served = job.run_once(rs, kafka, rds)["version"]
+    serving_process_serves(redis_client, rds.prefix, served)
+    job.run_once(rs, kafka, rds)
+    last = job.run_once(rs, kafka, rds)
+    assert served in artifact_versions.list_versions(rs.publish_root)
+    assert read_meta(redis_client, rds.prefix, served) is not None
+    assert last["kept_served"] == [f"kept {served}: served by host-a:4242"]
+    assert len(artifact_versions.list_versions(rs.publish_root)) == 2  # the one in between pruned as before
+
+
+def test_redis_failing_when_the_refresh_reads_what_serving_serves_prunes_as_before_with_a_warning(
+        env, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    rs, kafka, rds = env
+    rs = dataclasses.replace(rs, keep_versions=1)
+    first = job.run_once(rs, kafka, rds)["version"]
+    serving_process_serves(redis_client, rds.prefix, first)
+
+    def unreachable(*_a: object, **_kw: object) -> dict[str, list[str]]:
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(job, "served_versions", unreachable)
+    second = job.run_once(rs, kafka, rds)
+    assert second["published"] and second["kept_served"] == []
+    assert artifact_versions.list_versions(rs.publish_root) == [second["version"]]  # pruned as before the fix
+    assert any(r.levelname == "WARNING" and "could not read which versions serving serves" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_the_refresh_reads_which_version_a_dead_redis_serves_as_none_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    rs = RefreshSettings(redis_attempts=1, redis_timeout_s=1.0)
+    assert job._served(rs, RedisSettings(url=f"redis://127.0.0.1:{free_port()}")) == {}
+    assert [r.levelname for r in caplog.records if "which versions serving serves" in r.getMessage()] == ["WARNING"]
+
+
 def test_an_operators_run_over_an_unreadable_pin_says_the_pin_was_unreadable(
         env, caplog: pytest.LogCaptureFixture) -> None:
     rs, kafka, rds = env
