@@ -323,7 +323,8 @@ class UserHistory:
 
         Per distinct user: one LPUSH with that user's entries in the given order (the same as one LPUSH per entry),
         but for those among the list's newest ``n + REDO_SLACK`` or earlier in the batch (the redo rule, module
-        docstring: a batch appended again right after changes nothing), then one LTRIM to ``max_len`` (where the list
+        docstring: a batch appended again right after changes nothing; of a user's entries only the last ``max_len``
+        are sent, the others being trimmed at once anyway), then one LTRIM to ``max_len`` (where the list
         grew past it) and one EXPIRE to ``ttl_days`` from now, wall clock (PERSIST where ``ttl_days`` is 0; module
         docstring); all in one script call (``_APPEND_MANY``). A key that is not a list
         fails its own append only (it is not trimmed, and its expiry is left as it was): the others are made, then
@@ -342,8 +343,11 @@ class UserHistory:
         for group in self._by_slot(list(by_user)):
             args: list[int | str] = [self.max_len, self.ttl_days * DAY_S]
             for u in group:
-                args.append(len(by_user[u]))
-                args.extend(by_user[u])
+                # Only the newest max_len: the script's LTRIM would drop the older ones at once, and a redo that
+                # searched for them (trimmed, so not found) pushed them again over the batch's newer clicks.
+                entries = list(by_user[u])[-self.max_len:]
+                args.append(len(entries))
+                args.extend(entries)
             calls.append(([self.key(u) for u in group], args))
         if self._append_many is None:
             self._append_many = self.client.register_script(self._APPEND_MANY)

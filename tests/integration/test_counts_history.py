@@ -342,6 +342,23 @@ def test_a_batch_redone_after_other_partitions_appended_clicks_of_the_user_is_fo
     assert h.recent(1) == [10, 11, *range(100, 100 + REDO_SLACK), 99]
 
 
+def test_a_batch_of_more_clicks_of_a_user_than_max_len_redone_leaves_the_list_as_appended_once(
+        redis_client: redis.Redis, prefix: str) -> None:
+    """A batch with more clicks of one user than the list keeps (a replay's burst: ML-1M users rate hundreds of films
+    within minutes) keeps its newest ``max_len``; its oldest ones were trimmed in the same script. A redo searched the
+    head for those trimmed ones, did not find them and pushed them again over the batch's newer clicks: the list then
+    held the batch's two oldest clicks and lost two of its newest kept ones (the reads' features changed with each
+    redo). A redo now changes nothing."""
+    h = UserHistory(redis_client, prefix=prefix, max_len=4)
+    batch = ([1] * 6, list(range(10, 16)), list(range(1, 7)))
+    h.append_many(*batch)
+    once = redis_client.lrange(h.key(1), 0, -1)
+    assert once == [b"6:15", b"5:14", b"4:13", b"3:12"]
+    h.append_many(*batch)
+    assert redis_client.lrange(h.key(1), 0, -1) == once
+    assert h.recent(1) == [12, 13, 14, 15]
+
+
 def test_the_same_click_twice_in_one_batch_is_stored_once(redis_client: redis.Redis, prefix: str) -> None:
     """Two entries alike (the same item at the same millisecond: two impressions of it clicked at once) are one click
     for every reader (``_parse``), so the second takes no room either."""
