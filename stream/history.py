@@ -98,20 +98,25 @@ def _same_length(**named: list[int]) -> None:
 _INT64 = 2**63
 
 
+_ENTRY = re.compile(rb"(\d{1,19}):(-?\d{1,19})")  # one entry as the joiner writes it (ASCII digits only)
+_WELL_FORMED = re.compile(rb"\d{1,19}:-?\d{1,19}(?:\n\d{1,19}:-?\d{1,19})*")  # entries joined by newlines
+
+
 def _entry(raw: bytes | str) -> tuple[int, int] | None:
-    """``"{ts}:{item}"`` -> ``(ts, item)``; None for anything else (written by someone else, or damaged)."""
+    """``"{ts}:{item}"`` -> ``(ts, item)``; None for anything else (written by someone else, or damaged). Only the
+    form the joiner writes (``_ENTRY``): Python's int() also reads " 6", "+5", "1_0", "6\n" and other scripts' digits
+    ("٣"), so a damaged or foreign entry read as a click, uncounted."""
     try:
-        text = raw.decode() if isinstance(raw, bytes) else raw
-        ts_text, sep, item_text = text.partition(":")
-        ts, item = int(ts_text), int(item_text)
-    except (UnicodeDecodeError, ValueError, AttributeError):
+        got = _ENTRY.fullmatch(raw.encode() if isinstance(raw, str) else raw)
+    except (UnicodeEncodeError, TypeError, AttributeError):
         return None
-    if not sep or not 0 <= ts < _INT64 or not -_INT64 <= item < _INT64:
+    if got is None:
+        return None
+    ts, item = int(got[1]), int(got[2])
+    if not 0 <= ts < _INT64 or not -_INT64 <= item < _INT64:
         return None
     return ts, item
 
-
-_WELL_FORMED = re.compile(rb"\d{1,19}:-?\d{1,19}(?:\n\d{1,19}:-?\d{1,19})*")
 _CLAMPED = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)  # where np.fromstring saturates an out-of-range number
 _COLON, _NEWLINE, _DASH = ord(":"), ord("\n"), ord("-")
 

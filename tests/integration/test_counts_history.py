@@ -427,6 +427,21 @@ def test_a_malformed_history_entry_is_skipped_not_an_error(redis_client: redis.R
     assert h.recent(5) == [100, 200]
 
 
+@pytest.mark.parametrize("odd", ["+1500:300", " 1500:300", "1500:300 ", "1500:300\n", "1_500:300", "1500:3_00",
+                                 "1500:+300", "\u0661\u0665\u0660\u0660:300", "1500:\uff13\uff10\uff10"])
+def test_an_entry_python_int_reads_but_the_joiner_never_writes_is_malformed_not_a_click(
+        redis_client: redis.Redis, prefix: str, odd: str) -> None:
+    """An entry with a sign, blanks, underscores or another script's digits is no "{ts}:{item}" the joiner writes (a
+    damaged or foreign one): it was read as a click of item 300 (Python's int() reads them all), in every read of the
+    user and uncounted. It is skipped and counted as malformed, as every other such entry is."""
+    h = UserHistory(redis_client, prefix=prefix, max_len=10)
+    h.append_many([5, 5], [100, 200], [1000, 2000])
+    redis_client.lpush(h.key(5), odd)
+    before = HISTORY_MALFORMED._value.get()
+    assert h.recent(5) == [100, 200] and h.as_of([5], [3000]) == [[100, 200]]
+    assert HISTORY_MALFORMED._value.get() == before + 2
+
+
 def _net_output_bytes(client: redis.Redis) -> int:
     return int(client.info("stats")["total_net_output_bytes"])
 
