@@ -26,7 +26,11 @@ click anyway. Only the list's head is searched: a redo comes right after its fai
 appended meanwhile (by other partitions' workers) are few, and a search of the whole kept list cost 1.8-2.5x the
 append (bench/README.md, "history appends"). What it misses: a redo after more than ``REDO_SLACK`` newer clicks of
 that user were appended pushes copies, as every redo did before; readers still deduplicate (:func:`_parse`), so such
-a copy costs one older click its room, never a wrong feature.
+a copy costs one older click its room, never a wrong feature. Those newer clicks include the first run's own that the
+redo's batch does not hold: a redo cut shorter (a rebalance's first fetch) with 5 of a user's 30 clicks searches the
+newest 21 entries, where the first run left those 5 at depth 25-29, and pushes them again (measured on a real Redis).
+Of a user's clicks in one batch only the newest ``max_len`` are sent: the LTRIM dropped the others at once, and a redo
+that searched for them pushed them again over the batch's newer clicks (:meth:`UserHistory.append_many`).
 
 Expiry (``[redis] history_ttl_days``, ``ttl_days`` here): each append also sets its key to expire ``ttl_days`` from
 *now* (EXPIRE in the same script), a sliding expiry: an active user's list never expires, one idle that long is
