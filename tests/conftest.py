@@ -57,8 +57,8 @@ def fault_rounds(request: pytest.FixtureRequest) -> int:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     st = LocalStack(StackSettings(state_dir=tmp_path_factory.mktemp("stack"), kafka_port=free_port(),
                                   redis_port=free_port()))
-    st.up()
-    try:
+    try:  # up inside: a Redis that fails to start after the broker did (or a ^C during up) left the broker running
+        st.up()
         yield st
     finally:
         st.down()
