@@ -8,7 +8,9 @@ the last lines it logged and what to do."""
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -67,3 +69,22 @@ def not_started(name: str, address: str, code: int | None, timeout_s: float, log
         head = (f"{name} exited at start ({exit_status(code)}) before answering on {address}: fix what its log says "
                 f"(a bad flag? its port taken by another process since the check?), then {again}")
     return f"{head}; the last lines of {log}:\n{log_tail(log, since)}"
+
+
+def dies_with_parent(when: bool = True) -> Callable[[], None] | None:
+    """A ``preexec_fn`` binding a service to the thread that starts it (None: not ``when``): SIGKILLed when that thread
+    ends, however it ends (Linux prctl PR_SET_PDEATHSIG, kept over the exec; a test session killed before its teardown,
+    by SIGTERM, the hang watchdog or an OOM kill, left its broker and Redis running), and exits at once if it ended
+    before the child asked."""
+    import ctypes
+
+    if not when:
+        return None
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError("a service bound to the process that starts it needs Linux (prctl PR_SET_PDEATHSIG)")
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()  # looked up before the fork, not in the child
+
+    def bind() -> None:
+        if prctl(1, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:  # 1: PR_SET_PDEATHSIG
+            os._exit(1)
+    return bind

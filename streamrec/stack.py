@@ -29,7 +29,7 @@ from pathlib import Path
 from stream.config import check_counts, check_durations, check_ports
 from stream.errors import StreamrecError
 from stream.files import listens_on, open_append_regular, process_identity, process_matches, read_regular, write_atomic
-from stream.startup import not_started, wait_ready
+from stream.startup import dies_with_parent, not_started, wait_ready
 
 
 @dataclass(frozen=True)
@@ -114,10 +114,10 @@ def _port_open(host: str, port: int) -> bool:
 
 
 class LocalStack:
-    """Start, stop and describe the local broker and Redis of one state directory."""
+    """Start, stop and describe the local broker and Redis of one state directory (``bound``: they die with it)."""
 
-    def __init__(self, settings: StackSettings) -> None:
-        self.s = settings
+    def __init__(self, settings: StackSettings, *, bound: bool = False) -> None:
+        self.s, self.bound = settings, bound  # bound: a test session's (stream.startup.dies_with_parent)
         self.state_dir = Path(settings.state_dir)
         self._children: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -222,7 +222,7 @@ class LocalStack:
                              f"{self._log_file(name)}") from None
         try:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, cwd=self.state_dir)
+                                    start_new_session=True, cwd=self.state_dir, preexec_fn=dies_with_parent(self.bound))
         finally:
             out.close()
         self._children[name] = proc

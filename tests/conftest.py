@@ -56,7 +56,7 @@ def fault_rounds(request: pytest.FixtureRequest) -> int:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     st = LocalStack(StackSettings(state_dir=tmp_path_factory.mktemp("stack"), kafka_port=free_port(),
-                                  redis_port=free_port()))
+                                  redis_port=free_port()), bound=True)  # gone with a session killed before teardown
     try:  # up inside: a Redis that fails to start after the broker did (or a ^C during up) left the broker running
         st.up()
         yield st

@@ -13,7 +13,8 @@ dump is a file per process under the pytest cache (``hangs/``); without xdist, r
 faulthandler's ``Timeout (...)!`` line is a hang: a worker that died otherwise (an OOM kill) left its header alone.
 Known limits: a child made by a bare ``os.fork()`` while the timer is armed hangs in its interpreter exit (the
 faulthandler lock is copied held; multiprocessing's and subprocess's children are not affected, as with pytest's own
-``faulthandler_timeout``), and a killed worker's session fixtures (its broker and Redis) are not torn down."""
+``faulthandler_timeout``), and a killed worker's session fixtures are not torn down (its broker and Redis die with it:
+tests/conftest.py starts them bound to the worker, ``LocalStack(bound=True)``)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
 """The tests' session ``stack`` fixture (tests/conftest.py) leaves no broker or Redis behind: not when one of its
-services fails to start after the other did. Each case runs an inner pytest session in its own process, on its own
+services fails to start after the other did, not when the session is killed before its teardown (SIGTERM, SIGKILL:
+the hang watchdog's exit, an OOM kill). Each case runs an inner pytest session in its own process, on its own
 basetemp, and then looks at the processes its pid files name."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from streamrec.stack import LocalStack, StackSettings
 pytest_plugins = ["pytester"]
 
 REPO = Path(__file__).resolve().parents[2]
+GONE_WITHIN_S = 30.0  # a bound on the wait for a killed process to be reaped, not a timing under test
 
 
 def _run_inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, test: str) -> tuple[Path, int]:
@@ -59,6 +62,23 @@ def test_the_session_stack_stops_its_broker_when_its_redis_then_fails_to_start(
     try:
         assert ret == pytest.ExitCode.TESTS_FAILED  # the fixture's StackError: an error at setup
         assert _started_broker(basetemp), "the inner session never started its broker: this test proves nothing"
+        assert _live_services(basetemp) == []
+    finally:
+        _stop_leftovers(basetemp)
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGKILL"])
+def test_the_session_stack_does_not_outlive_a_session_killed_before_its_teardown(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, signal_name: str) -> None:
+    inner = ("import os, signal\n\n"
+             f"def test_killed_while_the_stack_runs(stack):\n    os.kill(os.getpid(), signal.{signal_name})\n")
+    basetemp, ret = _run_inner(pytester, monkeypatch, inner)
+    try:
+        assert ret < 0, f"the inner session was not killed (exit {ret})"
+        assert _started_broker(basetemp), "the inner session never started its broker: this test proves nothing"
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while _live_services(basetemp) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert _live_services(basetemp) == []
     finally:
         _stop_leftovers(basetemp)
