@@ -8,11 +8,12 @@ the last lines it logged and what to do."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from stream.files import read_tail
@@ -88,3 +89,13 @@ def dies_with_parent(when: bool = True) -> Callable[[], None] | None:
         if prctl(1, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:  # 1: PR_SET_PDEATHSIG
             os._exit(1)
     return bind
+
+
+def environment_without(names: Iterable[str], service: str, log: logging.Logger) -> dict[str, str]:
+    """``os.environ`` for the process of ``service``, less ``names``: the variables it reads where a flag it is not
+    given would be, generic names that other tools set for themselves; each one set is said in a WARNING, not read."""
+    unread = sorted(set(names) & set(os.environ))
+    if unread:
+        log.warning("%s: %s in the environment are not read (its starter gives its settings; another tool's values "
+                    "changed or failed its start): unset them to silence this", service, ", ".join(unread))
+    return {k: v for k, v in os.environ.items() if k not in unread}

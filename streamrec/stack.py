@@ -23,13 +23,13 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from stream.config import check_counts, check_durations, check_ports
 from stream.errors import StreamrecError
 from stream.files import listens_on, open_append_regular, process_identity, process_matches, read_regular, write_atomic
-from stream.startup import dies_with_parent, not_started, wait_ready
+from stream.startup import dies_with_parent, environment_without, not_started, wait_ready
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ class StackSettings:
 
 log = logging.getLogger("streamrec.stack")
 
+# What Tansu 0.6 reads where a flag is not given (`tansu broker --help`): SCHEMA_REGISTRY=http://... failed its start
+TANSU_ENVIRONMENT = ("CLUSTER_ID", "LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "SCHEMA_REGISTRY",
+                     "OTEL_EXPORTER_OTLP_ENDPOINT")
 _MAX_PID_FILE_BYTES = 64 << 10  # a pid file holds a pid, a port and a command line
 
 
@@ -137,11 +140,11 @@ class LocalStack:
             self._ensure("kafka", tansu_binary(), self.s.kafka_port, [
                 "broker", "--listener-url", kafka_url, "--advertised-listener-url", kafka_url,
                 "--storage-engine", "memory://tansu/",
-            ], self._kafka_ready)
+            ], self._kafka_ready, environment_without(TANSU_ENVIRONMENT, "kafka", log))
             self._ensure("redis", redis_binary(), self.s.redis_port, [
                 *redis_server_args(self.s.host, self.s.redis_port), "--daemonize", "no",
                 "--dir", str(self.state_dir.resolve()),
-            ], self._redis_ready)
+            ], self._redis_ready, dict(os.environ))
         except OSError as exc:
             from stream.files import describe_os_error  # (the import line above is full)
             raise StackError(f"{describe_os_error(exc)}; state directory {self.state_dir} (--state-dir)") from None
@@ -197,7 +200,7 @@ class LocalStack:
             log.warning("%s: cannot read it (%s); taken as no pid file", path, exc)
         return None
 
-    def _ensure(self, name: str, binary: Path, port: int, args: list[str], ready) -> None:
+    def _ensure(self, name: str, binary: Path, port: int, args: list[str], ready, env: dict[str, str]) -> None:
         info = self._read_pid(name)
         if info is not None:
             if process_matches(info["pid"], binary.name, info.get("started")):  # ours: never dropped while it runs
@@ -221,7 +224,7 @@ class LocalStack:
             raise StackError(f"{name}: cannot open its log for appending ({exc}); remove or move "
                              f"{self._log_file(name)}") from None
         try:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True, cwd=self.state_dir, preexec_fn=dies_with_parent(self.bound))
         finally:
             out.close()
@@ -283,7 +286,3 @@ class LocalStack:
             return wait_until_up(client, timeout_s, running, pid)
         finally:
             client.close()
-
-
-def status_dicts(statuses: list[ServiceStatus]) -> list[dict]:
-    return [asdict(s) for s in statuses]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 from typing import Any
 
 from streamrec.commands.common import EXIT_FAILED, EXIT_OK, add_common, default_help, emit, sources
@@ -23,7 +24,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from streamrec.stack import LocalStack, status_dicts
+    from streamrec.stack import LocalStack
 
     src = sources(args)
     stack = LocalStack(src.build(StackSettings, "stack", state_dir=args.state_dir))
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         "bootstrap_servers": stack.bootstrap_servers,
         "redis_url": stack.redis_url,
         "state_dir": str(stack.state_dir),
-        "services": status_dicts(statuses),
+        "services": [asdict(s) for s in statuses],
         "running": all(s.running for s in statuses),
     }
 

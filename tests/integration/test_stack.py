@@ -302,3 +302,20 @@ def test_a_service_that_dies_silently_shows_no_line_of_an_earlier_start(tmp_path
     with pytest.raises(StackError) as err:
         st.up()
     assert str(err.value).splitlines()[1:] == ["  (nothing: this start wrote no line)"]
+
+
+def test_the_brokers_own_environment_names_set_for_other_tools_are_not_read_and_are_said(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("SCHEMA_REGISTRY", "http://localhost:8081")  # a Confluent registry's: Tansu exited
+    monkeypatch.setenv("CLUSTER_ID", "someone-elses")  # Tansu took it for its cluster id, said nowhere
+    st = _stack(tmp_path)
+    try:
+        with caplog.at_level("WARNING", logger="streamrec.stack"):
+            kafka, _ = st.up()
+        assert kafka.running
+        environ = Path(f"/proc/{kafka.pid}/environ").read_bytes().split(b"\0")
+        assert not [v for v in environ if v.startswith((b"SCHEMA_REGISTRY=", b"CLUSTER_ID="))]
+    finally:
+        st.down()
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("CLUSTER_ID" in m and "SCHEMA_REGISTRY" in m and "not read" in m for m in said), said
