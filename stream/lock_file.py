@@ -11,6 +11,7 @@ import fcntl
 import logging
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from stream.files import describe_os_error
@@ -71,6 +72,17 @@ def release_lock(fd: int | None) -> None:
         _HELD.discard(fd)
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(path: Path, who: str, logger: logging.Logger = log) -> Iterator[None]:
+    """:func:`hold_lock` on ``path`` for the ``with`` block, released at its end (:class:`LockHeld` when another process
+    holds it: not waited for)."""
+    fd = hold_lock(path, who, logger)
+    try:
+        yield
+    finally:
+        release_lock(fd)
 
 
 # The lock descriptors this process holds. A forked child (a DataLoader worker) closes its copies: holding one, it

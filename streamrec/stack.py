@@ -29,6 +29,7 @@ from pathlib import Path
 from stream.config import check_counts, check_durations, check_ports
 from stream.errors import StreamrecError
 from stream.files import listens_on, open_append_regular, process_identity, process_matches, read_regular, write_atomic
+from stream.lock_file import locked
 from stream.startup import dies_with_parent, environment_without, not_started, wait_ready
 
 
@@ -50,9 +51,7 @@ class StackSettings:
 
 log = logging.getLogger("streamrec.stack")
 
-# What Tansu 0.6 reads where a flag is not given (`tansu broker --help`): SCHEMA_REGISTRY=http://... failed its start
-TANSU_ENVIRONMENT = ("CLUSTER_ID", "LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "SCHEMA_REGISTRY",
-                     "OTEL_EXPORTER_OTLP_ENDPOINT")
+TANSU_ENVIRONMENT = ("CLUSTER_ID", "SCHEMA_REGISTRY", "OTEL_EXPORTER_OTLP_ENDPOINT")  # read for flags not given
 _MAX_PID_FILE_BYTES = 64 << 10  # a pid file holds a pid, a port and a command line
 
 
@@ -137,14 +136,15 @@ class LocalStack:
         try:  # a state directory that is a file, read-only or full, a binary not executable: one line, no traceback
             self.state_dir.mkdir(parents=True, exist_ok=True)
             kafka_url = f"tcp://{self.s.host}:{self.s.kafka_port}"
-            self._ensure("kafka", tansu_binary(), self.s.kafka_port, [
-                "broker", "--listener-url", kafka_url, "--advertised-listener-url", kafka_url,
-                "--storage-engine", "memory://tansu/",
-            ], self._kafka_ready, environment_without(TANSU_ENVIRONMENT, "kafka", log))
-            self._ensure("redis", redis_binary(), self.s.redis_port, [
-                *redis_server_args(self.s.host, self.s.redis_port), "--daemonize", "no",
-                "--dir", str(self.state_dir.resolve()),
-            ], self._redis_ready, dict(os.environ))
+            with locked(self.state_dir / "stack-up.lock", "`streamrec stack up`", log):  # two at once: one orphan
+                self._ensure("kafka", tansu_binary(), self.s.kafka_port, [
+                    "broker", "--listener-url", kafka_url, "--advertised-listener-url", kafka_url,
+                    "--storage-engine", "memory://tansu/",
+                ], self._kafka_ready, environment_without(TANSU_ENVIRONMENT, "kafka", log))
+                self._ensure("redis", redis_binary(), self.s.redis_port, [
+                    *redis_server_args(self.s.host, self.s.redis_port), "--daemonize", "no",
+                    "--dir", str(self.state_dir.resolve()),
+                ], self._redis_ready, dict(os.environ))
         except OSError as exc:
             from stream.files import describe_os_error  # (the import line above is full)
             raise StackError(f"{describe_os_error(exc)}; state directory {self.state_dir} (--state-dir)") from None

@@ -319,3 +319,18 @@ def test_the_brokers_own_environment_names_set_for_other_tools_are_not_read_and_
         st.down()
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("CLUSTER_ID" in m and "SCHEMA_REGISTRY" in m and "not read" in m for m in said), said
+
+
+def test_up_while_another_up_runs_on_its_state_dir_is_refused_naming_it_and_starts_nothing(tmp_path: Path) -> None:
+    from stream.lock_file import hold_lock, release_lock
+
+    st = _stack(tmp_path)  # two at once each started a broker, one lost the bind and removed the winner's pid file:
+    st.state_dir.mkdir(parents=True)  # the broker that ran had none, `down` never stopped it
+    other = hold_lock(st.state_dir / "stack-up.lock")  # another `stack up` in the middle of its start
+    try:
+        with pytest.raises(StackError, match=r"stack-up\.lock is held by another process \(pid \d+\)"):
+            st.up()
+    finally:
+        release_lock(other)
+        st.down()
+    assert sorted(p.name for p in st.state_dir.iterdir()) == ["stack-up.lock"]  # no log, no pid file: nothing started
