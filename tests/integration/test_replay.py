@@ -132,14 +132,8 @@ def test_a_pace_over_a_year_is_refused_before_anything_is_sent(setting: str, val
     assert read_topic(kafka, kafka.impressions_topic) == []
 
 
-def test_a_speed_paced_log_of_only_rejected_rows_paces_from_its_first_row_not_the_epoch(
-        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A file whose every row is rejected (negative user ids) but has a valid time: its dead letters were paced from
-    event time 0 (the first accepted event's time, of which there was none), so --speed 1 slept 54 years before the
-    first of them. Now event time counts from the first row's own time: two rows 1 s apart at speed 1 wait ~1 s."""
-    log = tmp_path / "log.csv"
-    log.write_text("user_id,item_id,ts,clicked\n-1,2,1700000000000,1\n-1,3,1700000001000,0\n")
-    table = load_eventlog(log, ColumnMap(), ClickDelay(), seed=1)
+def _recorded_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The publisher's pacing sleeps, recorded (each slept 10 ms at most)."""
     sleeps: list[float] = []
     real_sleep = time.sleep
 
@@ -148,6 +142,18 @@ def test_a_speed_paced_log_of_only_rejected_rows_paces_from_its_first_row_not_th
         real_sleep(min(s, 0.01))
 
     monkeypatch.setattr(publisher_module.time, "sleep", sleep)
+    return sleeps
+
+
+def test_a_speed_paced_log_of_only_rejected_rows_paces_from_its_first_row_not_the_epoch(
+        kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file whose every row is rejected (negative user ids) but has a valid time: its dead letters were paced from
+    event time 0 (the first accepted event's time, of which there was none), so --speed 1 slept 54 years before the
+    first of them. Now event time counts from the first row's own time: two rows 1 s apart at speed 1 wait ~1 s."""
+    log = tmp_path / "log.csv"
+    log.write_text("user_id,item_id,ts,clicked\n-1,2,1700000000000,1\n-1,3,1700000001000,0\n")
+    table = load_eventlog(log, ColumnMap(), ClickDelay(), seed=1)
+    sleeps = _recorded_sleeps(monkeypatch)
     summary = publish(table, kafka, "log", speed=1.0)
     assert summary.dead_lettered == 2
     assert sleeps and max(sleeps) < 2.0, sleeps
@@ -162,14 +168,7 @@ def test_a_row_rejected_for_a_time_ahead_of_the_wall_clock_does_not_pace_the_rep
     log = tmp_path / "log.csv"
     log.write_text("user_id,item_id,ts,clicked\n1,2,1700000000000,0\n3,4,4000000000000,0\n5,6,1700000000500,0\n")
     table = load_eventlog(log, ColumnMap(), ClickDelay(), seed=1)
-    sleeps: list[float] = []
-    real_sleep = time.sleep
-
-    def sleep(s: float) -> None:
-        sleeps.append(s)
-        real_sleep(min(s, 0.01))
-
-    monkeypatch.setattr(publisher_module.time, "sleep", sleep)
+    sleeps = _recorded_sleeps(monkeypatch)
     summary = publish(table, kafka, "log", speed=1.0)
     assert (summary.impressions, summary.dead_lettered) == (2, 1)
     assert table.raw[0].error is not None and table.raw[0].error.kind == "future_ts"  # type: ignore[attr-defined]
