@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from stream.secrets import _KV_SECRET, redact
 from streamrec.cli import main
 
 PASSWORD = "Pw0rdHEAD" + "x" * 150  # a long token (a JWT or an API key as the password)
@@ -49,3 +50,25 @@ def test_a_rules_error_quoting_a_source_url_of_the_wrong_shape_shows_no_part_of_
     err = capsys.readouterr().err
     assert "Pw0rd" not in err and "xxxxx" not in err, err
     assert "alert rules file" in err and "***@" in err, err
+
+
+@pytest.mark.parametrize("run", ["a." * 512 + "password", "a-" * 512 + "token", "x.password" * 100])
+def test_a_long_run_of_key_characters_is_tried_as_a_credential_key_from_its_first_character_only(run: str) -> None:
+    """shown() scrubs up to 8192 characters of a bad message's value per call (redact_for_cut), and the pair pattern
+    was tried from every word boundary inside a run of [\\w.-], each try scanning the rest of the run: 'a.' * 2048
+    took 1.3 s per scrub, so a flood of such messages held the decoder. A key is now the whole run, tried once from
+    its first character: a try that begins inside the run (each '.' or '-' made one) finds no key."""
+    text = f"{run}=hunter22"
+    assert redact(text) == f"{run}=***"
+    assert [i for i in range(1, len(run)) if _KV_SECRET.match(text, i) is not None] == []
+
+
+@pytest.mark.parametrize("text", ["a.password=hunter22", "x-sasl.password: 'hunter22'", "1.token=abc&b=2",
+                                  "db_password_file=/run/s", "my.api-key = 'k3y'", "PASSWORD=x,token:y"])
+def test_a_key_naming_a_credential_anywhere_in_its_run_is_still_masked(text: str) -> None:
+    assert redact(text) == {"a.password=hunter22": "a.password=***",
+                            "x-sasl.password: 'hunter22'": "x-sasl.password: '***'",
+                            "1.token=abc&b=2": "1.token=***&b=2",
+                            "db_password_file=/run/s": "db_password_file=/run/s",
+                            "my.api-key = 'k3y'": "my.api-key = '***'",
+                            "PASSWORD=x,token:y": "PASSWORD=***,token:***"}[text]
