@@ -42,7 +42,12 @@ _pattern: re.Pattern[str] | None = None
 # password may hold a quote (``'`` unencoded, RFC 3986) or ``"<>`` (urlsplit and redis-py take them), and a stop
 # there showed it whole. A URL with no ``@`` is left as it is.
 _URL_SCHEME = re.compile(r"\b[A-Za-z][A-Za-z0-9+._-]*://")
-_URL_USERINFO = re.compile(rf"(?P<scheme>{_URL_SCHEME.pattern})(?P<userinfo>\S*)@")
+# (The scheme as _URL_SCHEME's, tried once from the start of its run of scheme characters, the run taken whole through
+# a lookahead: tried at each \b in the run, 'a.' repeated cost its length squared. And redact applies it only to a
+# token up to its last '@' (_AT_TOKEN), where its \S*@ scanned the rest of the token from each 'a://' in it.)
+_URL_USERINFO = re.compile(r"(?P<scheme>(?<![A-Za-z0-9+._-])(?=[A-Za-z0-9+._-]*?\b[A-Za-z])"
+                           r"(?=(?P<run>[A-Za-z0-9+._-]+))(?P=run)://)(?P<userinfo>\S*)@")
+_AT_TOKEN = re.compile(r"(?<!\S)[^\s@]*@\S*")  # a whitespace-delimited token holding an '@', from its start
 # A pair's key is a whole run of [\w.-] naming a credential: tried from the run's first character only, once (the run
 # taken whole through a lookahead, as a possessive quantifier would), and its word found by one lazy scan. Tried at
 # each \b in the run and backtracked over it, a run of key characters ('a.' repeated, from a bad message an error
@@ -142,6 +147,16 @@ def hide_url_path(url: str) -> str:
             f"{'/' + MASK if parts.path.strip('/') or parts.query or parts.fragment else ''}")
 
 
+def _userinfo_masked(token: re.Match[str]) -> str:
+    """A token's URL user-info masked (:data:`_URL_USERINFO`): only its text up to its last '@' can hold one, and only
+    where a '://' is in it; each match runs to that '@', so the token is scanned a bounded number of times."""
+    text = token[0]
+    end = text.rindex("@") + 1
+    if "://" not in text[:end]:
+        return text
+    return _URL_USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", text[:end]) + text[end:]
+
+
 def redact(text: str) -> str:
     """``text`` with every registered secret, URL password and ``password=...`` value replaced by ``***``."""
     if not text:
@@ -149,7 +164,7 @@ def redact(text: str) -> str:
     pattern = _pattern
     if pattern is not None:
         text = pattern.sub(MASK, text)
-    text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", text)
+    text = _AT_TOKEN.sub(_userinfo_masked, text)
     return _KV_SECRET.sub(lambda m: f"{m['key']}{m['kq']}{m['sep']}{m['q']}{MASK}", text)
 
 

@@ -8,10 +8,13 @@ the ``@`` ending the user-info left the password's head unmasked (``'redis://u:P
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from stream import secrets
 from stream.secrets import _KV_SECRET, redact
 from streamrec.cli import main
 
@@ -72,3 +75,35 @@ def test_a_key_naming_a_credential_anywhere_in_its_run_is_still_masked(text: str
                             "db_password_file=/run/s": "db_password_file=/run/s",
                             "my.api-key = 'k3y'": "my.api-key = '***'",
                             "PASSWORD=x,token:y": "PASSWORD=***,token:***"}[text]
+
+
+def test_a_url_user_info_is_tried_from_the_start_of_its_scheme_characters_only() -> None:
+    """The scheme (\\b then scheme characters, then '://') was tried at each word boundary of a run of scheme
+    characters, each try scanning the rest of the run: 'a.' * 2048 cost its length squared in every scrub of a bad
+    message's value (redact_for_cut). Tried from the run's first character only, the masking is the same."""
+    text = "a." * 300 + "redis://u:pw0rdSECRET@h:6379"
+    assert redact(text) == "a." * 300 + "redis://***@h:6379"
+    assert [i for i in range(1, 600) if secrets._URL_USERINFO.match(text, i) is not None] == []
+
+
+class _Recorded:
+    """A stand-in for the user-info pattern that records the length of each text it is given to scrub."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        self.pattern = pattern
+        self.lengths: list[int] = []
+
+    def sub(self, repl: Callable[[re.Match[str]], str], text: str) -> str:
+        self.lengths.append(len(text))
+        return self.pattern.sub(repl, text)
+
+
+def test_a_url_user_info_is_searched_only_in_a_token_up_to_its_last_at_sign(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its user-info runs to the last '@' of a whitespace-delimited token, and was searched from every '://' in the
+    whole text, each try scanning the rest of the token: 'a://' * 1024 (no '@') cost its length squared per scrub.
+    Only a token's text up to its last '@', and only one with a '://' in it, is searched now."""
+    recorded = _Recorded(secrets._URL_USERINFO)
+    monkeypatch.setattr(secrets, "_URL_USERINFO", recorded)
+    assert redact("a://" * 1024) == "a://" * 1024
+    assert redact("see redis://u:pw0rdSECRET@h/0" + "a://" * 1024) == "see redis://***@h/0" + "a://" * 1024
+    assert recorded.lengths == [len("redis://u:pw0rdSECRET@")]
