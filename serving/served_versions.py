@@ -22,6 +22,7 @@ from typing import Any
 from serving.metrics import ServingMetrics
 from serving.row_codec import glob_literal
 from serving.stored_versions import get_value
+from stream.redis_client import acl_denied
 
 log = logging.getLogger("streamrec.serve")
 
@@ -43,6 +44,7 @@ class ServedVersionBeacon:
         self.client, self.version_of, self.metrics, self.heartbeat_s = client, version_of, metrics, heartbeat_s
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.key = served_key(prefix, f"{self.host}:{self.pid}")
+        self.pattern = served_key(prefix, "*")  # every process's key: what the ACL grants
         self._since: tuple[str, float] | None = None  # (version, when it went live here)
         self._failing = False
         self._wake, self._stopping = threading.Event(), threading.Event()
@@ -85,9 +87,12 @@ class ServedVersionBeacon:
             command()
         except Exception as exc:  # noqa: BLE001 - Redis down, NOPERM: never a failed request or swap
             self.metrics.served_version_errors.inc()
-            if not self._failing:
-                log.warning("could not %s %s in Redis (%s): a refresh may prune the version this process serves; "
-                            "grant serving SET and DEL on %s (the README's ACL)", what, self.key, exc, self.key)
+            if not self._failing:  # the fix named is the one for this error: a grant only for an ACL refusal
+                fix = (f"grant serving +set +del on ~{self.pattern} (the README's ACL)" if acl_denied(exc) else
+                       "check that the Redis of [redis] url is up, reachable from this host and accepts its "
+                       "credentials")
+                log.warning("could not %s %s in Redis (%s: %s): a refresh may prune the version this process "
+                            "serves; %s", what, self.key, type(exc).__name__, exc, fix)
             self._failing = True
             return
         if self._failing:

@@ -95,8 +95,37 @@ def test_a_redis_that_fails_the_write_is_one_warning_and_a_metric_never_an_error
         beacon.stop()  # the delete fails too: said already
     down.close()
     warned = [r for r in caplog.records if r.levelname == "WARNING" and beacon.key in r.getMessage()]
-    assert len(warned) == 1 and "SET and DEL" in warned[0].getMessage()
+    assert len(warned) == 1 and "reachable" in warned[0].getMessage()
     assert metrics.registry.get_sample_value("streamrec_serving_served_version_errors_total") == 3
+
+
+class _Refusing:
+    """A client whose every command the ACL refuses (NOPERM), or that cannot reach Redis (a ConnectionError)."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def set(self, *args: object, **kwargs: object) -> None:
+        raise self.exc
+
+    def delete(self, *args: object) -> None:
+        raise self.exc
+
+
+@pytest.mark.parametrize(("exc", "fix", "not_fix"), [
+    (redis.exceptions.NoPermissionError("this user has no permissions to access one of the keys used as arguments"),
+     "grant serving +set +del on ~p:serving:*", "reachable"),
+    (redis.ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused."), "reachable", "grant"),
+])
+def test_the_write_warning_names_the_fix_for_its_error_a_grant_only_for_an_acl_refusal(
+        caplog: pytest.LogCaptureFixture, exc: Exception, fix: str, not_fix: str) -> None:
+    """A Redis that was down was told to grant serving SET and DEL, an ACL change that fixes nothing; an ACL
+    refusal named the one key of this process (host:pid), not the pattern every process's key needs."""
+    beacon = ServedVersionBeacon(_Refusing(exc), "p", lambda: "v001", ServingMetrics(ModelHolder().model))
+    with caplog.at_level(logging.WARNING, logger="streamrec.serve"):
+        beacon.beat()
+    [warned] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert fix in warned and not_fix not in warned, warned
 
 
 def test_the_refresh_reads_each_process_version_and_skips_keys_that_are_not_one(
