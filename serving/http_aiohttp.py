@@ -342,13 +342,14 @@ def _aiohttp_protocol() -> type:
             aiohttp closed the connection at once, answering none of them. A body cut short by the EOF is its
             handler's 400 (answered in turn, after the requests before it), as on the threading server: the
             connection was closed at once, the client left without an answer. So is a request whose head the EOF cut
-            short (a 400 before the close: nothing else is being answered). An idle connection is closed at once."""
+            short (a 400 before the close) when nothing else is being answered; behind requests sent in full it ends
+            the connection after their answers (the last says ``Connection: close``). An idle connection is closed at
+            once."""
             if self.linger_left is not None:
                 log.debug("lingering close ended: eof")
                 return None  # (the transport closes)
             if self._parser is None or self._force_close:
                 return None
-            cut = False
             try:
                 self._parser.feed_eof()
             except HttpProcessingError as exc:  # a body (or chunk) cut short; or a head (llhttp's error)
@@ -358,15 +359,14 @@ def _aiohttp_protocol() -> type:
                     body.set_exception(BadFraming(400, f"incomplete body: {reason}, before the connection closed"))
                     self.open_body, self.peer_eof = None, True
                     return True  # (the transport stays open for its answer, which closes it)
-                cut = True
             waiter = getattr(self, "_waiter", None)
             if not self._messages and waiter is not None and not waiter.done():  # no request queued nor handled:
                 if self.deadline is not None and self.transport is not None:  # a request's first bytes came, its
                     self._refused(400)  # head cut short (else idle)
                     self.transport.write(raw_response(400, HEAD_CUT_SHORT))
                 return None  # (the transport closes, the answer flushed)
-            if cut:
-                return None
+            # (a head cut short behind requests sent in full: those are answered, the last saying Connection: close;
+            # closing here dropped their answers, a request sent whole left unanswered)
             self.peer_eof = True  # the last queued request's answer closes the connection (AiohttpServer._reply)
             if not self._messages:
                 self.close()  # no request queued: close once the one being handled (if any) is answered, or now

@@ -335,6 +335,20 @@ def test_a_head_cut_short_by_the_clients_eof_is_a_400_not_served(server: Server,
         assert closed_by_server(s, f)
 
 
+@pytest.mark.parametrize("cut", [b"GET /healthz HTTP/1.1\r\n", b"GET /healthz HTTP/1.1\r\nHost: exa"],
+                         ids=["request-line", "mid-line"])
+def test_a_request_sent_whole_before_a_head_cut_short_by_the_eof_is_answered(server: Server, cut: bytes) -> None:
+    """A request pipelined in full before a head the client's EOF cut short is answered before the connection
+    closes (the threading server then says 400 of the cut one); aiohttp closed at once, the whole request unanswered
+    ("the server closed the connection without answering")."""
+    with connect(server) as s, s.makefile("rb") as f:
+        s.sendall(request("GET", "/healthz") + cut)
+        s.shutdown(socket.SHUT_WR)
+        assert read_response(f)[0] == 200
+        rest = f.read()  # (until the server closes: nothing more than the cut head's 400, if any)
+        assert rest == b"" or rest.startswith(b"HTTP/1.1 400 "), rest[:200]
+
+
 PAD = b"X-Pad: " + b"a" * 7000 + b"\r\n"  # 7009 bytes: a header line within aiohttp's 8190
 
 
