@@ -16,6 +16,7 @@ prefix is checked after each write (``stream/keyspace.py``).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,9 @@ from stream.keyspace import KeyspaceWatch
 from stream.strikes import is_infrastructure
 
 log = logging.getLogger("streamrec.join")
+# Redis refusing a command it does not know (renamed or disabled by rename-command): "unknown command 'evalsha', with
+# args beginning with: ..." (redis-py drops the "ERR "), "unknown subcommand 'load'"; not any other refusal
+_UNKNOWN_COMMAND = re.compile(r"\bunknown (?:sub)?command\b", re.IGNORECASE)
 
 Counts = dict[tuple[str, str], tuple[list[int], list[int]]]  # (kind, event) -> (hashed ids, event times in ms)
 Names = dict[str, set[int | str]]  # kind ("item", "user") -> the raw ids counted under that kind
@@ -172,20 +176,27 @@ class DayCountsWriter:
                         self.names[kind] |= raws
             if isinstance(exc, redis.RedisError) and not is_infrastructure(exc):
                 # Redis refused the counts write (a WRONGTYPE: a key of ours holding something else; a command it does
-                # not take: renamed or disabled), the same every time: no message's fault (the write sums many
-                # batches'), so no strikes for this batch's messages (which would dead-letter good data), and no
-                # rewinding forever either.
+                # not take: renamed or disabled; a script's error, a CROSSSLOT), the same every time: no message's
+                # fault (the write sums many batches'), so no strikes for this batch's messages (which would
+                # dead-letter good data), and no rewinding forever either.
                 reply = str(exc).rsplit("caused error: ", 1)[-1]  # Redis's own words, not the pipeline's preamble
-                if "WRONGTYPE" not in reply:  # not a key's type (a command renamed or disabled): no key to delete
-                    raise ConfigError(f"Redis refused the day counts write under prefix {self.counts.prefix!r} "
-                                      f"({type(exc).__name__}: {quoted(reply, 300)}): the joiner writes them with "
-                                      "EVALSHA and SCRIPT (EXISTS, LOAD) in MULTI/EXEC; give it those commands as "
-                                      "Redis's reply says (renamed or disabled in its config?)") from exc
-                raise ConfigError(f"Redis refused the day counts write under prefix {self.counts.prefix!r} "
-                                  f"({type(exc).__name__}: {quoted(reply, 300)}): a key under "
-                                  f"'{self.counts.prefix}:counts:' or '{self.counts.prefix}:names:' holds something "
-                                  f"else (another application using [redis] prefix {self.counts.prefix!r}?); delete "
-                                  f"that key or set another prefix") from exc
+                refused = f"Redis refused the day counts write under prefix {self.counts.prefix!r} " \
+                          f"({type(exc).__name__}: {quoted(reply, 300)})"
+                if _UNKNOWN_COMMAND.search(reply):  # a command renamed or disabled: no key to delete
+                    raise ConfigError(f"{refused}: the joiner writes them with EVALSHA and SCRIPT (EXISTS, LOAD) in "
+                                      "MULTI/EXEC; give it those commands as Redis's reply says (renamed or disabled "
+                                      "in its config?)") from exc
+                if "WRONGTYPE" not in reply:  # a script error, CROSSSLOT, ...: what Redis says is all there is to go by
+                    raise ConfigError(f"{refused}: check the Redis that [redis] url points at and what it holds under "
+                                      f"[redis] prefix {self.counts.prefix!r}, as its reply says; on a Redis Cluster "
+                                      "each write's keys share one hash slot, by the {item}/{user} tag after the "
+                                      "prefix (stream/counts_keys.py), so a CROSSSLOT says something in between "
+                                      "does not keep them together (a proxy? point [redis] url at a node of the "
+                                      "cluster and set [redis] cluster = true)") from exc
+                raise ConfigError(f"{refused}: a key under '{self.counts.prefix}:counts:' or "
+                                  f"'{self.counts.prefix}:names:' holds something else (another "
+                                  f"application using [redis] prefix {self.counts.prefix!r}?); delete that key or set "
+                                  "another prefix") from exc
             raise
 
     def flush_last(self) -> None:

@@ -228,3 +228,40 @@ def test_a_counts_write_refused_for_a_key_of_another_type_still_names_the_key_to
             p.flush()
     finally:
         p.shutdown()
+
+
+@pytest.mark.parametrize("reply", [
+    "CROSSSLOT Keys in request don't hash to the same slot",
+    "Error running script (call to f_9fb2): @user_script:12: user_script:12: bad argument #1 to 'tonumber'",
+])
+def test_a_counts_write_refused_for_another_reason_quotes_redis_and_gives_no_command_advice(reply: str) -> None:
+    """Only a command Redis does not know is the commands' fault: a CROSSSLOT (a Redis Cluster) or a script's error
+    was told to give the joiner EVALSHA and SCRIPT (renamed or disabled?), which it has. The error quotes Redis and
+    names the settings to check."""
+    counts = RefusingCounts(reply)
+    counts.prefix = "sr"  # type: ignore[attr-defined]
+    p = counts_writer(counts)
+    buffer(p, [1], [10], "a")
+    try:
+        with pytest.raises(ConfigError) as info:
+            p.flush()
+    finally:
+        p.shutdown()
+    said = str(info.value)
+    assert reply[:40] in said, said
+    assert "EVALSHA" not in said and "renamed or disabled" not in said and "delete that key" not in said, said
+    assert "[redis] url" in said and "[redis] prefix 'sr'" in said and "[redis] cluster" in said, said
+
+
+@pytest.mark.parametrize("reply", ["ERR unknown command `EVALSHA`, with args beginning with: ",
+                                   "unknown subcommand 'LOAD'. Try SCRIPT HELP."])
+def test_a_counts_write_refused_for_an_unknown_command_in_any_wording_names_the_commands(reply: str) -> None:
+    counts = RefusingCounts(reply)
+    counts.prefix = "sr"  # type: ignore[attr-defined]
+    p = counts_writer(counts)
+    buffer(p, [1], [10], "a")
+    try:
+        with pytest.raises(ConfigError, match="EVALSHA and SCRIPT"):
+            p.flush()
+    finally:
+        p.shutdown()
