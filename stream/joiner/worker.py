@@ -195,6 +195,8 @@ class FaustJoinWorker:
     def __init__(self, pipeline: JoinPipeline, kafka: KafkaSettings, js: JoinerSettings) -> None:
         self.pipeline, self.kafka, self.js = pipeline, kafka, js
         self.exit_code = 0
+        # what failed the idle exit's drain or last flush (_idle_check): raised by run, no summary (the kafka driver's)
+        self.exit_error: Exception | None = None
         # a stall restarts idleness after a wait of two heartbeats (_idle_check)
         self._idle = IdleClock(_STALL_S, None, after_stall_s=2 * heartbeat_interval_s(kafka))
         self._busy = False
@@ -491,8 +493,8 @@ class FaustJoinWorker:
                     await cast(BatchConsumer, self.app.consumer).start_over(again)
                 self.pipeline.drain()
             await self.app.consumer.commit()
-        except Exception:
-            log.exception("flush at exit failed")
+        except Exception as exc:  # raised by run once faust has stopped: the run failed, not complete (no summary)
+            self.exit_error = exc
             self.exit_code = 1
         if self.worker is not None:
             # The path a SIGTERM takes: stop the worker's services, then leave the run loop.
@@ -515,7 +517,9 @@ class FaustJoinWorker:
         return "input idle" if self._stopping else "error" if self.exit_code else "signal"
 
     def run(self) -> int:
-        """Run until SIGTERM/SIGINT, or until idle when ``exit_when_idle_s`` is set."""
+        """Run until SIGTERM/SIGINT, or until idle when ``exit_when_idle_s`` is set. A drain or last flush of the idle
+        exit that failed is raised here, once faust has stopped, as the kafka driver's run raises it (until 2026-12-08
+        the run ended with status 1 and a summary saying "input idle", as if complete, its drain or commit failed)."""
         self.worker = self._faust_worker()
         try:
             self.worker.execute_from_commandline()
@@ -523,4 +527,6 @@ class FaustJoinWorker:
             self.exit_code = self.exit_code or (exc.code if isinstance(exc.code, int) else 0)
         finally:
             shutil.rmtree(self._datadir, ignore_errors=True)
+        if self.exit_error is not None:
+            raise self.exit_error
         return self.exit_code

@@ -209,3 +209,42 @@ def test_an_idle_limit_under_a_heartbeat_still_waits_two_heartbeats_after_a_stal
         w._in_hand(0)
     tick_until(w, clock, woke + 20.0)
     assert w._stopping and drained[0] >= woke + 2 * HEARTBEAT_S - 1e-9
+
+
+@pytest.mark.parametrize("failing", ["drain", "commit"])
+def test_a_drain_or_last_commit_failing_at_the_idle_exit_fails_the_run_instead_of_ending_it_as_idle(
+        monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
+    """The faust driver's idle exit caught a failure of its drain or its last commit and ended the run with status 1
+    and a summary saying "reason": "input idle", as if complete; the kafka driver's run raises it (no summary). Now
+    the faust driver's run raises it too, once faust has stopped."""
+    from stream.redis_client import RedisFailure
+
+    clock, drained = Clock(), list[float]()
+    monkeypatch.setattr("time.monotonic", clock)
+    w = idle_worker(monkeypatch, clock, drained)
+    lost = RedisFailure("Redis at localhost:6379 is unreachable")
+
+    def fail() -> None:
+        raise lost
+
+    async def fail_commit() -> None:
+        raise lost
+
+    if failing == "drain":
+        w.pipeline.drain = fail
+    else:
+        w.app.consumer.commit = fail_commit
+    stopped: list[int] = []
+
+    class Faust:  # faust's worker as the idle exit drives it: its checks tick until the exit shuts it down
+        def _schedule_shutdown(self, signum: int) -> None:
+            stopped.append(signum)
+
+        def execute_from_commandline(self) -> None:
+            tick_until(w, clock, 30.0)
+            raise SystemExit(0)  # faust's shutdown after the SIGTERM path
+
+    monkeypatch.setattr(w, "_faust_worker", Faust)
+    with pytest.raises(RedisFailure) as info:
+        w.run()
+    assert info.value is lost and stopped == [signal.SIGTERM]
