@@ -1,9 +1,11 @@
-"""Which version each live scoring process serves, told to the refresh through Redis: the process writes
-``<prefix>:serving:<host>:<pid>`` = ``{"version", "host", "pid", "since"}`` with a TTL of :data:`TTL_S` (3 heartbeats),
-again every :data:`HEARTBEAT_S` and at each swap, and deletes it at a clean stop (:class:`ServedVersionBeacon`).
+"""Which version each live scoring process serves, told to the refresh through Redis: each scoring service writes
+``<prefix>:serving:<host>:<pid>:<instance>`` (``<instance>``: random hex of its own, so two services in one process,
+an embedder's or a test's, never share a key) = ``{"version", "host", "pid", "since"}`` with a TTL of :data:`TTL_S`
+(3 heartbeats), again every :data:`HEARTBEAT_S` and at each swap, and deletes it at a clean stop
+(:class:`ServedVersionBeacon`).
 The refresh reads them (:func:`served_versions`) and never prunes a version some live process still serves: a
 process that rejected the last publishes (a signing key mismatch, an artifact failing its probe) keeps its old model,
-whose directory (and layered rows) a prune would otherwise delete. One key per process, on any node of a Redis
+whose directory (and layered rows) a prune would otherwise delete. One key per service, on any node of a Redis
 Cluster (SCAN goes through every primary). Best effort both ways: a failed write is one WARNING and a metric
 (``streamrec_serving_served_version_errors_total``), never a failed request or swap; a process killed leaves its key
 to expire."""
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -36,14 +39,15 @@ def served_key(prefix: str, instance: str) -> str:
 
 
 class ServedVersionBeacon:
-    """Keeps ``<prefix>:serving:<host>:<pid>`` naming ``version_of()`` (None: no model yet, nothing written), from
-    a thread of its own: :meth:`wake` (at a swap) writes it at once. ``client``: serving's update-channel client."""
+    """Keeps ``<prefix>:serving:<host>:<pid>:<instance>`` naming ``version_of()`` (None: no model yet, nothing
+    written), from a thread of its own: :meth:`wake` (at a swap) writes it at once. ``client``: serving's
+    update-channel client."""
 
     def __init__(self, client: Any, prefix: str, version_of: Callable[[], str | None], metrics: ServingMetrics,
                  heartbeat_s: float = HEARTBEAT_S) -> None:
         self.client, self.version_of, self.metrics, self.heartbeat_s = client, version_of, metrics, heartbeat_s
         self.host, self.pid = socket.gethostname(), os.getpid()
-        self.key = served_key(prefix, f"{self.host}:{self.pid}")
+        self.key = served_key(prefix, f"{self.host}:{self.pid}:{secrets.token_hex(4)}")  # this service's own
         self.pattern = served_key(prefix, "*")  # every process's key: what the ACL grants
         self._since: tuple[str, float] | None = None  # (version, when it went live here)
         self._failing = False
@@ -58,7 +62,7 @@ class ServedVersionBeacon:
         self._wake.set()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread, then delete the key (best effort): this process serves nothing any more."""
+        """Stop the thread, then delete the key (best effort): this service serves nothing any more."""
         self._stopping.set()
         self._wake.set()
         if self._thread is not None:
@@ -101,9 +105,9 @@ class ServedVersionBeacon:
 
 
 def served_versions(client: Any, prefix: str, limit: int = MAX_INSTANCES) -> dict[str, list[str]]:
-    """The versions live scoring processes serve: version -> ``["host:pid", ...]``. Redis errors propagate (the
-    caller decides); a key that is not a beacon's JSON is logged and skipped; past ``limit`` keys the rest is
-    not read (a WARNING)."""
+    """The versions live scoring processes serve: version -> ``["host:pid", ...]`` (each process once, however many
+    of its services serve the version). Redis errors propagate (the caller decides); a key that is not a beacon's
+    JSON is logged and skipped; past ``limit`` keys the rest is not read (a WARNING)."""
     out: dict[str, list[str]] = {}
     for n, key in enumerate(client.scan_iter(match=glob_literal(served_key(prefix, "")) + "*", count=1000)):
         if n >= limit:
@@ -118,4 +122,4 @@ def served_versions(client: Any, prefix: str, limit: int = MAX_INSTANCES) -> dic
             out.setdefault(str(held["version"]), []).append(f"{held['host']}:{held['pid']}")
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             log.warning("%r is not a serving process's version (%s: %s); skipped", key, type(exc).__name__, exc)
-    return out
+    return {version: list(dict.fromkeys(who)) for version, who in out.items()}  # a process once, in order

@@ -389,7 +389,7 @@ def test_rows_a_failed_run_kept_because_current_could_not_be_read_are_deleted_by
 def serving_process_serves(client: redis.Redis, prefix: str, version: str, host: str = "host-a",
                            pid: int = 4242) -> None:
     """What a scoring process writes (serving/served_versions.py): the version it serves, under its instance's key."""
-    client.set(f"{prefix}:serving:{host}:{pid}", json.dumps({"version": version, "host": host, "pid": pid,
+    client.set(f"{prefix}:serving:{host}:{pid}:0a1b2c3d", json.dumps({"version": version, "host": host, "pid": pid,
                                                              "since": 0.0}), ex=30)
 
 

@@ -1,6 +1,7 @@
-"""Serving tells the refresh which version it serves (serving/served_versions.py): ``<prefix>:serving:<host>:<pid>``
-in the session stack's Redis, written with a TTL at start and at each swap, deleted at a clean stop; a Redis that
-fails the write is one WARNING and a metric, never an error; the refresh's read of those keys."""
+"""Serving tells the refresh which version it serves (serving/served_versions.py):
+``<prefix>:serving:<host>:<pid>:<instance>`` in the session stack's Redis (a key per service), written with a TTL at
+start and at each swap, deleted at a clean stop; a Redis that fails the write is one WARNING and a metric, never an
+error; the refresh's read of those keys."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def prefix() -> str:
 
 
 def this_process(prefix: str) -> str:
-    return served_key(prefix, f"{socket.gethostname()}:{os.getpid()}")
+    """What every key a service of this process writes begins with (its instance's hex follows)."""
+    return served_key(prefix, f"{socket.gethostname()}:{os.getpid()}:")
 
 
 def until(cond: object, what: str, timeout_s: float = 60.0) -> None:
@@ -45,14 +47,15 @@ def test_serving_writes_the_version_it_serves_with_a_ttl_and_deletes_it_at_a_cle
         stack, redis_client: redis.Redis, tmp_path: Path, prefix: str) -> None:
     root = tmp_path / "serving"
     publish_version(TinyLearner(), root, "v001")
-    key = this_process(prefix)
     with ScoringService(ServeSettings(port=0, publish_root=root, poll_s=3600), redis_settings(stack, prefix)) as svc:
+        assert svc.served is not None
+        key = svc.served.key
+        assert key.startswith(this_process(prefix)) and key != this_process(prefix)
         until(lambda: redis_client.exists(key), f"written: {key}")
         held = json.loads(redis_client.get(key))
         assert held["version"] == "v001" and held["host"] == socket.gethostname() and held["pid"] == os.getpid()
         assert 0 < redis_client.ttl(key) <= TTL_S  # a process killed stops holding v001 back when it expires
         assert served_versions(redis_client, prefix) == {"v001": [f"{socket.gethostname()}:{os.getpid()}"]}
-        assert svc.served is not None
     assert not redis_client.exists(key)  # a clean stop: this process serves nothing any more
 
 
@@ -81,6 +84,35 @@ def test_a_swap_wakes_the_beacon_and_its_next_write_names_the_new_version_with_i
     assert (first["version"], second["version"]) == ("v001", "v002") and second["since"] >= first["since"]
     beacon.stop()
     assert not redis_client.exists(beacon.key)
+
+
+def test_two_services_in_one_process_keep_a_key_each_and_the_first_to_stop_deletes_only_its_own(
+        stack, redis_client: redis.Redis, prefix: str) -> None:
+    """Two beacons in one process (an embedder's services, tests) shared <prefix>:serving:<host>:<pid>: the second's
+    write replaced the first's version, and the first to stop deleted the key the other still served under (a
+    refresh could then prune the version it serves)."""
+    metrics = ServingMetrics(ModelHolder().model)
+    first = ServedVersionBeacon(redis_client, prefix, lambda: "v001", metrics)
+    second = ServedVersionBeacon(redis_client, prefix, lambda: "v002", metrics)
+    first.beat()
+    second.beat()
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    assert served_versions(redis_client, prefix) == {"v001": [me], "v002": [me]}
+    first.stop()
+    assert served_versions(redis_client, prefix) == {"v002": [me]}  # the other service's key is still there
+    second.stop()
+    assert served_versions(redis_client, prefix) == {}
+
+
+def test_a_process_serving_one_version_from_two_services_is_named_once(
+        stack, redis_client: redis.Redis, prefix: str) -> None:
+    metrics = ServingMetrics(ModelHolder().model)
+    beacons = [ServedVersionBeacon(redis_client, prefix, lambda: "v001", metrics) for _ in range(2)]
+    for beacon in beacons:
+        beacon.beat()
+    assert served_versions(redis_client, prefix) == {"v001": [f"{socket.gethostname()}:{os.getpid()}"]}
+    for beacon in beacons:
+        beacon.stop()
 
 
 def test_a_redis_that_fails_the_write_is_one_warning_and_a_metric_never_an_error(
@@ -131,7 +163,7 @@ def test_the_write_warning_names_the_fix_for_its_error_a_grant_only_for_an_acl_r
 def test_the_refresh_reads_each_process_version_and_skips_keys_that_are_not_one(
         stack, redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
     for host, pid, version in (("a", 1, "v003"), ("b", 2, "v003"), ("c", 3, "v001")):
-        redis_client.set(served_key(prefix, f"{host}:{pid}"),
+        redis_client.set(served_key(prefix, f"{host}:{pid}:0a1b2c3d"),
                          json.dumps({"version": version, "host": host, "pid": pid, "since": 0.0}), ex=30)
     redis_client.set(served_key(prefix, "d:4"), b"not json", ex=30)
     redis_client.hset(served_key(prefix, "e:5"), "version", "v002")  # another type: skipped, not a Redis failure
