@@ -2,7 +2,7 @@
 ``<prefix>:serving:<host>:<pid>:<instance>`` (``<instance>``: random hex of its own, so two services in one process,
 an embedder's or a test's, never share a key) = ``{"version", "host", "pid", "since"}`` with a TTL of :data:`TTL_S`
 (3 heartbeats), again every :data:`HEARTBEAT_S` and at each swap, and deletes it at a clean stop
-(:class:`ServedVersionBeacon`).
+(:class:`ServedVersionBeacon`; a stop waits on Redis :data:`STOP_TIMEOUT_S` at most, twice at most).
 The refresh reads them (:func:`served_versions`) and never prunes a version some live process still serves: a
 process that rejected the last publishes (a signing key mismatch, an artifact failing its probe) keeps its old model,
 whose directory (and layered rows) a prune would otherwise delete. One key per service, on any node of a Redis
@@ -32,6 +32,7 @@ log = logging.getLogger("streamrec.serve")
 HEARTBEAT_S = 10.0  # the key written again this often
 TTL_S = 3 * HEARTBEAT_S  # a process gone (killed, its Redis cut off) stops holding its version back after this
 MAX_INSTANCES = 10_000  # keys the refresh reads at most (a bound on its SCAN); more is a warning
+STOP_TIMEOUT_S = 1.0  # stop()'s bound on each of its two waits: for a write in progress, for the DEL
 
 
 def served_key(prefix: str, instance: str) -> str:
@@ -61,14 +62,35 @@ class ServedVersionBeacon:
     def wake(self) -> None:
         self._wake.set()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread, then delete the key (best effort): this service serves nothing any more."""
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stop the thread, then delete the key (best effort): this service serves nothing any more.
+
+        Redis is waited on ``timeout_s`` at most, twice at most, never the client's socket timeout (5 s, and its
+        retries): a frozen Redis must not hold serving's stop. The thread only sleeps on an event, so its join waits
+        for a write in progress only: one still running past ``timeout_s`` (Redis frozen) leaves the key to expire
+        by its TTL, no DEL sent (it would wait too, and that write could land after it). No DEL either when the last
+        write failed (Redis down or refusing: already said; the key, if any, expires by its TTL). The DEL runs in a
+        thread of its own, waited for ``timeout_s``: past it stop returns and the DEL, left running, ends with the
+        client (a failure is said then)."""
         self._stopping.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_s)
-            self._thread = None
-        self._best_effort("delete", lambda: self.client.delete(self.key))
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=timeout_s)
+            if thread.is_alive():
+                log.warning("%s: the write in progress did not finish within %g s (Redis frozen?); serving stops "
+                            "without deleting the key, which expires by its TTL (%d s)", self.key, timeout_s, TTL_S)
+                return
+        if self._failing:  # the last write failed: said when it did; Redis would likely be waited on in vain
+            log.info("%s not deleted: the last write to Redis failed; it expires by its TTL (%d s)", self.key, TTL_S)
+            return
+        delete = threading.Thread(target=self._best_effort, args=("delete", lambda: self.client.delete(self.key)),
+                                  name="serve-served-version-delete", daemon=True)
+        delete.start()
+        delete.join(timeout=timeout_s)
+        if delete.is_alive():
+            log.warning("%s: Redis did not answer its DEL within %g s (Redis frozen?); serving stops without waiting, "
+                        "the key expires by its TTL (%d s)", self.key, timeout_s, TTL_S)
 
     def _run(self) -> None:
         while not self._stopping.is_set():
