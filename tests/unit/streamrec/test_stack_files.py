@@ -37,7 +37,7 @@ def test_a_service_log_that_is_a_fifo_is_a_stack_error_naming_it_and_nothing_sta
     reader = os.open(tmp_path / "redis.log", os.O_RDONLY | os.O_NONBLOCK)  # the old blocking open found it
     try:
         with pytest.raises(StackError, match=r"redis: cannot open its log .*not a regular file"):
-            stack._ensure("redis", Path("/bin/true"), free_port(), [], lambda _: True)
+            stack._ensure("redis", Path("/bin/true"), free_port(), [], lambda _: True, {})
     finally:
         os.close(reader)
     assert not (tmp_path / "redis.pid.json").exists()
