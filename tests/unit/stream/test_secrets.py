@@ -180,6 +180,18 @@ def test_an_unparseable_redis_url_quotes_no_part_of_its_password() -> None:
         RedisSettings(url="redis://127.0.0.1:abc/0")
 
 
+def refused_settings_stderr(toml: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                            capsys: pytest.CaptureFixture[str]) -> str:
+    """What `streamrec train --status` says on stderr refusing the settings file ``toml`` (its status must be 2)."""
+    from streamrec.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "streamrec.toml"
+    config.write_text(toml)
+    assert main(["train", "--status", "--config", str(config)]) == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize("toml", [
     '[kafka]\nsasl_password = ["hunter22-in-an-array"]\n',
     '[kafka]\nssl_key_password = ["hunter22-in-an-array"]\n',
@@ -188,13 +200,7 @@ def test_an_unparseable_redis_url_quotes_no_part_of_its_password() -> None:
 ])
 def test_a_credential_of_the_wrong_shape_is_refused_without_quoting_it(
         toml: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from streamrec.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    config = tmp_path / "streamrec.toml"
-    config.write_text(toml)
-    assert main(["train", "--status", "--config", str(config)]) == 2
-    err = capsys.readouterr().err
+    err = refused_settings_stderr(toml, tmp_path, monkeypatch, capsys)
     assert "hunter22" not in err and "(a credential, its value not shown): expected one value" in err
 
 

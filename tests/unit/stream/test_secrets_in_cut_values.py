@@ -17,6 +17,7 @@ import pytest
 from stream import secrets
 from stream.secrets import _KV_SECRET, redact
 from streamrec.cli import main
+from tests.unit.stream.test_secrets import refused_settings_stderr
 
 PASSWORD = "Pw0rdHEAD" + "x" * 150  # a long token (a JWT or an API key as the password)
 HOST = "redis-0.redis.streamrec.svc.cluster.local:6379/0"  # a Kubernetes service name: longer than reprlib's tail
@@ -31,11 +32,7 @@ SOURCE_URL = f"https://monitor:{PASSWORD}@serving-0.serving.streamrec.svc.cluste
 ], ids=["array", "table", "wrong-setting"])
 def test_a_settings_error_quoting_a_url_of_the_wrong_shape_shows_no_part_of_its_password(
         toml: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.chdir(tmp_path)
-    config = tmp_path / "streamrec.toml"
-    config.write_text(toml)
-    assert main(["train", "--status", "--config", str(config)]) == 2
-    err = capsys.readouterr().err
+    err = refused_settings_stderr(toml, tmp_path, monkeypatch, capsys)
     assert "Pw0rd" not in err and "xxxxx" not in err, err
     assert "[redis]" in err and "***@" in err, err  # still says which setting, and that a user-info was there
 
