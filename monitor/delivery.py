@@ -122,6 +122,7 @@ class QueuedSink:
         self._failures_in_row = 0
         self._retry_at = 0.0
         self._close_deadline: float | None = None
+        self._before_close = True  # the attempt in flight began before begin_close (_attempt, _settle)
         self._closed = False  # close() is done: the worker stops after its current attempt
         self._left_at_close: list[Alert] = []
         SINK_QUEUE.labels(self.name).set(0)
@@ -241,6 +242,7 @@ class QueuedSink:
 
     def _attempt(self, batch: list[Alert]) -> None:
         retry = self._failures_in_row > 0
+        self._before_close = self._close_deadline is None  # (read by _settle: the drain's own try is still due)
         deadline = time.monotonic() + self.sink.timeout_s
         if self._close_deadline is not None:
             deadline = min(deadline, self._close_deadline)
@@ -278,6 +280,10 @@ class QueuedSink:
                 if isinstance(exc, SinkError) and exc.retry_after_s is not None:  # the receiver's word, within ours
                     wait = max(wait, min(exc.retry_after_s, self.backoff.max_s))
                 self._retry_at = time.monotonic() + wait
+                if self._before_close and self._close_deadline is not None:
+                    # the drain began while this attempt was out: its try at once (begin_close) is still due, not
+                    # this attempt's backoff, which may end past the drain's deadline (the alerts dropped untried)
+                    self._retry_at = time.monotonic()
             else:  # everything delivered (or refused for good): the sink answers again
                 recovered, self._failures_in_row = self._failures_in_row, 0
             self.stats.delivered += len(delivered)
