@@ -93,6 +93,20 @@ def test_a_version_deleted_while_a_resharding_moves_its_rows_leaves_no_key_on_an
         assert keys_left(client) == 0
 
 
+def _retried(call: Any, tries: int = 5) -> Any:
+    """``call()`` as the callers retry it (README "Counts and history on Redis Cluster", Resharding): a failure that is
+    an outage (redis-py's redirections run out while the nodes' slot tables settle, under load) is tried again, any
+    other raised."""
+    for left in range(tries - 1, -1, -1):
+        try:
+            return call()
+        except redis.RedisError as exc:
+            if not left or not is_infrastructure(exc):
+                raise
+            time.sleep(0.5)
+    raise AssertionError("unreachable")
+
+
 def test_history_and_counts_on_a_slot_a_resharding_splits_or_moved_fail_as_outages_and_count_once_when_retried(
         cluster_nodes: ClusterNodes, prefix: str) -> None:
     # README "Counts and history on Redis Cluster", Resharding: never a wrong answer, a failure the callers retry
@@ -113,7 +127,7 @@ def test_history_and_counts_on_a_slot_a_resharding_splits_or_moved_fail_as_outag
         assert is_infrastructure(refused.value)
         assert history.as_of([a], [1000]) == [[11]] and history.as_of([b], [1000]) == [[12]]  # one key: ASK
         cluster_nodes.finish_move(slot, src, (src + 1) % 3)
-        assert history.as_of([a, b], [1000, 1000]) == [[11], [12]]
+        assert _retried(lambda: history.as_of([a, b], [1000, 1000])) == [[11], [12]]
 
         counts = DailyCounts(client, prefix=prefix)
         now = int(time.time() * 1000)
